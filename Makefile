@@ -1,0 +1,22 @@
+# The two entry points: `make demo` (install, build the example layers, run a sandbox)
+# and `make test` (install with test tools, run the whole suite).
+.PHONY: setup setup-dev demo test lint bench
+
+setup:
+	scripts/setup.sh
+
+setup-dev:
+	scripts/setup.sh --dev
+
+demo: setup
+	scripts/demo.sh
+
+test: setup-dev
+	.venv/bin/python -m pytest -q -ra $(PYTEST_ARGS)
+
+lint: setup-dev
+	.venv/bin/ruff check dsec_cli tests benchmarks
+	.venv/bin/mypy dsec_cli
+
+bench: setup-dev
+	.venv/bin/python -m benchmarks $(BENCH_ARGS)

@@ -1,0 +1,45 @@
+"""Sandbox backends behind one interface, selected by name through a lazy registry.
+
+Backends depend only on `dsec_cli.core`: they are handed a rootfs (lower layer
+directories plus a writable upper directory) and never see stores or specs.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ..core.errors import UsageError
+from .base import (
+    Backend,
+    ExecRequest,
+    ExecResult,
+    Limits,
+    OutputCallback,
+    RootfsSpec,
+    SandboxHandle,
+    SandboxSpec,
+)
+
+__all__ = [
+    "Backend", "ExecRequest", "ExecResult", "Limits", "OutputCallback", "RootfsSpec",
+    "SandboxHandle", "SandboxSpec", "get_backend", "BACKENDS",
+]
+
+BACKENDS: dict[str, tuple[str, str]] = {
+    "fncall": ("dsec_cli.backends.fncall", "FncallBackend"),
+    "container": ("dsec_cli.backends.container", "ContainerBackend"),
+    "microvm": ("dsec_cli.backends.qemu", "MicroVMBackend"),
+    "vm": ("dsec_cli.backends.qemu", "VMBackend"),
+}
+
+
+def get_backend(name: str, **options: object) -> Backend:
+    if name not in BACKENDS:
+        raise UsageError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    module, cls = BACKENDS[name]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise UsageError(f"the {name} backend is not available: {e}") from e
+    backend: Backend = getattr(mod, cls)(**options)
+    return backend

@@ -1,0 +1,115 @@
+"""The backend contract: lifecycle (create, pause, resume, snapshot diff, destroy) apart from
+work inside a sandbox (exec, put and get files), with typed requests and results.
+
+A backend is stateless between calls: everything it needs to find a sandbox again (pids,
+cgroup paths, sockets) is in the JSON-serializable `SandboxHandle.state`, which the node
+database keeps, so a restarted dsec process can exec into, reconcile or destroy a sandbox.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+#: called with ("stdout" | "stderr", bytes) as output arrives
+OutputCallback = Callable[[str, bytes], None]
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpus: float | None = None  # CPU share, e.g. 0.5 or 2
+    memory: int | None = None  # bytes
+    pids: int | None = None
+    disk: int | None = None  # bytes of writable space
+
+
+@dataclass(frozen=True)
+class RootfsSpec:
+    lower_dirs: tuple[Path, ...]  # read-only layer trees, bottom to top
+    upper_dir: Path  # writable diff, in overlayfs upper format
+    work_dir: Path  # overlayfs work dir on the same filesystem as upper_dir
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    sandbox_id: str
+    rootfs: RootfsSpec
+    state_dir: Path  # private per-sandbox directory the backend may use
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = "/"
+    limits: Limits = Limits()
+    network: Literal["none", "host"] = "none"
+    hostname: str = "sandbox"
+    #: image digest, so backends may share per-image artifacts (e.g. a VM root disk)
+    image_digest: str = ""
+
+
+@dataclass
+class SandboxHandle:
+    sandbox_id: str
+    backend: str
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    stdin: bytes | None = None
+    timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration: float
+    timed_out: bool = False
+
+
+class Backend(abc.ABC):
+    name: ClassVar[str] = ""
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def create(self, spec: SandboxSpec) -> SandboxHandle:
+        """Start a sandbox and return once it accepts exec."""
+
+    @abc.abstractmethod
+    def destroy(self, handle: SandboxHandle) -> None:
+        """Stop everything the sandbox owns (processes, mounts, cgroups, devices).
+        Must succeed on a half-created or already-dead sandbox."""
+
+    def pause(self, handle: SandboxHandle) -> None:
+        raise NotImplementedError(f"{self.name} cannot pause sandboxes")
+
+    def resume(self, handle: SandboxHandle) -> None:
+        raise NotImplementedError(f"{self.name} cannot resume sandboxes")
+
+    def snapshot_diff(self, handle: SandboxHandle) -> Path:
+        """A directory in overlayfs upper format (whiteouts as 0:0 character devices,
+        opaque directories marked by xattr) holding everything the sandbox changed."""
+        raise NotImplementedError(f"{self.name} cannot snapshot sandboxes")
+
+    def is_alive(self, handle: SandboxHandle) -> bool:
+        return True
+
+    def describe(self, handle: SandboxHandle) -> dict[str, Any]:
+        """Backend facts for `dsec ps` / `inspect` (acceleration, pids...)."""
+        return {}
+
+    # -- work inside -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def exec(self, handle: SandboxHandle, request: ExecRequest,
+             on_output: OutputCallback | None = None) -> ExecResult: ...
+
+    @abc.abstractmethod
+    def put_file(self, handle: SandboxHandle, path: str, data: bytes, mode: int = 0o644) -> None: ...
+
+    @abc.abstractmethod
+    def get_file(self, handle: SandboxHandle, path: str) -> bytes: ...

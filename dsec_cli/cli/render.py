@@ -1,0 +1,66 @@
+"""Rendering helpers shared by commands: JSON for scripts, rich tables and progress for people."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import cache
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+@cache
+def console() -> Console:
+    return Console()
+
+
+@cache
+def err_console() -> Console:
+    return Console(stderr=True)
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    t = Table(title=title, show_edge=False, header_style="bold")
+    for c in columns:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*("" if v is None else str(v) for v in r))
+    console().print(t)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@contextmanager
+def progress(enabled: bool = True) -> Iterator[Any]:
+    """A rich Progress on a terminal (stderr), or None when output is piped or --json."""
+    if not enabled or not err_console().is_terminal:
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TimeElapsedColumn(), console=err_console(), transient=True,
+    ) as p:
+        yield p

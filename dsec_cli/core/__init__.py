@@ -1,0 +1,1 @@
+"""Core: errors, configuration, digests and the small types every stage shares."""

@@ -1,0 +1,132 @@
+"""Layered configuration: defaults < /etc/dsec/config.yaml < user file < ./dsec.yaml <
+DSEC_* environment < command-line flags. Errors name the file and the key."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+SYSTEM_FILE = Path("/etc/dsec/config.yaml")
+
+
+def data_home() -> Path:
+    """The user's data directory (XDG), where the embedded store and node state live."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return Path(base) / "dsec"
+
+
+def config_home() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+    return Path(base) / "dsec"
+
+
+@dataclass
+class Config:
+    data_dir: str = ""
+    store: str = ""
+    state_dir: str = ""
+    cache_budget: str = "20G"
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)  # key -> where it was set
+
+    def resolve(self) -> Config:
+        if not self.data_dir:
+            self.data_dir = str(data_home())
+        if not self.store:
+            self.store = Path(self.data_dir, "store").as_uri()
+        if not self.state_dir:
+            root_state = Path("/var/lib/dsec")
+            self.state_dir = str(root_state if os.geteuid() == 0 else Path(self.data_dir, "node"))
+        return self
+
+
+_KEYS = {f.name for f in fields(Config)} - {"sources"}
+_ENV = {"DSEC_STORE": "store", "DSEC_DATA_DIR": "data_dir", "DSEC_STATE_DIR": "state_dir",
+        "DSEC_CACHE_BUDGET": "cache_budget"}
+
+
+def user_config_file() -> Path:
+    return Path(os.environ.get("DSEC_CONFIG") or config_home() / "config.yaml")
+
+
+def _apply_file(cfg: Config, path: Path) -> None:
+    if not path.is_file():
+        return
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    for key, value in data.items():
+        if key not in _KEYS:
+            raise ConfigError(f"{path}: unknown key {key!r}", hint=f"known keys: {sorted(_KEYS)}")
+        expected = type(getattr(Config(), key))
+        if not isinstance(value, expected):
+            raise ConfigError(f"{path}: key {key!r} must be a {expected.__name__}")
+        setattr(cfg, key, value)
+        cfg.sources[key] = str(path)
+
+
+def load_config(project_dir: Path | None = None, **flags: Any) -> Config:
+    cfg = Config()
+    _apply_file(cfg, SYSTEM_FILE)
+    _apply_file(cfg, user_config_file())
+    _apply_file(cfg, (project_dir or Path.cwd()) / "dsec.yaml")
+    for var, key in _ENV.items():
+        if os.environ.get(var):
+            setattr(cfg, key, os.environ[var])
+            cfg.sources[key] = f"${var}"
+    for key, value in flags.items():
+        if value is not None:
+            setattr(cfg, key, value)
+            cfg.sources[key] = "flag"
+    return cfg.resolve()
+
+
+def save_user_config(updates: dict[str, Any]) -> Path:
+    """Merge keys into the user config file (used by `dsec node add/rm`)."""
+    path = user_config_file()
+    data: dict[str, Any] = {}
+    if path.is_file():
+        data = yaml.safe_load(path.read_text()) or {}
+    data.update(updates)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """'512M', '2G', '1024' -> bytes."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    try:
+        value = float(num) * units[unit]
+    except ValueError:
+        raise ConfigError(f"invalid {what} {text!r}: expected a number with K, M, G or T") from None
+    if value < 0:
+        raise ConfigError(f"invalid {what} {text!r}: must not be negative")
+    return int(value)
+
+
+def parse_duration(text: str, what: str = "duration") -> float:
+    """'30s', '15m', '2h', '7d' -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    t = str(text).strip().lower()
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "s")
+    try:
+        value = float(num) * units[unit]
+    except ValueError:
+        raise ConfigError(f"invalid {what} {text!r}: expected e.g. 30s, 15m, 2h, 7d") from None
+    if value < 0:
+        raise ConfigError(f"invalid {what} {text!r}: must not be negative")
+    return value

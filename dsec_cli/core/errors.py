@@ -1,0 +1,86 @@
+"""The one exception tree of dsec.
+
+Every error a user can meet derives from `DsecError` and carries the exit code the CLI
+uses: 2 for usage or bad input (nothing was changed), 1 for a runtime failure.
+Dependency errors (boto3, oras, subprocess, OSError) are mapped at the stage boundary
+and chained with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+
+class DsecError(Exception):
+    """Base of every expected dsec failure."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message}\nhint: {self.hint}"
+
+
+class UsageError(DsecError):
+    """Bad input: a wrong flag, a malformed spec, an unknown reference."""
+
+    exit_code = 2
+
+
+class ConfigError(UsageError):
+    """A configuration file or DSEC_* variable is wrong; names the file and key."""
+
+
+class SpecError(UsageError):
+    """A layer or image spec is invalid; the message names file and line."""
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None,
+                 hint: str | None = None) -> None:
+        where = ""
+        if path is not None:
+            where = f"{path}:{line}: " if line is not None else f"{path}: "
+        super().__init__(where + message, hint=hint)
+        self.path = path
+        self.line = line
+
+
+class NotFoundError(UsageError):
+    """A reference, object or sandbox that does not exist."""
+
+
+class BuildError(DsecError):
+    """A build step failed at run time (a `run` command exited non-zero, I/O failed)."""
+
+
+class FormatError(DsecError):
+    """Stored data is malformed or of an unsupported version."""
+
+
+class IntegrityError(FormatError):
+    """Stored data does not match its digest: corruption or tampering."""
+
+
+class StoreError(DsecError):
+    """A store operation failed (I/O, network, permissions)."""
+
+
+class TransientStoreError(StoreError):
+    """A store failure worth retrying: connection errors, throttling, 5xx."""
+
+
+class StoreUnavailableError(StoreError):
+    """The store cannot be reached at all."""
+
+
+class BackendError(DsecError):
+    """A sandbox backend failed to create, run or destroy a sandbox."""
+
+
+class SandboxError(DsecError):
+    """A sandbox operation failed (not the command inside it: that is an exit code)."""
+
+
+class NodeUnreachableError(DsecError):
+    """A cluster node did not answer; the only node error that is retried."""

@@ -1,0 +1,50 @@
+"""Store implementations, selected by URL scheme through a lazy registry."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from urllib.parse import urlparse
+
+from ...core.errors import UsageError
+from .base import ObjectInfo, Store
+
+__all__ = ["ObjectInfo", "Store", "open_store", "default_store_url", "register_scheme"]
+
+# scheme -> (module, class, pip extra that provides its dependency)
+_REGISTRY: dict[str, tuple[str, str, str | None]] = {
+    "file": ("dsec_cli.push.stores.file", "FileStore", None),
+    "s3": ("dsec_cli.push.stores.s3", "S3Store", "s3"),
+    "oci": ("dsec_cli.push.stores.oci", "OCIStore", "oci"),
+}
+
+
+def register_scheme(scheme: str, module: str, cls: str, extra: str | None = None) -> None:
+    _REGISTRY[scheme] = (module, cls, extra)
+
+
+def default_store_url() -> str:
+    from ...core.config import load_config
+
+    return load_config().store
+
+
+def open_store(url: str | None = None, **options: object) -> Store:
+    """Open the store a URL names; a bare path is a ``file://`` store."""
+    url = url or default_store_url()
+    if "://" not in url:
+        url = Path(os.path.expanduser(url)).resolve().as_uri()
+    scheme = urlparse(url).scheme
+    if scheme not in _REGISTRY:
+        known = ", ".join(f"{s}://" for s in sorted(_REGISTRY))
+        raise UsageError(f"unknown store URL scheme in {url!r}; known: {known}")
+    module, cls, extra = _REGISTRY[scheme]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        hint = f"pip install 'dsec[{extra}]'" if extra else None
+        raise UsageError(f"the {scheme}:// store needs {e.name}, which is not installed",
+                         hint=hint) from e
+    store: Store = getattr(mod, cls).from_url(url, **options)
+    return store

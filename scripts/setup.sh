@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs what dsec needs on a Debian machine, idempotently:
+#   system packages (apt-get, only those missing), a virtualenv in .venv/, the package.
+# Usage: scripts/setup.sh [--dev]     (--dev adds test tools and the test servers)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEV=0
+[ "${1:-}" = "--dev" ] && DEV=1
+
+# Runtime: sandboxes (bubblewrap, runc), the example base layer (busybox-static), zstd.
+PKGS=(bubblewrap runc busybox-static zstd ca-certificates)
+# Tests: the real servers and peers they start.
+DEV_PKGS=()
+
+want=("${PKGS[@]}")
+[ "$DEV" = 1 ] && want+=("${DEV_PKGS[@]}")
+missing=()
+for p in "${want[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  echo "installing system packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+extra=""; [ "$DEV" = 1 ] && extra="[dev]"
+stamp=".venv/.installed$extra"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/pip install -q --disable-pip-version-check -e ".$extra"
+  touch "$stamp"
+fi
