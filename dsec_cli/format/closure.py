@@ -25,7 +25,8 @@ def _walk(store: Any, digest: str, packs: dict[str, None], indexes: dict[str, No
         return
     m = load_manifest(store, digest)
     seen[digest] = m
-    for child in [*m.base, *m.layers]:
+    # `base` is provenance only: a layer's content does not need the base it was built on
+    for child in m.layers:
         _walk(store, child, packs, indexes, manifests, seen)
     for p in m.packs:
         packs.setdefault(p)
