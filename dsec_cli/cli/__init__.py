@@ -41,7 +41,9 @@ def main() -> None:
     try:
         app()  # click renders its own usage errors (exit 2)
     except DsecError as e:
-        err_console().print(f"[bold red]error:[/] {e.message}", highlight=False)
+        from rich.markup import escape  # messages quote URLs and input: never markup
+
+        err_console().print(f"[bold red]error:[/] {escape(e.message)}", highlight=False)
         if e.hint:
-            err_console().print(f"[dim]hint:[/] {e.hint}", highlight=False)
+            err_console().print(f"[dim]hint:[/] {escape(e.hint)}", highlight=False)
         sys.exit(e.exit_code)

@@ -52,7 +52,7 @@ def call(fn: Callable[[], T], what: str, policy: RetryPolicy | None = None) -> T
         except TransientStoreError as e:
             if attempt + 1 >= policy.attempts:
                 raise StoreUnavailableError(
-                    f"{what}: still failing after {policy.attempts} attempts: {e.message}",
+                    f"{e.message} (still failing after {policy.attempts} attempts)",
                     hint=e.hint or "check that the store's server is up and reachable",
                 ) from e
             pause = policy.delay(attempt)
