@@ -28,7 +28,7 @@ from typing import Any
 from ..core.digests import check_digest, parse_object_key
 from ..core.errors import DsecError, NotFoundError
 from ..format.closure import closure
-from ..format.refs import list_refs
+from ..format.refs import get_ref
 from .lease import DELETING, _holder, _ttl, read_leases
 from .retry import RetryingStore
 from .stores.base import ObjectInfo, Store
@@ -84,8 +84,24 @@ def _pin_manifests(store: Store, report: GcReport) -> list[tuple[str, str]]:
     return out
 
 
+def _refs(store: Store) -> list[tuple[str, str]]:
+    """(name@version, manifest) of every ref; a ref removed while listing is skipped
+    (`format.refs.list_refs` would fail on it, and gc runs beside `dsec rmi`)."""
+    out = []
+    for info in store.list("refs/"):
+        parts = info.key.split("/")
+        if len(parts) != 3:
+            continue
+        ref = f"{parts[1]}@{parts[2]}"
+        try:
+            out.append((ref, get_ref(store, ref).manifest))
+        except NotFoundError:
+            continue
+    return out
+
+
 def mark(store: Store, report: GcReport) -> set[str]:
-    roots = [(r.ref, r.manifest) for r in list_refs(store)]
+    roots = _refs(store)
     report.refs = len(roots)
     roots += _pin_manifests(store, report)
     live: set[str] = set()

@@ -60,7 +60,8 @@ ARTIFACT_TYPES = {"refs": "application/vnd.dsec.ref.v1", "pins": "application/vn
                   "leases": "application/vnd.dsec.lease.v1", "gc": "application/vnd.dsec.gc.v1"}
 KEY_ANNOTATION = "dev.dsec.key"
 TIME_ANNOTATION = "dev.dsec.mtime"
-_REPO = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"  # the distribution spec's grammar
+_REPO = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _ESC = {"_": "__", "/": "_s", "@": "_a", "+": "_p"}
 _UNESC = {v[1]: k for k, v in _ESC.items()}
@@ -167,7 +168,7 @@ class OCIStore(Store):
             if r.status_code in (401, 403):
                 headers, changed = self.reg.auth.authenticate_request(r, headers)
                 if changed:
-                    body = kw.get("data")
+                    body: Any = kw.get("data")
                     if hasattr(body, "seek"):
                         body.seek(0)  # a streamed upload is sent again from its start
                     r = self.reg.session.request(method, url, headers=headers, timeout=TIMEOUT,

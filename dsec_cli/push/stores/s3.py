@@ -77,7 +77,7 @@ class S3Store(Store):
             validate_key(prefix)
             prefix += "/"
         query = parse_qs(parsed.query)
-        endpoint = (options.get("endpoint_url") or (query.get("endpoint_url") or [None])[0]
+        endpoint = (options.get("endpoint_url") or (query.get("endpoint_url") or [""])[0]
                     or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
         if endpoint is not None and not urlparse(str(endpoint)).scheme.startswith("http"):
             raise UsageError(f"invalid S3 endpoint URL {endpoint!r}: expected http(s)://HOST:PORT")
