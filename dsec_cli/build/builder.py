@@ -23,7 +23,7 @@ from ..core.digests import object_key
 from ..core.errors import NotFoundError, SpecError
 from ..format import canonical
 from ..format.index import INDEX_VERSION
-from ..format.manifest import Manifest, load_manifest, put_manifest
+from ..format.manifest import Manifest, load_manifest
 from ..format.refs import get_ref, set_ref
 from ..push.dedup import KnownChunks
 from ..push.materialize import LayerCache
