@@ -3,6 +3,7 @@ never points at missing or damaged data without the reader saying so."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -12,9 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+import zstandard
 
+from dsec_cli.core.digests import object_key, sha256_hex
 from dsec_cli.format.closure import closure
-from dsec_cli.format.refs import list_refs
+from dsec_cli.format.manifest import load_manifest, put_manifest
+from dsec_cli.format.refs import list_refs, set_ref
 from dsec_cli.push.materialize import export
 from dsec_cli.push.stores import open_store
 
@@ -122,3 +126,29 @@ def test_corrupted_metadata_is_named(kind: str, tmp_path: Path, run_dsec) -> Non
     obj.write_bytes(obj.read_bytes()[:-1] + b"X")
     p = run_dsec("export", "victim@1", str(tmp_path / "out"), "--store", str(store), check=1)
     assert "corrupt" in p.stderr and obj.name[:12] in p.stderr, p.stderr
+
+
+def test_chunk_sha256_catches_a_forged_chunk(tmp_path: Path, run_dsec) -> None:
+    """With per-chunk sha256, a chunk replaced by other bytes that still carry the right
+    xxh3 (simulated by rewriting the index's xxh3 ids) is refused."""
+    folder = tmp_path / "specs"
+    _specs(folder, ["signed"], seed=9)
+    store = tmp_path / "store"
+    run_dsec("build", str(folder), "--store", str(store), "--chunk-sha256")
+    st = open_store(str(store))
+    ref = list_refs(st)[0]
+    m = load_manifest(st, ref.manifest)
+    doc = json.loads(zstandard.ZstdDecompressor().decompress(st.get(object_key("indexes",
+                                                                               m.index))))
+    assert doc["chunk_sha256"] and all(len(c[6]) == 64 for c in doc["chunks"])
+    out = tmp_path / "ok"
+    export(st, "signed@1", out)
+    assert_same_tree(folder / "signed", out / "data", root_meta=False)
+    # forge: the first chunk's sha256 no longer matches its bytes
+    doc["chunks"][0][6] = "00" * 32
+    forged = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
+    st.put(object_key("indexes", sha256_hex(forged)), forged)
+    m.index = sha256_hex(forged)
+    set_ref(st, "signed", "2", put_manifest(st, m))
+    p = run_dsec("export", "signed@2", str(tmp_path / "bad"), "--store", str(store), check=1)
+    assert "sha256 mismatch" in p.stderr
