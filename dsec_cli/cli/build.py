@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
 
         with progress(not json_) as p:
             files = p.add_task("files", total=None) if p else None
-            data = p.add_task("chunked", total=None) if p else None
+            data = p.add_task("chunked", total=None, unit="bytes") if p else None
 
             def tick(kind: str, n: int) -> None:
                 if p is not None:
