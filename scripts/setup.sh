@@ -34,3 +34,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e ".$extra"
   touch "$stamp"
 fi
+
+# The example base layer's root filesystem, made from the installed busybox-static.
+layerspecs/busybox/make-rootfs.sh
