@@ -95,12 +95,12 @@ http:
 """
 
 
-def start_registry() -> Server:
+def start_registry(parent: str | None = None) -> Server:
     """Debian's docker-registry with deletes enabled, storage in a temp dir, plain HTTP."""
     exe = shutil.which("docker-registry") or "/usr/bin/docker-registry"
     if not os.path.exists(exe):
         raise RuntimeError("docker-registry is not installed (scripts/setup.sh --dev)")
-    tmp = Path(tempfile.mkdtemp(prefix="dsec-registry-"))
+    tmp = Path(tempfile.mkdtemp(prefix="dsec-registry-", dir=parent))
     port = free_port()
     (tmp / "config.yml").write_text(REGISTRY_CONFIG.format(root=tmp / "data", port=port))
     proc = subprocess.Popen([exe, "serve", str(tmp / "config.yml")],
