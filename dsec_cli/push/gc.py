@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..core.digests import check_digest, parse_object_key
@@ -60,6 +61,7 @@ class GcReport:
     dangling: list[str] = field(default_factory=list)  # refs or pins that cannot be walked
     leases_live: int = 0
     leases_removed: int = 0
+    temp_files_removed: int = 0  # file:// stores: leftovers of killed writers
     repack: str = "not implemented: partially dead packs are kept whole (docs/stores.md)"
 
     def to_dict(self) -> dict[str, Any]:
@@ -180,6 +182,8 @@ def gc_store(store: Store, grace: float = 3600.0, dry_run: bool = False, jobs: i
             store.delete(le.key)
             report.leases_removed += 1
     _save_pending(store, new_pending)  # phase 1 is durable before anything is deleted
+    if not report.leases_live:
+        report.temp_files_removed = _remove_stale_temp(store, now - max(grace, _ttl()))
     if due:
         _delete_phase(store, due, objects, new_pending, report, jobs)
     return report
@@ -227,6 +231,22 @@ def _delete_phase(store: Store, due: list[str], objects: dict[str, ObjectInfo],
         _save_pending(store, pending)
     finally:
         store.delete(DELETING)
+
+
+def _remove_stale_temp(store: Store, before: float) -> int:
+    """Temporary files a killed writer left in a file:// store's staging directory. Only
+    run with no live lease; a writer still writing keeps its file's mtime fresh."""
+    if not store.url.startswith("file:"):
+        return 0  # other stores stage in the user's data dir, shared with other stores
+    removed = 0
+    for path in Path(store.staging_dir()).glob("*"):
+        try:
+            if path.is_file() and path.stat().st_mtime < before:
+                path.unlink()
+                removed += 1
+        except OSError:
+            continue  # renamed into place or removed meanwhile
+    return removed
 
 
 def _packs_last(keys: Iterable[str]) -> list[str]:

@@ -98,6 +98,9 @@ class RetryingStore(Store):
     def _delete(self, key: str) -> None:
         self._call(lambda: self.inner.delete(key), f"deleting {key}")
 
+    def staging_dir(self) -> Path:
+        return self.inner.staging_dir()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -207,3 +207,20 @@ def test_concurrent_pushers_and_gc(make_url: Callable[[str], str], tmp_path: Pat
         with open_store(local) as s:
             export(s, ref, out)
         assert tree_digest(out / "data") == expected[ref]
+
+
+def test_stale_temp_files_of_killed_writers_are_removed(make_url: Callable[[str], str]) -> None:
+    store = open_store(make_url("file"))
+    staging = Path(store.staging_dir())  # type: ignore[attr-defined]
+    old, fresh = staging / "dead.tmp", staging / "busy.tmp"
+    old.write_bytes(b"half a pack")
+    fresh.write_bytes(b"being written")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    with WriterLease(store, "build"):
+        assert gc_store(store, grace=0).temp_files_removed == 0  # never while writers run
+    os.environ["DSEC_LEASE_TTL"] = "3600"
+    try:
+        assert gc_store(store, grace=0).temp_files_removed == 1
+    finally:
+        del os.environ["DSEC_LEASE_TTL"]
+    assert fresh.exists() and not old.exists()
