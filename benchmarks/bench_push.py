@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import tarfile
 import tempfile
 import uuid
@@ -120,11 +121,6 @@ def run(src: Path, runs: int, work: Path, endpoint: str, registry: str) -> None:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 tm.download(state["bucket"], str(p.relative_to(local)), str(dest))
 
-    secs = res["seconds"]
-    secs["dsec_s3_push"], _ = timed(dsec_s3_push, runs)
-    secs["dsec_s3_pull"], _ = timed(dsec_s3_pull, runs)
-    secs["s3transfer_push"], _ = timed(tm_push, runs)
-    secs["s3transfer_pull"], _ = timed(tm_pull, runs)
 
     # -- OCI: dsec vs oras pushing one tarball of the same bytes ------------------------------
     tarball = work / "objects.tar"
@@ -157,10 +153,20 @@ def run(src: Path, runs: int, work: Path, endpoint: str, registry: str) -> None:
         shutil.rmtree(work / "oras-pulled", ignore_errors=True)
         orc.pull(target=state["target"], outdir=str(work / "oras-pulled"))
 
-    secs["dsec_oci_push"], _ = timed(dsec_oci_push, runs)
-    secs["dsec_oci_pull"], _ = timed(dsec_oci_pull, runs)
-    secs["oras_push"], _ = timed(oras_push, runs)
-    secs["oras_pull"], _ = timed(oras_pull, runs)
+    # runs are interleaved (dsec, peer, dsec, peer...) so that load from other work on the
+    # machine falls on both alike
+    fns = {"dsec_s3_push": dsec_s3_push, "s3transfer_push": tm_push,
+           "dsec_s3_pull": dsec_s3_pull, "s3transfer_pull": tm_pull,
+           "dsec_oci_push": dsec_oci_push, "oras_push": oras_push,
+           "dsec_oci_pull": dsec_oci_pull, "oras_pull": oras_pull}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            times[name].append(timed(fn, 1)[0])
+    secs = res["seconds"]
+    for name, ts in times.items():
+        secs[name] = statistics.median(ts)
+    res["all_seconds"] = times
 
     # -- incremental push after a 1% change --------------------------------------------------
     changed = _change_one_percent(spec / "tree")
