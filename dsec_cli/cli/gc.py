@@ -41,6 +41,10 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"unreachable: {report.unreachable} ({len(report.marked)} newly marked, "
                    f"{report.waiting} waiting out the grace period, {report.recent} too recent "
                    f"to mark); {report.resurrected} candidates reachable again")
+        if report.repack_candidates:
+            typer.echo(f"{len(report.repack_candidates)} live packs are mostly dead "
+                       f"({human_bytes(report.dead_bytes_in_live_packs)} dead in live packs); "
+                       "repacking is not performed")
         if report.leases_live:
             typer.echo(f"{report.leases_live} writer lease(s) live")
         for d in report.dangling:

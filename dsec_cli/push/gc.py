@@ -62,7 +62,11 @@ class GcReport:
     leases_live: int = 0
     leases_removed: int = 0
     temp_files_removed: int = 0  # file:// stores: leftovers of killed writers
-    repack: str = "not implemented: partially dead packs are kept whole (docs/stores.md)"
+    #: live packs whose dead fraction passes the threshold: what a repack would rewrite
+    repack_candidates: list[dict[str, Any]] = field(default_factory=list)
+    dead_bytes_in_live_packs: int = 0
+    repack: str = "reported, not performed: rewriting packs changes published manifest " \
+                  "digests (docs/stores.md)"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,6 +119,38 @@ def mark(store: Store, report: GcReport) -> set[str]:
     return live
 
 
+def _pack_usage(store: Store, live: set[str], objects: dict[str, ObjectInfo], report: GcReport,
+                threshold: float) -> None:
+    """How much of each live pack reachable indexes still use. A pack is a concatenation
+    of independent chunk frames, so its dead fraction is 1 - (bytes of referenced chunks
+    / pack size); packs past `threshold` are reported as repack candidates."""
+    from .dedup import load_index
+
+    used: dict[str, set[tuple[int, int]]] = {}
+    for key in live:
+        kind, digest = parse_object_key(key) or ("", "")
+        if kind != "indexes":
+            continue
+        try:
+            index = load_index(store, digest)
+        except DsecError as e:  # a broken index is the closure walk's business, not ours
+            log.warning("cannot read %s for pack usage: %s", key, e)
+            return
+        for c in index.chunks:
+            used.setdefault(index.packs[c.pack], set()).add((c.offset, c.clen))
+    for key, info in objects.items():
+        kind, digest = parse_object_key(key) or ("", "")
+        if kind != "packs" or key not in live or not info.size:
+            continue
+        live_bytes = sum(clen for _, clen in used.get(digest, ()))
+        dead = max(0, info.size - live_bytes)
+        report.dead_bytes_in_live_packs += dead
+        if dead / info.size > threshold:
+            report.repack_candidates.append({"pack": digest, "size": info.size,
+                                             "live_bytes": live_bytes,
+                                             "dead_fraction": round(dead / info.size, 3)})
+
+
 # -- state --------------------------------------------------------------------------------
 def _load_pending(store: Store) -> dict[str, float]:
     try:
@@ -142,8 +178,8 @@ def _list_objects(store: Store) -> dict[str, ObjectInfo]:
 
 
 # -- sweep --------------------------------------------------------------------------------
-def gc_store(store: Store, grace: float = 3600.0, dry_run: bool = False, jobs: int = 8
-             ) -> GcReport:
+def gc_store(store: Store, grace: float = 3600.0, dry_run: bool = False, jobs: int = 8,
+             repack_threshold: float = 0.5) -> GcReport:
     """Collect garbage in one store; see the module docstring for the protocol."""
     store = store if isinstance(store, RetryingStore) else RetryingStore(store)
     now = time.time()
@@ -154,6 +190,7 @@ def gc_store(store: Store, grace: float = 3600.0, dry_run: bool = False, jobs: i
     live = mark(store, report)
     report.reachable = sum(1 for k in objects if k in live)
     report.reachable_bytes = sum(i.size for k, i in objects.items() if k in live)
+    _pack_usage(store, live, objects, report, repack_threshold)
     pending = _load_pending(store)
     report.resurrected = sum(1 for k in pending if k in live)
     new_pending: dict[str, float] = {}

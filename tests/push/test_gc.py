@@ -224,3 +224,32 @@ def test_stale_temp_files_of_killed_writers_are_removed(make_url: Callable[[str]
     finally:
         del os.environ["DSEC_LEASE_TTL"]
     assert fresh.exists() and not old.exists()
+
+
+def test_mostly_dead_live_packs_are_reported(make_url: Callable[[str], str],
+                                             tmp_path: Path) -> None:
+    url = make_url("file")
+    specs = tmp_path / "specs"
+    tree = make_tree(specs / "tree", seed=5, files=10)
+    big = tree / "d0" / "keep.bin"
+    big.write_bytes(os.urandom(100_000))
+    v1 = build_layer(url, specs, "lib", "1")
+    for f in tree.rglob("f*.bin"):  # every file but keep.bin changes
+        f.write_bytes(os.urandom(max(1, f.stat().st_size)))
+    build_layer(url, specs, "lib", "2")
+    with open_store(url) as s:
+        old_pack = load_manifest_packs(s, v1)
+        delete_ref(s, "lib@1")
+        r = gc_store(s, grace=0)
+        cands = {c["pack"]: c for c in r.repack_candidates}
+        assert old_pack in cands  # still reached by v2 (keep.bin), mostly dead
+        assert 0.5 < cands[old_pack]["dead_fraction"] < 1
+        assert cands[old_pack]["live_bytes"] >= 100_000 * 0.9
+        assert s.has(f"packs/{old_pack[:2]}/{old_pack}")
+
+
+def load_manifest_packs(store: Store, digest: str) -> str:
+    from dsec_cli.format.manifest import load_manifest
+
+    (pack,) = load_manifest(store, digest).packs
+    return pack
