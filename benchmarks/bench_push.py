@@ -22,6 +22,7 @@ import shutil
 import statistics
 import tarfile
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -201,12 +202,14 @@ def _write_doc(r: dict[str, Any]) -> None:
     m, s, q = r["mb_per_s"], r["seconds"], r["ratios"]
     rows = "\n".join(f"| {k} | {s[k]:.2f} | {m[k]:.1f} |" for k in s)
     inc = r["incremental"]
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     doc = f"""# Push and pull benchmark
 
-`python -m benchmarks push` (benchmarks/bench_push.py), measured {r.get('measured_at', '')}
-on this project's 2-core machine with moto's S3 server and Debian's docker-registry on
-loopback, started by the benchmark itself. Other engineers' test suites were running on the
-same machine, so absolute figures are noisy; the ratios compare runs made side by side.
+`python -m benchmarks push` (benchmarks/bench_push.py), measured {when} on the
+project's 2-core machine with moto's S3 server and Debian's docker-registry on loopback,
+started by the benchmark itself. Other work may share the machine, so absolute figures are
+noisy; runs are interleaved (dsec, peer, dsec, peer, ...) so the ratios compare like with
+like. Raw figures: benchmarks/results/push.json.
 
 Image: `{r['tree']}` ({r['tree_bytes'] / 1e6:.0f} MB in files), built by `dsec build` into
 {r['objects']} objects of {r['bytes'] / 1e6:.0f} MB. Every tool moves those same bytes:
