@@ -218,6 +218,14 @@ class Cgroup:
                 raise BackendError(f"cgroup {self.rel} still has processes after SIGKILL")
             time.sleep(0.002)
 
+    def remove_if_empty(self) -> None:
+        """rmdir the group where nothing uses it (a parent shared with concurrent creates)."""
+        for d in self.all_dirs():
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
 
 def _kill(pid: int) -> None:
     try:
