@@ -72,7 +72,7 @@ def _report(res: Any, json_out: bool, sid: str | None = None) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(context_settings={"ignore_unknown_options": True})
     def run(
         image: str = typer.Argument(..., help="Image (NAME@VERSION, digest) or a rootfs dir."),
         cmd: list[str] = typer.Argument(None, help="Command to run (after --)."),
@@ -119,7 +119,7 @@ def register(app: typer.Typer) -> None:
             node.remove(rec.id)
         _report(res, json_out, rec.id)
 
-    @app.command("exec", context_settings={"allow_interspersed_args": False})
+    @app.command("exec", context_settings={"ignore_unknown_options": True})
     def exec_(
         sandbox: str = typer.Argument(..., help="Sandbox id (a unique prefix is enough)."),
         cmd: list[str] = typer.Argument(..., help="Command to run (after --)."),
