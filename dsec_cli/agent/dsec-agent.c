@@ -133,7 +133,9 @@ static void send_errno(int ci, uint32_t id, const char *what, const char *path) 
 
 static void kill_exec(struct ex *x, int sig) {
     if (x->pid > 0) {
-        kill(-x->pid, sig);  /* the exec leads its own process group */
+        /* the exec leads its own process group; repeat so children forked while the
+         * first signal was being delivered (a fork bomb) are caught too */
+        for (int i = 0; i < (sig == SIGKILL ? 3 : 1); i++) kill(-x->pid, sig);
         kill(x->pid, sig);
     }
 }
