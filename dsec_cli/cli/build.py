@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from .render import console, err_console, human_bytes, print_json, progress, table
 
-StoreOpt = Annotated[Optional[str], typer.Option("--store", help="store URL (default: embedded)")]  # noqa: UP007
+StoreOpt = Annotated[str | None, typer.Option("--store", help="store URL (default: embedded)")]  # noqa: UP007
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def build(
-        specs: Annotated[Optional[list[Path]], typer.Argument(help="spec files or folders")] = None,  # noqa: UP007
+        specs: Annotated[list[Path] | None, typer.Argument(help="spec files or folders")] = None,  # noqa: UP007
         store: StoreOpt = None,
         force: Annotated[bool, typer.Option("--force", help="rebuild even if cached")] = False,
         json_: JsonOpt = False,

@@ -31,9 +31,10 @@ from ..backends import (
     RootfsSpec,
     SandboxHandle,
     SandboxSpec,
+    _cgroups,
+    _rootfs,
     get_backend,
 )
-from ..backends import _cgroups, _rootfs
 from ..core.errors import NotFoundError, SandboxError, UsageError
 from .state import NodeDB, SandboxRecord, now
 
