@@ -42,3 +42,5 @@ if [ ! -x dsec_cli/agent/dsec-agent ] || [ "$(cat dsec_cli/agent/.dsec-agent.tag
   gcc -static -O2 -o dsec_cli/agent/dsec-agent "$agent_src"
   echo "$agent_tag" > dsec_cli/agent/.dsec-agent.tag
 fi
+# The example base layer's root filesystem, made from the installed busybox-static.
+layerspecs/busybox/make-rootfs.sh
