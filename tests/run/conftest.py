@@ -18,26 +18,36 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
 
 @pytest.fixture(scope="session")
-def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+def sandbox_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture(scope="session")
+def store_url(tmp_path_factory: pytest.TempPathFactory, sandbox_data: Path) -> str:
     root = tmp_path_factory.mktemp("store")
-    data = tmp_path_factory.mktemp("data")
-    os.environ["XDG_DATA_HOME"] = str(data)  # chunk tables and build cache stay in the temp dir
     subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
     from dsec_cli.build.builder import build
 
     url = root.as_uri()
-    build([REPO / "layerspecs/busybox/busybox.yaml"], url)
+    old = os.environ.get("XDG_DATA_HOME")
+    os.environ["XDG_DATA_HOME"] = str(sandbox_data)  # chunk tables and build cache
+    try:
+        build([REPO / "layerspecs/busybox/busybox.yaml"], url)
+    finally:
+        if old is None:
+            os.environ.pop("XDG_DATA_HOME", None)
+        else:
+            os.environ["XDG_DATA_HOME"] = old
     return url
 
 
 @pytest.fixture(scope="module")
-def node_env(tmp_path_factory: pytest.TempPathFactory, store_url: str) -> Iterator[dict[str, str]]:
+def node_env(tmp_path_factory: pytest.TempPathFactory, store_url: str,
+             sandbox_data: Path) -> Iterator[dict[str, str]]:
     """DSEC_* variables for one node state dir; everything left is removed at the end."""
     state = tmp_path_factory.mktemp("node")
     env = {"DSEC_STATE_DIR": str(state), "DSEC_STORE": store_url,
-           "XDG_DATA_HOME": os.environ["XDG_DATA_HOME"]}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+           "XDG_DATA_HOME": str(sandbox_data)}
     yield env
     from dsec_cli.run.node import Node
 
@@ -45,11 +55,16 @@ def node_env(tmp_path_factory: pytest.TempPathFactory, store_url: str) -> Iterat
     for r in n.db.all():
         n.remove(r.id)
     n.gc(budget=0)
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+
+
+@pytest.fixture(autouse=True)
+def dsec_home(node_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overrides the suite-wide isolated home: sandbox tests share one node and store per
+    module (creating a store and a node per test would cost seconds each)."""
+    for k, v in node_env.items():
+        monkeypatch.setenv(k, v)
+    for var in ("DSEC_DATA_DIR", "DSEC_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(scope="module")
