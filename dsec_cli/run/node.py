@@ -113,6 +113,7 @@ class Node:
                 opts: dict[str, Any] = {}
                 if name in ("container", "fncall"):
                     opts["cgroup_parent"] = self.cgroup_parent
+                    opts["shared_dir"] = str(self.root)
                 if name == "container":
                     opts["runc_root"] = str(self.runc_root)
                 b = self._backends[name] = get_backend(name, **opts)
