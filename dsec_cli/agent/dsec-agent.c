@@ -558,6 +558,11 @@ int main(int argc, char **argv) {
     static struct pollfd pfds[2 + MAX_CONN + 3 * MAX_EXEC];
     static int kind[2 + MAX_CONN + 3 * MAX_EXEC], idx[2 + MAX_CONN + 3 * MAX_EXEC];
     while (!terminate) {
+        if (listen_fd < 0 && !serial_path) {  /* --fd mode: done once the stream is gone */
+            int open_conns = 0;
+            for (int i = 0; i < MAX_CONN; i++) open_conns += conns[i].fd >= 0;
+            if (!open_conns) break;
+        }
         int n = 0;
         int64_t next = 0;
         pfds[n] = (struct pollfd){sig_pipe[0], POLLIN, 0}; kind[n++] = 0;

@@ -32,7 +32,8 @@ from .container import DEFAULT_PATH, exec_with_accounting
 def bwrap_binary() -> str:
     path = shutil.which("bwrap")
     if path is None:
-        raise BackendError("bubblewrap is not installed", hint="run scripts/setup.sh (apt: bubblewrap)")
+        raise BackendError("bubblewrap is not installed",
+                           hint="run scripts/setup.sh (apt: bubblewrap)")
     return path
 
 

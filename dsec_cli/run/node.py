@@ -290,7 +290,8 @@ class Node:
             st = self.store()
             base = list(rec.spec.get("layer_digests", []))
             layer_digest, _ = build_layer_from_dir(
-                st, upper, f"{name}-layer", version, base=base, created_by=f"dsec snapshot {rec.id}")
+                st, upper, f"{name}-layer", version, base=base,
+                created_by=f"dsec snapshot {rec.id}")
             image_digest, _ = write_image(
                 st, name, version, [*base, layer_digest], env=rec.spec.get("env", {}),
                 workdir=rec.spec.get("workdir", ""), set_ref_too=True,
@@ -306,7 +307,7 @@ class Node:
         return out
 
     # -- listing, reconcile, gc ----------------------------------------------------------------
-    def list(self, reconcile: bool = True) -> list[SandboxRecord]:
+    def sandboxes(self, reconcile: bool = True) -> list[SandboxRecord]:
         if reconcile:
             self.reconcile()
         return self.db.all()

@@ -23,7 +23,8 @@ def test_run_json_and_fncall(node_env: dict[str, str]) -> None:
 
 
 def test_detached_lifecycle(node_env: dict[str, str], tmp_path: Path) -> None:
-    sid = dsec(node_env, "run", "-d", IMAGE, "--memory", "64M", "--pids", "64").stdout.decode().strip()
+    p = dsec(node_env, "run", "-d", IMAGE, "--memory", "64M", "--pids", "64")
+    sid = p.stdout.decode().strip()
     ps = json.loads(dsec(node_env, "ps", "--json").stdout)
     assert [r["id"] for r in ps] == [sid] and ps[0]["status"] == "running"
     # exec: stdin, env, workdir, exit code
@@ -57,7 +58,8 @@ def test_snapshot_round_trip(node_env: dict[str, str]) -> None:
     assert out["image"] == "snaptest@1" and out["layer"] == "snaptest-layer@1"
     dsec(node_env, "exec", sid, "true")  # still running after the snapshot
     p = dsec(node_env, "run", "snaptest@1", "--", "sh", "-c",
-             "cat /root/new.txt /opt/d/f; test -e /etc/motd || echo gone; cat /etc/passwd | head -1")
+             "cat /root/new.txt /opt/d/f; test -e /etc/motd || echo gone; "
+             "cat /etc/passwd | head -1")
     assert p.stdout == b"new\nx\ngone\nroot:x:0:0:root:/root:/bin/sh\n"
     dsec(node_env, "rm", sid)
 

@@ -28,7 +28,7 @@ def test_kill_during_create_then_reconcile(node_env: dict[str, str]) -> None:
     from dsec_cli.run.node import Node
 
     n = Node(node_env["DSEC_STATE_DIR"])
-    n.list()  # reconciles: aborted creates are gone, finished ones are listed
+    n.sandboxes()  # reconciles: aborted creates are gone, finished ones are listed
     for r in n.db.all():
         assert r.status == "running"
         n.remove(r.id)
@@ -46,7 +46,7 @@ def test_dead_sandbox_is_detected(node_env: dict[str, str]) -> None:
         time.sleep(0.01)
 
     n = Node(node_env["DSEC_STATE_DIR"])
-    assert {r.id: r.status for r in n.list()}[s.id] == "dead"
+    assert {r.id: r.status for r in n.sandboxes()}[s.id] == "dead"
     n.gc()
     assert leaks(node_env["DSEC_STATE_DIR"]) == {"mounts": [], "cgroups": [], "dirs": []}
 
