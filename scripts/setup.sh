@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 DEV=0
 [ "${1:-}" = "--dev" ] && DEV=1
 
-# Runtime: sandboxes (bubblewrap, runc), the example base layer (busybox-static), zstd.
-PKGS=(bubblewrap runc busybox-static zstd ca-certificates gcc libc6-dev)
+# Runtime: sandboxes (bubblewrap, runc), the example base layer (busybox-static), zstd,
+# lazy layer mounts (fuse3: libfuse3 and fusermount3).
+PKGS=(bubblewrap runc busybox-static zstd ca-certificates gcc libc6-dev fuse3)
 # Tests: the real servers and peers they start.
 DEV_PKGS=(docker-registry)
 

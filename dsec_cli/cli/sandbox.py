@@ -106,6 +106,10 @@ def register(app: typer.Typer) -> None:
         detach: Annotated[bool, typer.Option("--detach", "-d",
                                              help="print the id and leave it running")
                           ] = False,
+        fetch: Annotated[str, typer.Option(
+            "--fetch", help="eager (fetch every layer first) | lazy (mount now, fetch files on "
+                            "first read) | background (lazy, plus a full fetch behind it)")
+                         ] = "eager",
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
     ) -> None:
@@ -120,7 +124,8 @@ def register(app: typer.Typer) -> None:
         opts = CreateOptions(
             backend=backend, cpus=cpus, memory=parse_size(memory, "--memory") if memory else None,
             pids=pids, ttl=parse_duration(ttl, "--ttl") if ttl else None,
-            network=network, env=_parse_env(env), workdir=workdir)  # type: ignore[arg-type]
+            network=network, env=_parse_env(env), workdir=workdir,  # type: ignore[arg-type]
+            fetch=fetch)
         node = _node(state_dir)
         rec = node.create(image, opts)
         if detach:
@@ -181,7 +186,14 @@ def register(app: typer.Typer) -> None:
         """List this node's sandboxes (after reconciling the database with the system)."""
         from .render import print_json, table
 
-        recs = [r.public() for r in _node(state_dir).sandboxes()]
+        node = _node(state_dir)
+        recs = []
+        for r in node.sandboxes():
+            doc = r.public()
+            stats = node.fetch_stats(r)
+            if stats is not None:
+                doc["fetch"] = stats  # bytes fetched / from cache, stall time (lazy mounts)
+            recs.append(doc)
         if json_out:
             print_json(recs)
             return
