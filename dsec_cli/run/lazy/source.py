@@ -151,10 +151,10 @@ class Fetcher:
         for i, ev in waits:
             ev.wait()
             loc = index.chunks[i]
-            got = self._recall(loc.chunk_id) or self.cache.get(loc.chunk_id, loc.ulen)
-            if got is None:  # the other fetch failed: try once more ourselves
-                got = self._fetch_run(index, [i])[i]
-            out[i] = got
+            one = self._recall(loc.chunk_id) or self.cache.get(loc.chunk_id, loc.ulen)
+            if one is None:  # the other fetch failed: try once more ourselves
+                one = self._fetch_run(index, [i])[i]
+            out[i] = one
 
     def _fetch_run(self, index: LayerIndex, run: list[int]) -> dict[int, bytes]:
         first, last = index.chunks[run[0]], index.chunks[run[-1]]
