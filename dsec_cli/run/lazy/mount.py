@@ -108,10 +108,23 @@ def _start_time(pid: int) -> int:
 def _daemon_pid(state: Path) -> int | None:
     try:
         pid_s, start_s = (state / "pid").read_text().split()
+        pid = int(pid_s)
+        if _start_time(pid) == int(start_s) and int(start_s):
+            return pid
     except (OSError, ValueError):
-        return None
-    pid = int(pid_s)
-    return pid if _start_time(pid) == int(start_s) and int(start_s) else None
+        pass
+    # no pid file (a crash before it was written, or the dir half removed): find it by its
+    # command line, which names this mount's config
+    want = str(state / "config.json").encode()
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                argv = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if want in argv and b"dsec_cli.run.lazy.mountd" in argv:
+                return int(p.name)
+    return None
 
 
 def cleanup(state: Path, timeout: float = 5.0) -> None:

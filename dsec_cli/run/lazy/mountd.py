@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -101,12 +100,8 @@ def main(config_path: str) -> int:
                 flush()
                 last = now
 
-    def on_term(signum: int, frame: Any) -> None:
-        stop.set()
-        flush()
-        os._exit(0)
-
-    signal.signal(signal.SIGTERM, on_term)
+    # no Python SIGTERM handler: the main thread sits in libfuse's loop and would never run
+    # it; libfuse's own handler ends the loop, unmounts, and the finally below flushes
     threading.Thread(target=flusher, name="flush", daemon=True).start()
     fs = LazyFS(indexes, sources, recorder, on_init)
     flush()
