@@ -35,8 +35,14 @@ class Node:
     entry: Entry  # for a hardlink, the group's first member (the one with the bytes)
     ino: int
     nlink: int
-    attrs: dict[str, Any]
     children: list[str] | None = None
+    _attrs: dict[str, Any] | None = None
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        if self._attrs is None:  # made on first stat: most of a big tree is never looked at
+            self._attrs = _attrs(self.entry, self.ino, self.nlink)
+        return self._attrs
 
 
 class Recorder:
@@ -69,65 +75,42 @@ class LazyFS:
         self.on_init = on_init
         self.nodes: dict[str, Node] = {}
         now = time.time_ns()
-        root_attrs = {"st_mode": stat.S_IFDIR | 0o755, "st_nlink": 2 + len(indexes),
-                      "st_uid": 0, "st_gid": 0, "st_size": 0, "st_ino": 1,
-                      "st_mtime": now, "st_atime": now, "st_ctime": now}
-        self.nodes["/"] = Node(-1, Entry(".", "dir"), 1, 2, root_attrs,
-                               [str(n) for n in range(len(indexes))])
-        ino = 2
+        root = Node(-1, Entry(".", "dir", mode=0o755, mtime=now), 1, 2 + len(indexes),
+                    [str(n) for n in range(len(indexes))])
+        self.nodes["/"] = root
+        base = 2
         for n, index in enumerate(indexes):
-            ino = self._add_layer(n, index, ino)
+            self._add_layer(n, index, base)
+            base += len(index.entries)
 
-    def _add_layer(self, n: int, index: LayerIndex, ino: int) -> int:
-        by_path = {e.path: e for e in index.entries}
+    def _add_layer(self, n: int, index: LayerIndex, base: int) -> None:
+        """One node per entry; inode numbers are base + the entry's position (a hardlink
+        takes its group's first member's), so they are stable for the mount's life."""
+        entries = index.entries
+        pos = {e.path: i for i, e in enumerate(entries)}
         links: dict[str, int] = {}
-        for e in index.entries:
+        for e in entries:
             if e.type == "hard":
                 links[e.target] = links.get(e.target, 1) + 1
-        inos: dict[str, int] = {}
-        subdirs: dict[str, int] = {}
-        for e in index.entries:
-            parent = e.path.rsplit("/", 1)[0] if "/" in e.path else "."
-            if e.type == "dir" and e.path != ".":
-                subdirs[parent] = subdirs.get(parent, 0) + 1
-        for e in index.entries:
-            key = f"/{n}" if e.path == "." else f"/{n}/{e.path}"
-            real = e
-            if e.type == "hard":
-                real = by_path.get(e.target, e)
-            if real.path in inos:
-                num = inos[real.path]
+        nodes = self.nodes
+        prefix = f"/{n}"
+        for i, e in enumerate(entries):
+            key = prefix if e.path == "." else f"{prefix}/{e.path}"
+            if e.type == "hard" and e.target in pos:
+                j = pos[e.target]
+                node = Node(n, entries[j], base + j, links.get(e.target, 1))
+            elif e.type == "dir":
+                node = Node(n, e, base + i, 2, [])
             else:
-                num = inos[real.path] = ino
-                ino += 1
-            nlink = links.get(real.path, 1) if real.type == "reg" else 1
-            if e.type == "dir":
-                nlink = 2 + subdirs.get(e.path, 0)
-            node = Node(n, real, num, nlink, self._attrs(real, num, nlink))
-            if e.type == "dir":
-                node.children = []
-            self.nodes[key] = node
+                node = Node(n, e, base + i, links.get(e.path, 1) if e.type == "reg" else 1)
+            nodes[key] = node
             if e.path != ".":
-                parent = key.rsplit("/", 1)[0]
-                pnode = self.nodes.get(parent)
+                parent, _, name = key.rpartition("/")
+                pnode = nodes.get(parent)
                 if pnode is not None and pnode.children is not None:
-                    pnode.children.append(key.rsplit("/", 1)[1])
-        return ino
-
-    @staticmethod
-    def _attrs(e: Entry, ino: int, nlink: int) -> dict[str, Any]:
-        kind = _KIND[e.type if e.type != "hard" else "reg"]
-        mode = kind | (0 if e.type == "whiteout" else e.mode & 0o7777)
-        size = e.size if e.type == "reg" else len(e.target.encode()) if e.type == "sym" else 0
-        a: dict[str, Any] = {"st_mode": mode, "st_ino": ino, "st_nlink": nlink,
-                             "st_uid": e.uid, "st_gid": e.gid, "st_size": size,
-                             "st_mtime": e.mtime, "st_atime": e.mtime, "st_ctime": e.mtime,
-                             "st_blocks": (size + 511) // 512, "st_blksize": 1 << 16}
-        if e.type in ("chr", "blk") and e.rdev:
-            import os
-
-            a["st_rdev"] = os.makedev(*e.rdev)
-        return a
+                    pnode.children.append(name)
+                    if node.children is not None:
+                        pnode.nlink += 1
 
     def _node(self, path: str) -> Node:
         node = self.nodes.get(path)
@@ -218,6 +201,21 @@ class LazyFS:
 
     def destroy(self, path: str) -> None:
         return None
+
+
+def _attrs(e: Entry, ino: int, nlink: int) -> dict[str, Any]:
+    kind = _KIND[e.type if e.type != "hard" else "reg"]
+    mode = kind | (0 if e.type == "whiteout" else e.mode & 0o7777)
+    size = e.size if e.type == "reg" else len(e.target.encode()) if e.type == "sym" else 0
+    a: dict[str, Any] = {"st_mode": mode, "st_ino": ino, "st_nlink": nlink,
+                         "st_uid": e.uid, "st_gid": e.gid, "st_size": size,
+                         "st_mtime": e.mtime, "st_atime": e.mtime, "st_ctime": e.mtime,
+                         "st_blocks": (size + 511) // 512, "st_blksize": 1 << 16}
+    if e.type in ("chr", "blk") and e.rdev:
+        import os
+
+        a["st_rdev"] = os.makedev(*e.rdev)
+    return a
 
 
 def _err(code: int) -> OSError:
