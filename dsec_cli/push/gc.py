@@ -202,7 +202,7 @@ def gc_store(store: Store, grace: float = 3600.0, dry_run: bool = False, jobs: i
         report.unreachable += 1
         if key in pending:
             new_pending[key] = pending[key]
-        elif now - info.mtime >= grace + MTIME_SLACK:
+        elif now - info.mtime >= grace + (MTIME_SLACK if grace > 0 else 0.0):
             new_pending[key] = now
             report.marked.append(key)
         else:
