@@ -9,7 +9,7 @@ DEV=0
 [ "${1:-}" = "--dev" ] && DEV=1
 
 # Runtime: sandboxes (bubblewrap, runc), the example base layer (busybox-static), zstd.
-PKGS=(bubblewrap runc busybox-static zstd ca-certificates)
+PKGS=(bubblewrap runc busybox-static zstd ca-certificates gcc libc6-dev)
 # Tests: the real servers and peers they start.
 DEV_PKGS=(docker-registry)
 
@@ -35,5 +35,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 
+# The in-sandbox exec server: static, so it runs in any image (docs/agent.md).
+agent_src=dsec_cli/agent/dsec-agent.c
+agent_tag=$(sha256sum "$agent_src" | cut -c1-12)
+if [ ! -x dsec_cli/agent/dsec-agent ] || [ "$(cat dsec_cli/agent/.dsec-agent.tag 2>/dev/null)" != "$agent_tag" ]; then
+  gcc -static -O2 -o dsec_cli/agent/dsec-agent "$agent_src"
+  echo "$agent_tag" > dsec_cli/agent/.dsec-agent.tag
+fi
 # The example base layer's root filesystem, made from the installed busybox-static.
 layerspecs/busybox/make-rootfs.sh

@@ -14,6 +14,7 @@ import typer
 from ..core.errors import DsecError
 from . import build as _build
 from . import gc as _gc
+from . import sandbox as _sandbox
 from . import store as _store
 
 app = typer.Typer(
@@ -29,7 +30,7 @@ def _root() -> None:
     """Content-addressed layers and sandboxes for agentic-RL environments."""
 
 
-for _module in (_build, _store, _gc):
+for _module in (_build, _store, _sandbox, _gc):
     _module.register(app)
 
 

@@ -1,0 +1,250 @@
+"""Sandbox commands: run, exec, cp, ps, rm, pause, resume, snapshot (thin: parse, call the
+node API in dsec_cli.run, render)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated, Any
+
+import typer
+
+STATE_HELP = "node state directory (default: DSEC_STATE_DIR or the config's state_dir)"
+
+
+def _node(state_dir: str | None) -> Any:
+    from ..run.node import local_node
+
+    return local_node(state_dir)
+
+
+def _stream(kind: str, data: bytes) -> None:
+    out = sys.stdout.buffer if kind == "stdout" else sys.stderr.buffer
+    out.write(data)
+    out.flush()
+
+
+def _stdin_source() -> Any:
+    """Stdin chunks when stdin is a pipe or file (a terminal is not forwarded)."""
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+
+    def chunks() -> Any:
+        while True:
+            b = sys.stdin.buffer.read1(1 << 20) if hasattr(sys.stdin.buffer, "read1") \
+                else sys.stdin.buffer.read(1 << 20)
+            if not b:
+                return
+            yield b
+
+    return chunks()
+
+
+def _parse_env(items: list[str] | None) -> dict[str, str]:
+    from ..core.errors import UsageError
+
+    env: dict[str, str] = {}
+    for item in items or []:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise UsageError(f"invalid --env {item!r}: expected KEY=VALUE")
+        env[k] = v
+    return env
+
+
+def _report(res: Any, json_out: bool, sid: str | None = None) -> None:
+    from .render import err_console, print_json
+
+    if json_out:
+        doc = {"exit_code": res.exit_code, "stdout": res.stdout.decode(errors="replace"),
+               "stderr": res.stderr.decode(errors="replace"), "duration": res.duration,
+               "timed_out": res.timed_out, "oom_killed": res.oom_killed}
+        if sid:
+            doc["id"] = sid
+        print_json(doc)
+    if res.timed_out:
+        err_console().print("[yellow]dsec: the command timed out and was killed[/]")
+    if res.oom_killed:
+        err_console().print("[yellow]dsec: the sandbox's memory limit killed the command[/]")
+    if res.pids_limited:
+        err_console().print("[yellow]dsec: the sandbox hit its process limit[/]")
+    raise typer.Exit(res.exit_code)
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+StateOpt = Annotated[str | None, typer.Option("--state-dir", help=STATE_HELP)]  # noqa: UP007
+EnvOpt = Annotated[list[str] | None,  # noqa: UP007
+                   typer.Option("--env", "-e", help="KEY=VALUE (repeatable)")]
+WorkdirOpt = Annotated[str | None, typer.Option("--workdir", "-w")]  # noqa: UP007
+TimeoutOpt = Annotated[float | None,  # noqa: UP007
+                       typer.Option(help="kill the command after this many seconds")]
+SandboxArg = Annotated[str, typer.Argument(help="sandbox id (a unique prefix is enough)")]
+CmdArg = Annotated[list[str] | None, typer.Argument(help="command to run (after --)")]  # noqa: UP007
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(context_settings={"ignore_unknown_options": True})
+    def run(
+        image: Annotated[str, typer.Argument(help="image (NAME@VERSION, digest) or rootfs dir")],
+        cmd: CmdArg = None,
+        backend: Annotated[str, typer.Option("--backend", "-b",
+                                             help="container | fncall | microvm | vm")
+                           ] = "container",
+        cpus: Annotated[float | None, typer.Option(help="CPU share, e.g. 0.5 or 2")  # noqa: UP007
+                        ] = None,
+        memory: Annotated[str | None, typer.Option(help="memory limit, e.g. 512M")  # noqa: UP007
+                          ] = None,
+        pids: Annotated[int | None, typer.Option(help="maximum number of processes")  # noqa: UP007
+                        ] = None,
+        ttl: Annotated[str | None,  # noqa: UP007
+                       typer.Option(help="remove after this long (dsec gc --node), e.g. 30m")
+                       ] = None,
+        network: Annotated[str, typer.Option(help="none (loopback only) | host")] = "none",
+        env: EnvOpt = None,
+        workdir: WorkdirOpt = None,
+        timeout: TimeoutOpt = None,
+        detach: Annotated[bool, typer.Option("--detach", "-d",
+                                             help="print the id and leave it running")
+                          ] = False,
+        json_out: JsonOpt = False,
+        state_dir: StateOpt = None,
+    ) -> None:
+        """Create a sandbox; run CMD in it and remove it, or leave it running with -d."""
+        from ..core.config import parse_duration, parse_size
+        from ..core.errors import UsageError
+        from ..run.node import CreateOptions
+        from .render import print_json
+
+        if not detach and not cmd:
+            raise UsageError("give a command after -- or use -d to leave the sandbox running")
+        opts = CreateOptions(
+            backend=backend, cpus=cpus, memory=parse_size(memory, "--memory") if memory else None,
+            pids=pids, ttl=parse_duration(ttl, "--ttl") if ttl else None,
+            network=network, env=_parse_env(env), workdir=workdir)  # type: ignore[arg-type]
+        node = _node(state_dir)
+        rec = node.create(image, opts)
+        if detach:
+            if cmd:
+                node.exec(rec.id, cmd, timeout=timeout)
+            if json_out:
+                print_json(rec.public())
+            else:
+                typer.echo(rec.id)
+            return
+        assert cmd
+        try:
+            res = node.exec(rec.id, cmd, stdin=_stdin_source(), timeout=timeout,
+                            on_output=None if json_out else _stream)
+        finally:
+            node.remove(rec.id)
+        _report(res, json_out, rec.id)
+
+    @app.command("exec", context_settings={"ignore_unknown_options": True})
+    def exec_(
+        sandbox: SandboxArg,
+        cmd: CmdArg = None,
+        env: EnvOpt = None,
+        workdir: WorkdirOpt = None,
+        timeout: TimeoutOpt = None,
+        json_out: JsonOpt = False,
+        state_dir: StateOpt = None,
+    ) -> None:
+        """Run a command in a sandbox: streams output, forwards stdin, exits with its code."""
+        from ..core.errors import UsageError
+
+        if cmd and cmd[0] == "--":
+            cmd = cmd[1:]
+        if not cmd:
+            raise UsageError("exec needs a command, e.g. `dsec exec ID -- ls /`")
+        res = _node(state_dir).exec(sandbox, cmd, env=_parse_env(env), cwd=workdir,
+                                    stdin=_stdin_source(), timeout=timeout,
+                                    on_output=None if json_out else _stream)
+        _report(res, json_out)
+
+    @app.command()
+    def cp(
+        src: Annotated[str, typer.Argument(help="host path or SANDBOX:PATH")],
+        dst: Annotated[str, typer.Argument(help="host path or SANDBOX:PATH")],
+        json_out: JsonOpt = False,
+        state_dir: StateOpt = None,
+    ) -> None:
+        """Copy a file into or out of a sandbox (one side is SANDBOX:PATH)."""
+        from ..run.transfer import copy
+        from .render import print_json
+
+        result = copy(_node(state_dir), src, dst)
+        if json_out:
+            print_json(result)
+
+    @app.command()
+    def ps(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+        """List this node's sandboxes (after reconciling the database with the system)."""
+        from .render import print_json, table
+
+        recs = [r.public() for r in _node(state_dir).sandboxes()]
+        if json_out:
+            print_json(recs)
+            return
+        t = time.time()
+        rows = [(r["id"], r["backend"], r["image"], r["status"], f"{t - r['created']:.0f}s",
+                 "" if r["expires"] is None else f"{max(0, r['expires'] - t):.0f}s")
+                for r in recs]
+        table(None, ["ID", "BACKEND", "IMAGE", "STATUS", "AGE", "TTL LEFT"], rows)
+
+    @app.command()
+    def rm(
+        sandboxes: Annotated[list[str], typer.Argument(help="sandbox ids")],
+        json_out: JsonOpt = False,
+        state_dir: StateOpt = None,
+    ) -> None:
+        """Remove sandboxes (stops everything they run)."""
+        from .render import print_json
+
+        node = _node(state_dir)
+        recs = [node.lookup(s) for s in sandboxes]  # all ids valid before anything is removed
+        removed = [node.remove(r.id).id for r in recs]
+        if json_out:
+            print_json({"removed": removed})
+        else:
+            for sid in removed:
+                typer.echo(sid)
+
+    @app.command()
+    def pause(sandbox: SandboxArg, json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+        """Freeze every process of a sandbox (cgroup freezer)."""
+        _status(_node(state_dir).pause(sandbox), json_out)
+
+    @app.command()
+    def resume(sandbox: SandboxArg, json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+        """Thaw a paused sandbox."""
+        _status(_node(state_dir).resume(sandbox), json_out)
+
+    @app.command()
+    def snapshot(
+        sandbox: SandboxArg,
+        as_: Annotated[str, typer.Option("--as", help="NAME@VERSION of the new image")],
+        push: Annotated[str | None,  # noqa: UP007
+                        typer.Option("--push", help="also push the image to this store URL")
+                        ] = None,
+        json_out: JsonOpt = False,
+        state_dir: StateOpt = None,
+    ) -> None:
+        """Turn a sandbox's changes into a new layer and an image stacking it."""
+        from .render import print_json
+
+        out = _node(state_dir).snapshot(sandbox, as_, push)
+        if json_out:
+            print_json(out)
+        else:
+            typer.echo(f"{out['image']} {out['image_digest'][:12]} "
+                       f"(layer {out['layer']} {out['layer_digest'][:12]})")
+
+
+def _status(rec: Any, json_out: bool) -> None:
+    from .render import print_json
+
+    if json_out:
+        print_json(rec.public())
+    else:
+        typer.echo(f"{rec.id} {rec.status}")
+
