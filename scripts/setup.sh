@@ -9,7 +9,7 @@ DEV=0
 [ "${1:-}" = "--dev" ] && DEV=1
 
 # Runtime: sandboxes (bubblewrap, runc), the example base layer (busybox-static), zstd.
-PKGS=(bubblewrap runc busybox-static zstd ca-certificates)
+PKGS=(bubblewrap runc busybox-static zstd ca-certificates gcc libc6-dev)
 # VM backends: QEMU (microvm, q35), guest root images (erofs-utils, e2fsprogs).
 PKGS+=(qemu-system-x86 erofs-utils e2fsprogs)
 # Tests: the real servers and peers they start.
@@ -35,6 +35,14 @@ stamp=".venv/.installed$extra"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e ".$extra"
   touch "$stamp"
+fi
+
+# The in-sandbox exec server: static, so it runs in any image (docs/agent.md).
+agent_src=dsec_cli/agent/dsec-agent.c
+agent_tag=$(sha256sum "$agent_src" | cut -c1-12)
+if [ ! -x dsec_cli/agent/dsec-agent ] || [ "$(cat dsec_cli/agent/.dsec-agent.tag 2>/dev/null)" != "$agent_tag" ]; then
+  gcc -static -O2 -o dsec_cli/agent/dsec-agent "$agent_src"
+  echo "$agent_tag" > dsec_cli/agent/.dsec-agent.tag
 fi
 
 # Guest kernel for the microvm/vm backends: Debian's linux-image-amd64, downloaded and

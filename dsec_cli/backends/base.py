@@ -70,6 +70,8 @@ class ExecResult:
     stderr: bytes
     duration: float
     timed_out: bool = False
+    oom_killed: bool = False  # the sandbox's memory limit killed a process during the exec
+    pids_limited: bool = False  # a fork failed on the pids limit (where the kernel counts it)
 
 
 class Backend(abc.ABC):

@@ -13,6 +13,8 @@ import typer
 
 from ..core.errors import DsecError
 from . import build as _build
+from . import gc as _gc
+from . import sandbox as _sandbox
 
 app = typer.Typer(
     name="dsec",
@@ -27,7 +29,7 @@ def _root() -> None:
     """Content-addressed layers and sandboxes for agentic-RL environments."""
 
 
-for _module in (_build,):
+for _module in (_build, _sandbox, _gc):
     _module.register(app)
 
 

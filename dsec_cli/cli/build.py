@@ -2,13 +2,104 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
+
+from .render import console, err_console, human_bytes, print_json, progress, table
+
+StoreOpt = Annotated[Optional[str], typer.Option("--store", help="store URL (default: embedded)")]  # noqa: UP007
+JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
+    def build(
+        specs: Annotated[Optional[list[Path]], typer.Argument(help="spec files or folders")] = None,  # noqa: UP007
+        store: StoreOpt = None,
+        force: Annotated[bool, typer.Option("--force", help="rebuild even if cached")] = False,
+        json_: JsonOpt = False,
+    ) -> None:
+        """Build layer and image specs (default: layerspecs/) into a store."""
+        from .. import sdk
+
+        with progress(not json_) as p:
+            files = p.add_task("files", total=None) if p else None
+            data = p.add_task("chunked", total=None) if p else None
+
+            def tick(kind: str, n: int) -> None:
+                if p is not None:
+                    p.advance(files if kind == "files" else data, n)
+
+            def log_line(line: str) -> None:
+                if not json_:
+                    err_console().print(f"  | {line}", style="dim", highlight=False, markup=False)
+
+            report = sdk.build(specs or None, store, force=force, progress=tick, on_log=log_line)
+        if json_:
+            print_json({"store": report.store, "items": [i.__dict__ for i in report.items],
+                        "warnings": report.warnings})
+            return
+        rows = [(i.ref, i.kind, i.manifest[:12], "cached" if i.cached else f"{i.seconds:.2f}s",
+                 human_bytes(i.size), human_bytes(i.stored_size),
+                 "" if i.cached or i.kind == "image" else human_bytes(i.new_bytes))
+                for i in report.items]
+        table(f"built into {report.store}", ["ref", "kind", "digest", "time", "size", "stored",
+                                             "new"], rows)
+
+    @app.command("ls")
+    def ls(
+        what: Annotated[str, typer.Argument(help="layers, images or all")] = "all",
+        store: StoreOpt = None,
+        json_: JsonOpt = False,
+    ) -> None:
+        """List layers and images in a store."""
+        from .. import sdk
+
+        items = sdk.list_images(what, store)
+        if json_:
+            print_json([i.__dict__ for i in items])
+            return
+        table(None, ["ref", "kind", "digest", "files", "size", "stored"],
+              [(i.ref, i.kind, i.digest[:12], i.files, human_bytes(i.size),
+                human_bytes(i.stored_size)) for i in items])
+
+    @app.command()
+    def inspect(
+        ref: Annotated[str, typer.Argument(help="NAME@VERSION or manifest digest")],
+        store: StoreOpt = None,
+        files: Annotated[bool, typer.Option("--files", help="list the layer's files")] = False,
+        json_: JsonOpt = False,
+    ) -> None:
+        """Show a layer's or image's manifest and index."""
+        from .. import sdk
+
+        doc = sdk.inspect(ref, store, files=files)
+        if json_:
+            print_json(doc)
+            return
+        console().print_json(data=doc, default=str)
+
+    @app.command()
+    def export(
+        ref: Annotated[str, typer.Argument(help="NAME@VERSION of a layer or image")],
+        dest: Annotated[Path, typer.Argument(help="a new directory, or a file ending in .tar")],
+        store: StoreOpt = None,
+        json_: JsonOpt = False,
+    ) -> None:
+        """Write an image's merged tree (whiteouts applied) to a directory or a tar."""
+        from .. import sdk
+
+        img = sdk.export_image(ref, dest, store)
+        if json_:
+            print_json({"ref": ref, "digest": img.digest, "dest": str(dest)})
+        else:
+            console().print(f"exported {ref} ({img.digest[:12]}) to {dest}")
+
+    @app.command()
     def version() -> None:
         """Print the dsec version."""
-        from importlib.metadata import version as v
+        from .. import __version__
 
-        typer.echo(v("dsec"))
+        typer.echo(__version__)

@@ -1,0 +1,291 @@
+"""Python client of the dsec-agent protocol (docs/agent.md).
+
+One `AgentClient` owns one byte stream (a unix socket to a container's agent, or the host end
+of a VM's virtio-serial port) and multiplexes requests over it: a reader thread routes each
+incoming frame to the request with the same id, so several execs, puts and gets can be in
+flight at once from different threads.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..backends.base import ExecResult, OutputCallback
+from ..core.errors import NotFoundError, SandboxError, UsageError
+
+# frame types, client -> agent
+T_EXEC, T_STDIN, T_PUT, T_GET, T_PING, T_SIGNAL = 1, 2, 3, 4, 5, 6
+# frame types, agent -> client
+T_STDOUT, T_STDERR, T_EXIT, T_RESULT, T_DATA = 16, 17, 18, 19, 20
+
+EXEC_F_STDIN = 1
+PUT_F_APPEND = 1
+MAX_FRAME = 16 << 20
+CHUNK = 1 << 20
+_HDR = struct.Struct(">IBI")
+
+
+class AgentError(SandboxError):
+    """The agent could not be reached or broke the protocol (not a failing command)."""
+
+
+def _s(value: str | bytes) -> bytes:
+    b = value.encode() if isinstance(value, str) else value
+    return struct.pack(">I", len(b)) + b
+
+
+def _encode_exec(argv: list[str], env: dict[str, str], cwd: str | None, flags: int,
+                 timeout: float | None) -> bytes:
+    if not argv:
+        raise UsageError("exec needs a command")
+    for part in [*argv, *env, *env.values(), cwd or ""]:
+        if "\0" in part:
+            raise UsageError("command, environment and working directory may not contain NUL")
+    timeout_ms = 0 if not timeout else max(1, int(timeout * 1000))
+    out = [struct.pack(">IIII", flags, timeout_ms, len(argv), len(env)), _s(cwd or "")]
+    out += [_s(a) for a in argv]
+    out += [_s(f"{k}={v}") for k, v in env.items()]
+    return b"".join(out)
+
+
+class _Request:
+    """Frames for one request id, delivered by the reader thread."""
+
+    def __init__(self) -> None:
+        self.frames: queue.SimpleQueue[tuple[int, bytes]] = queue.SimpleQueue()
+
+
+class ExecHandle:
+    """A running exec: feed its stdin, signal it, wait for its result."""
+
+    def __init__(self, client: AgentClient, rid: int, req: _Request,
+                 on_output: OutputCallback | None) -> None:
+        self._client, self.rid, self._req, self._on_output = client, rid, req, on_output
+        self._started = time.monotonic()
+
+    def write_stdin(self, data: bytes) -> None:
+        for i in range(0, len(data), CHUNK):
+            self._client._send(T_STDIN, self.rid, data[i:i + CHUNK])
+
+    def close_stdin(self) -> None:
+        self._client._send(T_STDIN, self.rid, b"")
+
+    def signal(self, signum: int) -> None:
+        self._client._send(T_SIGNAL, self.rid, struct.pack(">I", signum))
+
+    def wait(self) -> ExecResult:
+        out: list[bytes] = []
+        err: list[bytes] = []
+        try:
+            while True:
+                kind, payload = self._req.frames.get()
+                if kind == T_STDOUT or kind == T_STDERR:
+                    (out if kind == T_STDOUT else err).append(payload)
+                    if self._on_output is not None:
+                        self._on_output("stdout" if kind == T_STDOUT else "stderr", payload)
+                elif kind == T_EXIT:
+                    code, flags = struct.unpack(">iI", payload[:8])
+                    return ExecResult(exit_code=code, stdout=b"".join(out), stderr=b"".join(err),
+                                      duration=time.monotonic() - self._started,
+                                      timed_out=bool(flags & 1))
+                elif kind == T_RESULT:
+                    code, msg = _result(payload)
+                    raise SandboxError(f"exec failed in the sandbox: {msg or os.strerror(code)}")
+                elif kind < 0:
+                    raise AgentError(f"lost the connection to the sandbox agent: {payload.decode()}")
+        finally:
+            self._client._done(self.rid)
+
+
+def _result(payload: bytes) -> tuple[int, str]:
+    (code,) = struct.unpack(">i", payload[:4])
+    return code, payload[4:].decode(errors="replace")
+
+
+def _raise_for(code: int, msg: str, path: str) -> None:
+    if code == 0:
+        return
+    if code in (_errno.ENOENT, _errno.ENOTDIR):
+        raise NotFoundError(f"no such file in the sandbox: {path}")
+    if code in (_errno.EISDIR, _errno.EINVAL, _errno.EACCES, _errno.EPERM, _errno.EROFS):
+        raise UsageError(f"cannot access {path} in the sandbox: {msg}")
+    raise SandboxError(f"file transfer failed in the sandbox: {msg}")
+
+
+class AgentClient:
+    """A multiplexed connection to one dsec-agent."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._wlock = threading.Lock()
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Request] = {}
+        self._next = 1
+        self._closed: str | None = None
+        self._reader = threading.Thread(target=self._read_loop, name="dsec-agent-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    # -- connecting ----------------------------------------------------------------------------
+    @classmethod
+    def connect_unix(cls, path: str | Path, timeout: float = 10.0) -> AgentClient:
+        """Connect to an agent listening on a unix socket (any path length)."""
+        path = str(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        dir_fd = -1
+        try:
+            target = path
+            if len(path.encode()) > 100:
+                # sun_path holds 108 bytes: reach long paths through an O_PATH fd of the dir
+                dir_fd = os.open(os.path.dirname(path), os.O_PATH)
+                target = f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}"
+            sock.settimeout(timeout)
+            sock.connect(target)
+            sock.settimeout(None)
+        except OSError as e:
+            sock.close()
+            raise AgentError(f"cannot connect to the sandbox agent at {path}: {e.strerror or e}") \
+                from e
+        finally:
+            if dir_fd >= 0:
+                os.close(dir_fd)
+        return cls(sock)
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _open(self) -> tuple[int, _Request]:
+        with self._lock:
+            if self._closed is not None:
+                raise AgentError(f"the sandbox agent connection is closed: {self._closed}")
+            rid = self._next
+            self._next = (self._next + 1) & 0x7FFFFFFF or 1
+            req = _Request()
+            self._pending[rid] = req
+            return rid, req
+
+    def _done(self, rid: int) -> None:
+        with self._lock:
+            self._pending.pop(rid, None)
+
+    def _send(self, kind: int, rid: int, payload: bytes) -> None:
+        if len(payload) + 5 > MAX_FRAME:
+            raise UsageError("request too large for one agent frame")
+        data = _HDR.pack(len(payload) + 5, kind, rid) + payload
+        try:
+            with self._wlock:
+                self._sock.sendall(data)
+        except OSError as e:
+            raise AgentError(f"lost the connection to the sandbox agent: {e}") from e
+
+    def _recv_exact(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self._sock.recv(min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise EOFError("the agent closed the connection")
+            buf += chunk
+        return bytes(buf)
+
+    def _read_loop(self) -> None:
+        reason = "closed"
+        try:
+            while True:
+                length, kind, rid = _HDR.unpack(self._recv_exact(9))
+                payload = self._recv_exact(length - 5) if length > 5 else b""
+                with self._lock:
+                    req = self._pending.get(rid)
+                if req is not None:
+                    req.frames.put((kind, payload))
+        except (OSError, EOFError, struct.error) as e:
+            reason = str(e) or type(e).__name__
+        with self._lock:
+            self._closed = reason
+            pending = list(self._pending.values())
+        for req in pending:
+            req.frames.put((-1, reason.encode()))
+
+    def _wait_result(self, rid: int, req: _Request, sink: list[bytes] | None = None) -> tuple[int, str]:
+        try:
+            while True:
+                kind, payload = req.frames.get()
+                if kind == T_RESULT:
+                    return _result(payload)
+                if kind == T_DATA and sink is not None:
+                    sink.append(payload)
+                elif kind < 0:
+                    raise AgentError(f"lost the connection to the sandbox agent: {payload.decode()}")
+        finally:
+            self._done(rid)
+
+    # -- requests ------------------------------------------------------------------------------
+    def ping(self) -> str:
+        rid, req = self._open()
+        self._send(T_PING, rid, b"")
+        code, msg = self._wait_result(rid, req)
+        return msg
+
+    def start_exec(self, argv: list[str], env: dict[str, str] | None = None,
+                   cwd: str | None = None, timeout: float | None = None, stdin: bool = False,
+                   on_output: OutputCallback | None = None) -> ExecHandle:
+        payload = _encode_exec(list(argv), dict(env or {}), cwd,
+                               EXEC_F_STDIN if stdin else 0, timeout)
+        rid, req = self._open()
+        handle = ExecHandle(self, rid, req, on_output)
+        self._send(T_EXEC, rid, payload)
+        return handle
+
+    def exec(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
+             stdin: bytes | Iterable[bytes] | None = None, timeout: float | None = None,
+             on_output: OutputCallback | None = None) -> ExecResult:
+        h = self.start_exec(argv, env, cwd, timeout, stdin=stdin is not None, on_output=on_output)
+        if stdin is not None:
+            if isinstance(stdin, bytes | bytearray):
+                if stdin:
+                    h.write_stdin(bytes(stdin))
+            else:
+                for block in stdin:
+                    h.write_stdin(block)
+            h.close_stdin()
+        return h.wait()
+
+    def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        for off in range(0, max(len(data), 1), CHUNK):
+            flags = PUT_F_APPEND if off else 0
+            rid, req = self._open()
+            self._send(T_PUT, rid, struct.pack(">II", mode, flags) + _s(path)
+                       + data[off:off + CHUNK])
+            code, msg = self._wait_result(rid, req)
+            _raise_for(code, msg, path)
+
+    def get_file_with_mode(self, path: str) -> tuple[bytes, int]:
+        rid, req = self._open()
+        self._send(T_GET, rid, path.encode())
+        sink: list[bytes] = []
+        code, msg = self._wait_result(rid, req, sink)
+        _raise_for(code, msg, path)
+        (mode,) = struct.unpack(">I", sink[0][:4])
+        return b"".join(sink[1:]), mode
+
+    def get_file(self, path: str) -> bytes:
+        return self.get_file_with_mode(path)[0]

@@ -1,0 +1,622 @@
+/*
+ * dsec-agent: the exec server that runs inside every dsec sandbox (usually as its init).
+ *
+ * It serves one framed, multiplexed request/response protocol (docs/agent.md) over byte
+ * streams: accepted unix-socket connections (containers), an inherited fd (stdio), or a
+ * character device such as a virtio-serial port (VMs). Several execs may be in flight on one
+ * stream, told apart by request ids. As pid 1 it also reaps every orphaned process.
+ *
+ * Built static (`gcc -static -O2`) so it runs in any image, even one without a libc.
+ *
+ * usage: dsec-agent (--listen PATH | --fd N | --serial PATH) [--ready-fd N]
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PROTO_VERSION 1
+#define MAX_FRAME (16u << 20)
+#define MAX_CONN 128
+#define MAX_EXEC 1024
+#define IO_CHUNK 65536
+
+/* client -> agent */
+enum { T_EXEC = 1, T_STDIN = 2, T_PUT = 3, T_GET = 4, T_PING = 5, T_SIGNAL = 6 };
+/* agent -> client */
+enum { T_STDOUT = 16, T_STDERR = 17, T_EXIT = 18, T_RESULT = 19, T_DATA = 20 };
+
+#define EXEC_F_STDIN 1u  /* stdin comes in T_STDIN frames; otherwise /dev/null */
+#define PUT_F_APPEND 1u  /* append to the file instead of creating/truncating it */
+
+struct conn {
+    int fd;               /* -1: slot free */
+    int reopen;           /* a serial device: reopen on EOF instead of giving up */
+    uint8_t *buf;
+    size_t len, cap;
+};
+
+struct ex {
+    int used;
+    int conn;             /* -1 once the client went away: reap silently */
+    uint32_t id;
+    pid_t pid;
+    int out, err, in;     /* -1 when closed */
+    uint8_t *inbuf;
+    size_t inlen;
+    int in_eof;
+    int64_t deadline;     /* monotonic ms, 0 = none */
+    int timed_out;
+};
+
+static struct conn conns[MAX_CONN];
+static struct ex execs[MAX_EXEC];
+static int listen_fd = -1;
+static int sig_pipe[2];
+static volatile sig_atomic_t terminate;
+static const char *serial_path;
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void put32(uint8_t *p, uint32_t v) {
+    p[0] = v >> 24; p[1] = v >> 16; p[2] = v >> 8; p[3] = v;
+}
+
+static uint32_t get32(const uint8_t *p) {
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+static void set_nonblock(int fd, int on) {
+    int fl = fcntl(fd, F_GETFL);
+    fcntl(fd, F_SETFL, on ? (fl | O_NONBLOCK) : (fl & ~O_NONBLOCK));
+}
+
+static void close_conn(int ci);
+
+/* Frames to one connection are written whole and in order; a slow client only slows itself
+ * and the agent, never corrupts the stream. */
+static int send_frame(int ci, uint8_t type, uint32_t id, const void *a, size_t alen,
+                      const void *b, size_t blen) {
+    if (ci < 0 || conns[ci].fd < 0) return -1;
+    uint8_t hdr[9];
+    put32(hdr, (uint32_t)(5 + alen + blen));
+    hdr[4] = type;
+    put32(hdr + 5, id);
+    const void *parts[3] = {hdr, a, b};
+    size_t lens[3] = {9, alen, blen};
+    for (int i = 0; i < 3; i++) {
+        const uint8_t *p = parts[i];
+        size_t n = lens[i];
+        while (n > 0) {
+            ssize_t w = write(conns[ci].fd, p, n);
+            if (w < 0 && errno == EINTR) continue;
+            if (w < 0 && errno == EAGAIN) {
+                struct pollfd pf = {conns[ci].fd, POLLOUT, 0};
+                poll(&pf, 1, 1000);
+                continue;
+            }
+            if (w <= 0) { close_conn(ci); return -1; }
+            p += w; n -= (size_t)w;
+        }
+    }
+    return 0;
+}
+
+static void send_result(int ci, uint32_t id, int32_t err, const char *msg) {
+    uint8_t code[4];
+    put32(code, (uint32_t)err);
+    send_frame(ci, T_RESULT, id, code, 4, msg, msg ? strlen(msg) : 0);
+}
+
+static void send_errno(int ci, uint32_t id, const char *what, const char *path) {
+    char msg[4200];
+    int e = errno;
+    snprintf(msg, sizeof msg, "%s %s: %s", what, path, strerror(e));
+    send_result(ci, id, e ? e : EIO, msg);
+}
+
+static void kill_exec(struct ex *x, int sig) {
+    if (x->pid > 0) {
+        kill(-x->pid, sig);  /* the exec leads its own process group */
+        kill(x->pid, sig);
+    }
+}
+
+static void close_conn(int ci) {
+    if (conns[ci].fd < 0) return;
+    close(conns[ci].fd);
+    conns[ci].fd = -1;
+    free(conns[ci].buf);
+    conns[ci].buf = NULL;
+    conns[ci].len = conns[ci].cap = 0;
+    for (int i = 0; i < MAX_EXEC; i++) {
+        if (execs[i].used && execs[i].conn == ci) {
+            kill_exec(&execs[i], SIGKILL);
+            execs[i].conn = -1;
+        }
+    }
+}
+
+static struct ex *find_exec(int ci, uint32_t id) {
+    for (int i = 0; i < MAX_EXEC; i++)
+        if (execs[i].used && execs[i].conn == ci && execs[i].id == id) return &execs[i];
+    return NULL;
+}
+
+static void close_fd(int *fd) {
+    if (*fd >= 0) { close(*fd); *fd = -1; }
+}
+
+/* Read what a pipe holds now; forward it. Returns 0 on EOF or error (pipe closed). */
+static int pump(struct ex *x, int *fd, uint8_t type) {
+    static uint8_t buf[IO_CHUNK];
+    for (;;) {
+        ssize_t r = read(*fd, buf, sizeof buf);
+        if (r > 0) {
+            send_frame(x->conn, type, x->id, buf, (size_t)r, NULL, 0);
+            continue;
+        }
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && errno == EAGAIN) return 1;
+        close_fd(fd);
+        return 0;
+    }
+}
+
+static void flush_stdin(struct ex *x) {
+    while (x->in >= 0 && x->inlen > 0) {
+        ssize_t w = write(x->in, x->inbuf, x->inlen);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && errno == EAGAIN) return;
+        if (w <= 0) { close_fd(&x->in); x->inlen = 0; return; }
+        memmove(x->inbuf, x->inbuf + w, x->inlen - (size_t)w);
+        x->inlen -= (size_t)w;
+    }
+    if (x->in >= 0 && x->in_eof && x->inlen == 0) close_fd(&x->in);
+}
+
+static void finish_exec(struct ex *x, int status) {
+    /* The process is gone, so everything it wrote is already in the pipes: drain them, then
+     * stop listening (a background grandchild holding the pipe must not stall the reply). */
+    if (x->out >= 0) pump(x, &x->out, T_STDOUT);
+    if (x->err >= 0) pump(x, &x->err, T_STDERR);
+    close_fd(&x->out);
+    close_fd(&x->err);
+    close_fd(&x->in);
+    int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    uint8_t p[8];
+    put32(p, (uint32_t)code);
+    put32(p + 4, x->timed_out ? 1u : 0u);
+    if (x->conn >= 0) send_frame(x->conn, T_EXIT, x->id, p, 8, NULL, 0);
+    free(x->inbuf);
+    memset(x, 0, sizeof *x);
+    x->out = x->err = x->in = -1;
+}
+
+static void reap(void) {
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (int i = 0; i < MAX_EXEC; i++) {
+            if (execs[i].used && execs[i].pid == pid) {
+                finish_exec(&execs[i], status);
+                break;
+            }
+        }
+        /* any other pid was an orphan re-parented to us as init: reaping it is the job */
+    }
+}
+
+/* --- request decoding ------------------------------------------------------------------- */
+
+struct rd { const uint8_t *p; size_t n; int bad; };
+
+static uint32_t rd32(struct rd *r) {
+    if (r->n < 4) { r->bad = 1; return 0; }
+    uint32_t v = get32(r->p);
+    r->p += 4; r->n -= 4;
+    return v;
+}
+
+static char *rdstr(struct rd *r) {
+    uint32_t len = rd32(r);
+    if (r->bad || len > r->n) { r->bad = 1; return NULL; }
+    char *s = malloc(len + 1);
+    if (!s) { r->bad = 1; return NULL; }
+    memcpy(s, r->p, len);
+    s[len] = 0;
+    r->p += len; r->n -= len;
+    return s;
+}
+
+static void do_exec(int ci, uint32_t id, const uint8_t *p, size_t n) {
+    struct rd r = {p, n, 0};
+    uint32_t flags = rd32(&r), timeout_ms = rd32(&r), argc = rd32(&r), envc = rd32(&r);
+    if (r.bad || argc == 0 || argc > 65536 || envc > 65536) {
+        send_result(ci, id, EINVAL, "malformed exec request");
+        return;
+    }
+    if (find_exec(ci, id)) { send_result(ci, id, EEXIST, "request id already in use"); return; }
+    struct ex *x = NULL;
+    for (int i = 0; i < MAX_EXEC; i++) if (!execs[i].used) { x = &execs[i]; break; }
+    if (!x) { send_result(ci, id, EAGAIN, "too many execs in flight"); return; }
+
+    char *cwd = rdstr(&r);
+    char **argv = calloc(argc + 1, sizeof *argv);
+    char **env = calloc(envc + 1, sizeof *env);
+    for (uint32_t i = 0; i < argc && !r.bad; i++) argv[i] = rdstr(&r);
+    for (uint32_t i = 0; i < envc && !r.bad; i++) env[i] = rdstr(&r);
+    int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1};
+    if (r.bad) {
+        send_result(ci, id, EINVAL, "malformed exec request");
+        goto out;
+    }
+    if (pipe2(po, O_CLOEXEC) || pipe2(pe, O_CLOEXEC) ||
+        ((flags & EXEC_F_STDIN) && pipe2(pi, O_CLOEXEC))) {
+        send_errno(ci, id, "pipe", "");
+        goto out;
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+        send_errno(ci, id, "fork", argv[0]);
+        goto out;
+    }
+    if (pid == 0) {
+        setsid();
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        signal(SIGPIPE, SIG_DFL);
+        signal(SIGCHLD, SIG_DFL);
+        signal(SIGTERM, SIG_DFL);
+        int in = (flags & EXEC_F_STDIN) ? pi[0] : open("/dev/null", O_RDONLY);
+        dup2(in, 0);
+        dup2(po[1], 1);
+        dup2(pe[1], 2);
+        for (uint32_t i = 0; i < envc; i++) putenv(env[i]);
+        if (cwd && *cwd && chdir(cwd) != 0) {
+            dprintf(2, "dsec-agent: cannot enter working directory %s: %s\n", cwd, strerror(errno));
+            _exit(126);
+        }
+        execvp(argv[0], argv);
+        int e = errno;
+        dprintf(2, "dsec-agent: cannot execute %s: %s\n", argv[0], strerror(e));
+        _exit(e == ENOENT ? 127 : 126);
+    }
+    memset(x, 0, sizeof *x);
+    x->used = 1;
+    x->conn = ci;
+    x->id = id;
+    x->pid = pid;
+    x->out = po[0];
+    x->err = pe[0];
+    x->in = (flags & EXEC_F_STDIN) ? pi[1] : -1;
+    x->deadline = timeout_ms ? now_ms() + timeout_ms : 0;
+    close(po[1]); close(pe[1]);
+    if (pi[0] >= 0) close(pi[0]);
+    set_nonblock(x->out, 1);
+    set_nonblock(x->err, 1);
+    if (x->in >= 0) set_nonblock(x->in, 1);
+    po[0] = po[1] = pe[0] = pe[1] = pi[0] = pi[1] = -1;
+out:
+    for (int i = 0; i < 2; i++) {
+        if (po[i] >= 0) close(po[i]);
+        if (pe[i] >= 0) close(pe[i]);
+        if (pi[i] >= 0) close(pi[i]);
+    }
+    free(cwd);
+    for (uint32_t i = 0; i < argc; i++) free(argv[i]);
+    for (uint32_t i = 0; i < envc; i++) free(env[i]);
+    free(argv);
+    free(env);
+}
+
+static void do_stdin(int ci, uint32_t id, const uint8_t *p, size_t n) {
+    struct ex *x = find_exec(ci, id);
+    if (!x || x->in < 0) return;  /* the process already closed its stdin: drop, like a pipe */
+    if (n == 0) {
+        x->in_eof = 1;
+    } else {
+        uint8_t *nb = realloc(x->inbuf, x->inlen + n);
+        if (!nb) return;
+        x->inbuf = nb;
+        memcpy(x->inbuf + x->inlen, p, n);
+        x->inlen += n;
+    }
+    flush_stdin(x);
+}
+
+static int mkparents(char *path) {
+    for (char *s = path + 1; *s; s++) {
+        if (*s != '/') continue;
+        *s = 0;
+        int rc = mkdir(path, 0755);
+        *s = '/';
+        if (rc != 0 && errno != EEXIST) return -1;
+    }
+    return 0;
+}
+
+static void do_put(int ci, uint32_t id, const uint8_t *p, size_t n) {
+    struct rd r = {p, n, 0};
+    uint32_t mode = rd32(&r), flags = rd32(&r);
+    char *path = rdstr(&r);
+    if (r.bad || !path || !*path) { send_result(ci, id, EINVAL, "malformed put request"); free(path); return; }
+    int fd = -1;
+    if (!(flags & PUT_F_APPEND) && mkparents(path) != 0) {
+        send_errno(ci, id, "mkdir parents of", path);
+        goto out;
+    }
+    fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | ((flags & PUT_F_APPEND) ? O_APPEND : O_TRUNC),
+              mode & 07777);
+    if (fd < 0) { send_errno(ci, id, "open", path); goto out; }
+    if (!(flags & PUT_F_APPEND)) fchmod(fd, mode & 07777);
+    while (r.n > 0) {
+        ssize_t w = write(fd, r.p, r.n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) { send_errno(ci, id, "write", path); goto out; }
+        r.p += w; r.n -= (size_t)w;
+    }
+    send_result(ci, id, 0, NULL);
+out:
+    if (fd >= 0) close(fd);
+    free(path);
+}
+
+static void do_get(int ci, uint32_t id, const uint8_t *p, size_t n) {
+    char *path = malloc(n + 1);
+    memcpy(path, p, n);
+    path[n] = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0) { send_errno(ci, id, "open", path); goto out; }
+    if (fstat(fd, &st) != 0) { send_errno(ci, id, "stat", path); goto out; }
+    if (!S_ISREG(st.st_mode)) {
+        errno = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+        send_errno(ci, id, "read", path);
+        goto out;
+    }
+    uint8_t mode[4];
+    put32(mode, st.st_mode & 07777);
+    static uint8_t buf[1 << 20];
+    send_frame(ci, T_DATA, id, mode, 4, NULL, 0);  /* first DATA frame: the file mode */
+    for (;;) {
+        ssize_t rr = read(fd, buf, sizeof buf);
+        if (rr < 0 && errno == EINTR) continue;
+        if (rr < 0) { send_errno(ci, id, "read", path); goto out; }
+        if (rr == 0) break;
+        if (send_frame(ci, T_DATA, id, buf, (size_t)rr, NULL, 0) != 0) goto out;
+    }
+    send_result(ci, id, 0, NULL);
+out:
+    if (fd >= 0) close(fd);
+    free(path);
+}
+
+static void handle_frame(int ci, uint8_t type, uint32_t id, const uint8_t *p, size_t n) {
+    switch (type) {
+    case T_EXEC: do_exec(ci, id, p, n); break;
+    case T_STDIN: do_stdin(ci, id, p, n); break;
+    case T_PUT: do_put(ci, id, p, n); break;
+    case T_GET: do_get(ci, id, p, n); break;
+    case T_PING: {
+        char msg[64];
+        snprintf(msg, sizeof msg, "dsec-agent %d pid %d", PROTO_VERSION, (int)getpid());
+        send_result(ci, id, 0, msg);
+        break;
+    }
+    case T_SIGNAL: {
+        struct ex *x = find_exec(ci, id);
+        if (x && n >= 4) kill_exec(x, (int)get32(p));
+        break;
+    }
+    default: send_result(ci, id, ENOSYS, "unknown request type");
+    }
+}
+
+static int open_serial(void) {
+    int fd = open(serial_path, O_RDWR | O_CLOEXEC | O_NOCTTY);
+    return fd;
+}
+
+static void read_conn(int ci) {
+    struct conn *c = &conns[ci];
+    if (c->cap - c->len < IO_CHUNK) {
+        size_t cap = c->cap ? c->cap * 2 : 4 * IO_CHUNK;
+        while (cap - c->len < IO_CHUNK) cap *= 2;
+        uint8_t *nb = realloc(c->buf, cap);
+        if (!nb) { close_conn(ci); return; }
+        c->buf = nb;
+        c->cap = cap;
+    }
+    ssize_t r = read(c->fd, c->buf + c->len, c->cap - c->len);
+    if (r < 0 && (errno == EINTR || errno == EAGAIN)) return;
+    if (r <= 0) {
+        int reopen = c->reopen;
+        close_conn(ci);
+        if (reopen) {  /* the host side of a serial port went away: wait for the next one */
+            usleep(50000);
+            int fd = open_serial();
+            if (fd >= 0) { conns[ci].fd = fd; conns[ci].reopen = 1; }
+        }
+        return;
+    }
+    c->len += (size_t)r;
+    size_t off = 0;
+    while (c->len - off >= 9) {
+        uint32_t flen = get32(c->buf + off);
+        if (flen < 5 || flen > MAX_FRAME) { close_conn(ci); return; }
+        if (c->len - off < 4 + (size_t)flen) break;
+        uint8_t type = c->buf[off + 4];
+        uint32_t id = get32(c->buf + off + 5);
+        handle_frame(ci, type, id, c->buf + off + 9, flen - 5);
+        if (conns[ci].fd < 0) return;  /* closed while handling */
+        off += 4 + (size_t)flen;
+    }
+    memmove(c->buf, c->buf + off, c->len - off);
+    c->len -= off;
+}
+
+static int add_conn(int fd, int reopen) {
+    for (int i = 0; i < MAX_CONN; i++) {
+        if (conns[i].fd < 0) {
+            conns[i].fd = fd;
+            conns[i].reopen = reopen;
+            return i;
+        }
+    }
+    close(fd);
+    return -1;
+}
+
+static void on_signal(int sig) {
+    if (sig == SIGTERM || sig == SIGINT) terminate = 1;
+    int e = errno;
+    ssize_t w = write(sig_pipe[1], "x", 1);
+    (void)w;
+    errno = e;
+}
+
+static void usage(void) {
+    fprintf(stderr, "usage: dsec-agent (--listen PATH | --fd N | --serial PATH) [--ready-fd N]\n");
+    exit(2);
+}
+
+int main(int argc, char **argv) {
+    const char *listen_path = NULL;
+    int serve_fd = -1, ready_fd = -1;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--listen") && i + 1 < argc) listen_path = argv[++i];
+        else if (!strcmp(argv[i], "--fd") && i + 1 < argc) serve_fd = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--serial") && i + 1 < argc) serial_path = argv[++i];
+        else if (!strcmp(argv[i], "--ready-fd") && i + 1 < argc) ready_fd = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--version")) { printf("dsec-agent %d\n", PROTO_VERSION); return 0; }
+        else usage();
+    }
+    if (!listen_path && serve_fd < 0 && !serial_path) usage();
+    for (int i = 0; i < MAX_CONN; i++) conns[i].fd = -1;
+    for (int i = 0; i < MAX_EXEC; i++) execs[i].out = execs[i].err = execs[i].in = -1;
+
+    if (pipe2(sig_pipe, O_CLOEXEC | O_NONBLOCK) != 0) { perror("pipe"); return 1; }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+    sigaction(SIGCHLD, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    if (listen_path) {
+        struct sockaddr_un addr;
+        memset(&addr, 0, sizeof addr);
+        addr.sun_family = AF_UNIX;
+        if (strlen(listen_path) >= sizeof addr.sun_path) { fprintf(stderr, "socket path too long\n"); return 1; }
+        strcpy(addr.sun_path, listen_path);
+        unlink(listen_path);
+        listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (listen_fd < 0 || bind(listen_fd, (struct sockaddr *)&addr, sizeof addr) != 0 ||
+            listen(listen_fd, 128) != 0) {
+            perror("dsec-agent: listen");
+            return 1;
+        }
+        set_nonblock(listen_fd, 1);
+    }
+    if (serve_fd >= 0) {
+        fcntl(serve_fd, F_SETFD, FD_CLOEXEC);
+        add_conn(serve_fd, 0);
+    }
+    if (serial_path) {
+        int fd = open_serial();
+        if (fd < 0) { perror("dsec-agent: open serial"); return 1; }
+        add_conn(fd, 1);
+    }
+    if (ready_fd >= 0) {
+        ssize_t w = write(ready_fd, "R", 1);
+        (void)w;
+        close(ready_fd);
+    }
+
+    static struct pollfd pfds[2 + MAX_CONN + 3 * MAX_EXEC];
+    static int kind[2 + MAX_CONN + 3 * MAX_EXEC], idx[2 + MAX_CONN + 3 * MAX_EXEC];
+    while (!terminate) {
+        int n = 0;
+        int64_t next = 0;
+        pfds[n] = (struct pollfd){sig_pipe[0], POLLIN, 0}; kind[n++] = 0;
+        if (listen_fd >= 0) { pfds[n] = (struct pollfd){listen_fd, POLLIN, 0}; kind[n++] = 1; }
+        for (int i = 0; i < MAX_CONN; i++)
+            if (conns[i].fd >= 0) { pfds[n] = (struct pollfd){conns[i].fd, POLLIN, 0}; kind[n] = 2; idx[n++] = i; }
+        for (int i = 0; i < MAX_EXEC; i++) {
+            struct ex *x = &execs[i];
+            if (!x->used) continue;
+            if (x->out >= 0) { pfds[n] = (struct pollfd){x->out, POLLIN, 0}; kind[n] = 3; idx[n++] = i; }
+            if (x->err >= 0) { pfds[n] = (struct pollfd){x->err, POLLIN, 0}; kind[n] = 4; idx[n++] = i; }
+            if (x->in >= 0 && x->inlen > 0) { pfds[n] = (struct pollfd){x->in, POLLOUT, 0}; kind[n] = 5; idx[n++] = i; }
+            if (x->deadline && !x->timed_out && (!next || x->deadline < next)) next = x->deadline;
+        }
+        int timeout = -1;
+        if (next) {
+            int64_t d = next - now_ms();
+            timeout = d < 0 ? 0 : (int)d;
+        }
+        int rc = poll(pfds, (nfds_t)n, timeout);
+        if (rc < 0 && errno != EINTR) { perror("poll"); return 1; }
+        int64_t t = now_ms();
+        for (int i = 0; i < MAX_EXEC; i++) {
+            struct ex *x = &execs[i];
+            if (x->used && x->deadline && !x->timed_out && t >= x->deadline) {
+                x->timed_out = 1;
+                kill_exec(x, SIGKILL);
+            }
+        }
+        if (rc <= 0) { if (rc == 0 || errno == EINTR) reap(); continue; }
+        for (int k = 0; k < n; k++) {
+            if (!pfds[k].revents) continue;
+            switch (kind[k]) {
+            case 0: {
+                char b[256];
+                while (read(sig_pipe[0], b, sizeof b) > 0) {}
+                break;
+            }
+            case 1: {
+                int fd;
+                while ((fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC)) >= 0) add_conn(fd, 0);
+                break;
+            }
+            case 2:
+                if (conns[idx[k]].fd == pfds[k].fd) read_conn(idx[k]);
+                break;
+            case 3:
+                if (execs[idx[k]].used && execs[idx[k]].out == pfds[k].fd)
+                    pump(&execs[idx[k]], &execs[idx[k]].out, T_STDOUT);
+                break;
+            case 4:
+                if (execs[idx[k]].used && execs[idx[k]].err == pfds[k].fd)
+                    pump(&execs[idx[k]], &execs[idx[k]].err, T_STDERR);
+                break;
+            case 5:
+                if (execs[idx[k]].used && execs[idx[k]].in == pfds[k].fd) flush_stdin(&execs[idx[k]]);
+                break;
+            }
+        }
+        reap();
+    }
+    for (int i = 0; i < MAX_EXEC; i++) if (execs[i].used) kill_exec(&execs[i], SIGKILL);
+    return 0;
+}

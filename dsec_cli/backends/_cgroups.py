@@ -1,0 +1,262 @@
+"""Cgroups for sandboxes on whatever hierarchy the node mounts: v2 unified, v1 per controller,
+or the v1/v2 hybrid of many hosts (controllers on v1, an empty unified tree beside them).
+
+A `Cgroup` names one relative path (for example ``dsec-1a2b3c4d/<sandbox id>``) and resolves it
+in every hierarchy that holds a controller dsec uses. runc creates the same paths for
+containers; fncall sandboxes create them here. Either way dsec reads counters, freezes and
+removes through this one class.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from ..core.errors import BackendError
+
+ROOT = Path("/sys/fs/cgroup")
+CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+
+
+@dataclass(frozen=True)
+class Layout:
+    version: int  # 1 or 2
+    mounts: dict[str, Path]  # controller -> hierarchy root (v2: all the same)
+    roots: tuple[Path, ...] = ()  # every cgroup hierarchy mounted (runc makes groups in all)
+
+
+@cache
+def layout() -> Layout:
+    """Probe what is mounted (read once per process)."""
+    if (ROOT / "cgroup.controllers").is_file():
+        return Layout(2, {c: ROOT for c in CONTROLLERS}, (ROOT,))
+    mounts: dict[str, Path] = {}
+    roots: list[Path] = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = right.split()
+            if not fields or fields[0] not in ("cgroup", "cgroup2"):
+                continue
+            mountpoint = Path(left.split()[4])
+            if mountpoint not in roots:
+                roots.append(mountpoint)
+            if fields[0] == "cgroup2":
+                continue
+            for opt in fields[2].split(","):
+                if opt in CONTROLLERS and opt not in mounts:
+                    mounts[opt] = mountpoint
+    return Layout(1, mounts, tuple(roots))
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+class Cgroup:
+    def __init__(self, rel: str) -> None:
+        self.rel = rel.strip("/")
+        self.layout = layout()
+
+    def dirs(self) -> dict[str, Path]:
+        return {c: m / self.rel for c, m in self.layout.mounts.items()}
+
+    def all_dirs(self) -> list[Path]:
+        return [r / self.rel for r in self.layout.roots]
+
+    def path(self, controller: str) -> Path | None:
+        m = self.layout.mounts.get(controller)
+        return None if m is None else m / self.rel
+
+    # -- creation ------------------------------------------------------------------------------
+    def create(self, memory: int | None = None, pids: int | None = None,
+               cpus: float | None = None) -> None:
+        """Make the group in every hierarchy and set its limits (the caller joins it)."""
+        try:
+            if self.layout.version == 2:
+                self._enable_v2_controllers()
+            for d in set(self.dirs().values()):
+                d.mkdir(parents=True, exist_ok=True)
+            self._limit(memory, pids, cpus)
+        except OSError as e:
+            self.remove()
+            raise BackendError(f"cannot set up cgroup {self.rel}: {e}") from e
+
+    def _enable_v2_controllers(self) -> None:
+        parent = ROOT
+        for part in Path(self.rel).parts[:-1]:
+            _write(parent / "cgroup.subtree_control", "+memory +pids +cpu")
+            parent = parent / part
+            parent.mkdir(exist_ok=True)
+        _write(parent / "cgroup.subtree_control", "+memory +pids +cpu")
+
+    def _limit(self, memory: int | None, pids: int | None, cpus: float | None) -> None:
+        v2 = self.layout.version == 2
+        mem, pid, cpu = self.path("memory"), self.path("pids"), self.path("cpu")
+        if memory and mem:
+            if v2:
+                _write(mem / "memory.max", str(memory))
+                _write(mem / "memory.swap.max", "0")
+            else:
+                _write(mem / "memory.limit_in_bytes", str(memory))
+                if (mem / "memory.memsw.limit_in_bytes").exists():
+                    _write(mem / "memory.memsw.limit_in_bytes", str(memory))
+        if pids and pid:
+            _write(pid / "pids.max", str(pids))
+        if cpus and cpu:
+            quota = max(1000, int(cpus * 100000))
+            if v2:
+                _write(cpu / "cpu.max", f"{quota} 100000")
+            else:
+                _write(cpu / "cpu.cfs_period_us", "100000")
+                _write(cpu / "cpu.cfs_quota_us", str(quota))
+
+    def add(self, pid: int) -> None:
+        for d in set(self.dirs().values()):
+            _write(d / "cgroup.procs", str(pid))
+
+    # -- state ---------------------------------------------------------------------------------
+    def exists(self) -> bool:
+        return any(d.is_dir() for d in self.all_dirs())
+
+    def procs(self) -> list[int]:
+        out: set[int] = set()
+        for d in set(self.dirs().values()):
+            try:
+                out.update(int(x) for x in (d / "cgroup.procs").read_text().split())
+            except OSError:
+                pass
+        return sorted(out)
+
+    def freeze(self) -> None:
+        self._freezer(True)
+
+    def thaw(self) -> None:
+        self._freezer(False)
+
+    def frozen(self) -> bool:
+        f = self.path("freezer")
+        try:
+            if self.layout.version == 2 and f:
+                return (f / "cgroup.freeze").read_text().strip() == "1"
+            return f is not None and (f / "freezer.state").read_text().strip() != "THAWED"
+        except OSError:
+            return False
+
+    def _freezer(self, freeze: bool) -> None:
+        f = self.path("freezer")
+        if f is None:
+            raise BackendError("no freezer cgroup is mounted on this node: cannot pause")
+        try:
+            if self.layout.version == 2:
+                _write(f / "cgroup.freeze", "1" if freeze else "0")
+                return
+            want = "FROZEN" if freeze else "THAWED"
+            _write(f / "freezer.state", want)
+            for _ in range(2000):  # v1 freezing is asynchronous: wait until it settles
+                if (f / "freezer.state").read_text().strip() == want:
+                    return
+                time.sleep(0.001)
+                _write(f / "freezer.state", want)
+        except OSError as e:
+            raise BackendError(f"cannot {'freeze' if freeze else 'thaw'} {self.rel}: {e}") from e
+        raise BackendError(f"cgroup {self.rel} did not settle {'frozen' if freeze else 'thawed'}")
+
+    def counters(self) -> dict[str, int]:
+        """Memory use, OOM kills and pids, for reporting limits that were hit."""
+        out: dict[str, int] = {}
+        mem, pid = self.path("memory"), self.path("pids")
+        try:
+            if mem:
+                if self.layout.version == 2:
+                    out["memory"] = int((mem / "memory.current").read_text())
+                    ev = (mem / "memory.events").read_text()
+                else:
+                    out["memory"] = int((mem / "memory.usage_in_bytes").read_text())
+                    ev = (mem / "memory.oom_control").read_text()
+                for line in ev.splitlines():
+                    k, _, v = line.partition(" ")
+                    if k == "oom_kill":
+                        out["oom_kills"] = int(v)
+            if pid:
+                out["pids"] = int((pid / "pids.current").read_text())
+                ev_path = pid / "pids.events"
+                if ev_path.exists():
+                    out["pids_max_hits"] = int(ev_path.read_text().split()[-1])
+        except (OSError, ValueError):
+            pass
+        return out
+
+    # -- removal -------------------------------------------------------------------------------
+    def kill_all(self) -> None:
+        if self.frozen():
+            # a frozen task cannot act on SIGKILL (v1): thaw first, after queueing the kill
+            for p in self.procs():
+                _kill(p)
+            self.thaw()
+        for p in self.procs():
+            _kill(p)
+
+    def remove(self, timeout: float = 10.0) -> None:
+        """Kill what is left inside and remove the group from every hierarchy."""
+        deadline = time.monotonic() + timeout
+        dirs = self.all_dirs()
+        while True:
+            self.kill_all()
+            busy = False
+            for d in dirs:
+                busy |= _rmtree_cgroup(d)
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                raise BackendError(f"cgroup {self.rel} still has processes after SIGKILL")
+            time.sleep(0.002)
+
+    def remove_if_empty(self) -> None:
+        """rmdir the group where nothing uses it (a parent shared with concurrent creates)."""
+        for d in self.all_dirs():
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _rmtree_cgroup(d: Path) -> bool:
+    """rmdir a cgroup and its children, deepest first; True if something is still busy."""
+    if not d.is_dir():
+        return False
+    busy = False
+    for child in [c for c in d.iterdir() if c.is_dir()]:
+        busy |= _rmtree_cgroup(child)
+    try:
+        d.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+            raise BackendError(f"cannot remove cgroup {d}: {e}") from e
+        busy = True
+    return busy
+
+
+def children(parent_rel: str) -> set[str]:
+    """Names of the groups under a parent in any hierarchy (for reconcile)."""
+    out: set[str] = set()
+    for m in layout().roots:
+        d = m / parent_rel
+        if d.is_dir():
+            out.update(c.name for c in d.iterdir() if c.is_dir())
+    return out

@@ -1,0 +1,166 @@
+"""Root filesystems for process sandboxes: overlay mounts of layer dirs, the small skeleton
+layer that carries dsec's mount points, and the readiness handshake with the agent.
+
+Mounting goes through libc directly (no `mount` process per sandbox); options longer than
+a page fall back to mount(8) run from the common parent with relative paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import select
+import shutil
+import subprocess
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..core.errors import BackendError
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+MNT_DETACH = 2
+CLONE_NEWNET = 0x40000000
+
+#: mount points the skeleton layer provides, so nothing is created in a sandbox's upper dir
+SKELETON_DIRS = ("proc", "sys", "dev", "tmp", ".dsec/run")
+AGENT_IN_SANDBOX = "/.dsec/agent"
+SOCKET_IN_SANDBOX = "/.dsec/run/agent.sock"
+
+
+def make_skeleton(path: Path) -> Path:
+    """A tiny top lower layer holding dsec's mount points (empty dirs and one file)."""
+    for d in SKELETON_DIRS:
+        (path / d).mkdir(parents=True, exist_ok=True)
+    (path / "tmp").chmod(0o1777)
+    (path / AGENT_IN_SANDBOX.lstrip("/")).touch(mode=0o755)
+    return path
+
+
+def mount_overlay(target: Path, lower_dirs: Sequence[Path], upper: Path | None = None,
+                  work: Path | None = None) -> None:
+    """Mount an overlay at target. Without upper it is read-only (needs >= 2 lower dirs).
+    lower_dirs are bottom to top (dsec's order); overlayfs wants top first."""
+    target.mkdir(parents=True, exist_ok=True)
+    lowers = [str(p) for p in reversed(lower_dirs)]
+    opts = "lowerdir=" + ":".join(lowers)
+    if upper is not None and work is not None:
+        opts += f",upperdir={upper},workdir={work}"
+    opts += ",index=off,xino=off"
+    if len(opts) < 4000:
+        rc = _libc.mount(b"overlay", str(target).encode(), b"overlay", 0, opts.encode())
+        if rc == 0:
+            return
+        e = ctypes.get_errno()
+        raise BackendError(f"cannot mount the sandbox rootfs at {target}: {os.strerror(e)}")
+    # too long for one page of options: relative paths from the common parent
+    common = Path(os.path.commonpath([*lowers, str(upper or target), str(target)]))
+    rel = opts.replace(str(common) + "/", "")
+    proc = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", rel, str(target)],
+                          cwd=common, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BackendError(f"cannot mount the sandbox rootfs at {target}: {proc.stderr.strip()}")
+
+
+def umount(target: Path) -> None:
+    """Unmount, detaching lazily if something still holds it; quiet when not mounted."""
+    if _libc.umount2(str(target).encode(), 0) == 0:
+        return
+    e = ctypes.get_errno()
+    if e in (errno.EINVAL, errno.ENOENT):
+        return  # not a mount point (never mounted, or already gone)
+    if _libc.umount2(str(target).encode(), MNT_DETACH) != 0:
+        e = ctypes.get_errno()
+        if e not in (errno.EINVAL, errno.ENOENT):
+            raise BackendError(f"cannot unmount {target}: {os.strerror(e)}")
+
+
+def mounts_under(prefix: Path) -> list[Path]:
+    """Mount points below a directory (from /proc/self/mountinfo), deepest first."""
+    out = []
+    pre = str(prefix).rstrip("/") + "/"
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].replace("\\040", " ")
+            if mp.startswith(pre):
+                out.append(Path(mp))
+    return sorted(out, key=lambda p: -len(p.parts))
+
+
+def remove_tree(path: Path) -> None:
+    """rm -rf that first unmounts anything left below (never follows into a mount)."""
+    for mp in mounts_under(path):
+        umount(mp)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_ready(read_fd: int, timeout: float, what: str) -> None:
+    """Wait for the agent's ready byte on a pipe; EOF means it died before serving."""
+    try:
+        r, _, _ = select.select([read_fd], [], [], timeout)
+        if not r:
+            raise BackendError(f"{what}: the sandbox agent did not start within {timeout:.0f}s")
+        if os.read(read_fd, 1) != b"R":
+            raise BackendError(f"{what}: the sandbox agent exited before it was ready")
+    finally:
+        os.close(read_fd)
+
+
+def loopback_up(pid: int) -> None:
+    """Bring `lo` up in the network namespace of pid, from a throwaway thread (setns is
+    per thread), so a network-less sandbox still has a working 127.0.0.1."""
+    import fcntl
+    import socket
+    import struct
+
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+            try:
+                if _libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), "setns")
+            finally:
+                os.close(fd)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                ifr = struct.pack("16sH22s", b"lo", 0x1 | 0x40, b"")  # IFF_UP | IFF_RUNNING
+                fcntl.ioctl(s.fileno(), 0x8914, ifr)  # SIOCSIFFLAGS
+        except BaseException as e:  # reported to the caller below
+            err.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if err:
+        raise BackendError(f"cannot bring up loopback in the sandbox: {err[0]}") from err[0]
+
+
+def proc_start_time(pid: int) -> int | None:
+    """The kernel start time of a process (tells a live sandbox from a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def alive(pid: int | None, start_time: int | None) -> bool:
+    if not pid:
+        return False
+    st = proc_start_time(pid)
+    if st is None:
+        return False
+    if start_time is not None and st != start_time:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -1,0 +1,290 @@
+"""The `container` backend: runc over an overlay rootfs, with dsec-agent as the container's init.
+
+Create = mount the overlay (image layers + skeleton + the sandbox's upper dir), write an OCI
+runtime spec (namespaces, cgroup limits, capabilities, masked paths), `runc run --detach`.
+runc exits once the container runs; the container outlives it and any dsec process (the
+init is re-parented to the host's init), and dsec finds it again through the handle's state.
+Exec, put and get go to the agent over a unix socket bind-mounted into the container, so a
+warm exec is a fork inside the sandbox. Pause and resume use the cgroup freezer; destroy
+kills the container's init (the kernel then kills its whole pid namespace), removes its
+cgroups, runc's state and the mount.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..agent import agent_binary
+from ..agent.client import AgentClient
+from ..core.errors import BackendError
+from . import _cgroups, _rootfs
+from .base import (
+    Backend,
+    ExecRequest,
+    ExecResult,
+    OutputCallback,
+    SandboxHandle,
+    SandboxSpec,
+)
+
+log = logging.getLogger(__name__)
+
+# Docker's default capability set: enough for package managers and build tools, without
+# SYS_ADMIN, NET_ADMIN, SYS_MODULE, SYS_PTRACE and the like.
+CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+        "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+        "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE"]
+MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+          "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware",
+          "/proc/scsi"]
+READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def runc_binary() -> str:
+    path = shutil.which("runc") or ("/usr/sbin/runc" if os.path.exists("/usr/sbin/runc") else None)
+    if path is None:
+        raise BackendError("runc is not installed", hint="run scripts/setup.sh (apt: runc)")
+    return path
+
+
+def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup: str
+             ) -> dict[str, Any]:
+    env = {"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}
+    lim = spec.limits
+    resources: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}
+    if lim.memory:
+        resources["memory"] = {"limit": lim.memory, "swap": lim.memory}
+    if lim.pids:
+        resources["pids"] = {"limit": lim.pids}
+    if lim.cpus:
+        resources["cpu"] = {"quota": max(1000, int(lim.cpus * 100000)), "period": 100000}
+    namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
+    if spec.network == "none":
+        namespaces.append({"type": "network"})
+    mounts: list[dict[str, Any]] = [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+        {"destination": "/sys", "type": "sysfs" if spec.network == "none" else "bind",
+         "source": "sysfs" if spec.network == "none" else "/sys",
+         "options": ["nosuid", "noexec", "nodev", "ro"] + ([] if spec.network == "none"
+                                                          else ["rbind"])},
+        {"destination": "/.dsec/run", "type": "bind", "source": str(run_dir),
+         "options": ["bind", "rw", "nosuid", "nodev"]},
+        {"destination": _rootfs.AGENT_IN_SANDBOX, "type": "bind", "source": str(agent),
+         "options": ["bind", "ro"]},
+    ]
+    if spec.network == "host" and os.path.exists("/etc/resolv.conf"):
+        mounts.append({"destination": "/etc/resolv.conf", "type": "bind",
+                       "source": "/etc/resolv.conf", "options": ["bind", "ro"]})
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": [_rootfs.AGENT_IN_SANDBOX, "--listen", _rootfs.SOCKET_IN_SANDBOX,
+                     "--ready-fd", "3"],
+            "env": [f"{k}={v}" for k, v in env.items()],
+            "cwd": spec.workdir or "/",
+            "capabilities": {k: CAPS for k in ("bounding", "effective", "permitted")},
+            "noNewPrivileges": True,
+        },
+        "root": {"path": str(rootfs), "readonly": False},
+        "hostname": spec.hostname,
+        "mounts": mounts,
+        "linux": {
+            "cgroupsPath": "/" + cgroup,
+            "resources": resources,
+            "namespaces": namespaces,
+            "maskedPaths": MASKED,
+            "readonlyPaths": READONLY,
+        },
+    }
+
+
+class ContainerBackend(Backend):
+    name: ClassVar[str] = "container"
+
+    def __init__(self, cgroup_parent: str = "dsec", runc_root: str | None = None) -> None:
+        self.cgroup_parent = cgroup_parent
+        self.runc_root = runc_root
+        self._clients: dict[str, AgentClient] = {}
+        self._lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def create(self, spec: SandboxSpec) -> SandboxHandle:
+        sdir = spec.state_dir
+        runc_root = self.runc_root or str(sdir.parent / ".runc")
+        cgroup = f"{self.cgroup_parent}/{spec.sandbox_id}"
+        rootfs, run_dir, skel = sdir / "rootfs", sdir / "run", sdir / "skel"
+        handle = SandboxHandle(spec.sandbox_id, self.name, {
+            "rootfs": str(rootfs), "run_dir": str(run_dir), "cgroup": cgroup,
+            "runc_root": runc_root, "upper": str(spec.rootfs.upper_dir),
+            "state_dir": str(sdir), "network": spec.network,
+        })
+        try:
+            for d in (run_dir, spec.rootfs.upper_dir, spec.rootfs.work_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            _rootfs.make_skeleton(skel)
+            _rootfs.mount_overlay(rootfs, [*spec.rootfs.lower_dirs, skel],
+                                  spec.rootfs.upper_dir, spec.rootfs.work_dir)
+            config = oci_spec(spec, rootfs, run_dir, agent_binary(), cgroup)
+            (sdir / "config.json").write_text(json.dumps(config))
+            pid = self._runc_run(spec.sandbox_id, sdir, runc_root)
+            handle.state["pid"] = pid
+            handle.state["start_time"] = _rootfs.proc_start_time(pid)
+            if spec.network == "none":
+                _rootfs.loopback_up(pid)
+        except BaseException:
+            self.destroy(handle)
+            raise
+        return handle
+
+    def _runc_run(self, sid: str, sdir: Path, runc_root: str) -> int:
+        r, w = os.pipe()
+        log_path = sdir / "runc.log"
+        argv = [runc_binary(), "--root", runc_root, "run", "--detach", "--preserve-fds", "1",
+                "--bundle", str(sdir), "--pid-file", str(sdir / "pid"), sid]
+        try:
+            with open(log_path, "wb") as logf, open(os.devnull, "rb") as null:
+                # posix_spawn places the ready pipe at fd 3 without running Python code
+                # between fork and exec (safe with many creating threads)
+                pid = os.posix_spawn(argv[0], argv, os.environ, file_actions=[
+                    (os.POSIX_SPAWN_DUP2, null.fileno(), 0),
+                    (os.POSIX_SPAWN_DUP2, logf.fileno(), 1),
+                    (os.POSIX_SPAWN_DUP2, logf.fileno(), 2),
+                    (os.POSIX_SPAWN_DUP2, w, 3),
+                ])
+        finally:
+            os.close(w)
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            os.close(r)
+            msg = log_path.read_text(errors="replace").strip()
+            raise BackendError(f"runc could not start sandbox {sid}: {_runc_message(msg)}")
+        _rootfs.wait_ready(r, 30, f"sandbox {sid}")
+        return int((sdir / "pid").read_text().strip())
+
+    def destroy(self, handle: SandboxHandle) -> None:
+        st = handle.state
+        self._drop_client(handle.sandbox_id)
+        cg = _cgroups.Cgroup(st.get("cgroup") or f"{self.cgroup_parent}/{handle.sandbox_id}")
+        pid = st.get("pid")
+        if pid and _rootfs.alive(pid, st.get("start_time")):
+            if cg.frozen():
+                cg.kill_all()  # queues SIGKILL, then thaws
+            try:
+                os.kill(pid, signal.SIGKILL)  # init dies: the kernel kills its pid namespace
+            except ProcessLookupError:
+                pass
+        try:
+            cg.remove()
+        except BackendError:
+            log.warning("falling back to runc delete for %s", handle.sandbox_id)
+            self._runc(st, "delete", "--force", handle.sandbox_id, check=False)
+            cg.remove()
+        runc_root = st.get("runc_root")
+        if runc_root:
+            shutil.rmtree(Path(runc_root) / handle.sandbox_id, ignore_errors=True)
+        if st.get("rootfs"):
+            _rootfs.umount(Path(st["rootfs"]))
+
+    def pause(self, handle: SandboxHandle) -> None:
+        _cgroups.Cgroup(handle.state["cgroup"]).freeze()
+
+    def resume(self, handle: SandboxHandle) -> None:
+        _cgroups.Cgroup(handle.state["cgroup"]).thaw()
+
+    def snapshot_diff(self, handle: SandboxHandle) -> Path:
+        return Path(handle.state["upper"])
+
+    def is_alive(self, handle: SandboxHandle) -> bool:
+        return _rootfs.alive(handle.state.get("pid"), handle.state.get("start_time"))
+
+    def is_paused(self, handle: SandboxHandle) -> bool:
+        return _cgroups.Cgroup(handle.state["cgroup"]).frozen()
+
+    def describe(self, handle: SandboxHandle) -> dict[str, Any]:
+        cg = _cgroups.Cgroup(handle.state["cgroup"])
+        return {"pid": handle.state.get("pid"), "cgroup": handle.state["cgroup"],
+                "runtime": "runc", "network": handle.state.get("network"),
+                "paused": cg.frozen(), **cg.counters()}
+
+    # -- work inside ---------------------------------------------------------------------------
+    def client(self, handle: SandboxHandle) -> AgentClient:
+        with self._lock:
+            c = self._clients.get(handle.sandbox_id)
+            if c is not None and c._closed is None:
+                return c
+        c = AgentClient.connect_unix(Path(handle.state["run_dir"]) / "agent.sock")
+        with self._lock:
+            self._clients[handle.sandbox_id] = c
+        return c
+
+    def _drop_client(self, sid: str) -> None:
+        with self._lock:
+            c = self._clients.pop(sid, None)
+        if c is not None:
+            c.close()
+
+    def exec(self, handle: SandboxHandle, request: ExecRequest,
+             on_output: OutputCallback | None = None) -> ExecResult:
+        return exec_with_accounting(self.client(handle), handle, request, on_output)
+
+    def put_file(self, handle: SandboxHandle, path: str, data: bytes, mode: int = 0o644) -> None:
+        self.client(handle).put_file(path, data, mode)
+
+    def get_file(self, handle: SandboxHandle, path: str) -> bytes:
+        return self.client(handle).get_file(path)
+
+    def _runc(self, st: dict[str, Any], *args: str, check: bool = True) -> str:
+        argv = [runc_binary(), "--root", st["runc_root"], *args]
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        if check and proc.returncode != 0:
+            raise BackendError(f"runc {args[0]} failed: {_runc_message(proc.stderr)}")
+        return proc.stdout
+
+
+def exec_with_accounting(client: AgentClient, handle: SandboxHandle, request: ExecRequest,
+                         on_output: OutputCallback | None) -> ExecResult:
+    """Exec through the agent and tell the caller when the sandbox's memory or pids limit
+    was what ended the command (cgroup counters read before and after)."""
+    cg = _cgroups.Cgroup(handle.state["cgroup"]) if handle.state.get("cgroup") else None
+    before = cg.counters() if cg else {}
+    t0 = time.monotonic()
+    res = client.exec(request.argv, request.env, request.cwd, request.stdin, request.timeout,
+                      on_output)
+    if cg is None:
+        return res
+    after = cg.counters()
+    oom = after.get("oom_kills", 0) > before.get("oom_kills", 0)
+    pids_hit = after.get("pids_max_hits", 0) > before.get("pids_max_hits", 0)
+    if not (oom or pids_hit):
+        return res
+    return ExecResult(res.exit_code, res.stdout, res.stderr, time.monotonic() - t0,
+                      res.timed_out, oom_killed=oom, pids_limited=pids_hit)
+
+
+def _runc_message(text: str) -> str:
+    """The useful part of runc's logfmt error lines."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "no error output"
+    last = lines[-1]
+    if 'msg="' in last:
+        last = last.split('msg="', 1)[1].rsplit('"', 1)[0]
+    return last

@@ -1,0 +1,175 @@
+"""The `fncall` backend: light bubblewrap sandboxes for short calls.
+
+Two faces:
+
+* `FncallBackend` (the Backend interface, what `dsec run --backend fncall` uses): a
+  read-only view of the image (an overlay of its layers with no upper dir; /tmp is a private
+  tmpfs), new user/pid/net/ipc/uts namespaces (no network unless asked), every capability
+  dropped, a cgroup for memory, pids and CPU, and dsec-agent as the init, so exec, put and get
+  work as in a container. It cannot be snapshotted: nothing outside /tmp is writable.
+* `FunctionPool` (fnpool.py): a warm pool of pre-started bwrap workers over a read-only view
+  of the host's Python, running a command or a pickled Python callable per call in a fresh
+  fork, so a call costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..agent import agent_binary
+from ..agent.client import AgentClient
+from ..core.errors import BackendError, UsageError
+from . import _cgroups, _rootfs
+from .base import Backend, ExecRequest, ExecResult, OutputCallback, SandboxHandle, SandboxSpec
+from .container import DEFAULT_PATH, exec_with_accounting
+
+
+def bwrap_binary() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise BackendError("bubblewrap is not installed", hint="run scripts/setup.sh (apt: bubblewrap)")
+    return path
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it (from /proc/<pid>/task/*/children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+class FncallBackend(Backend):
+    name: ClassVar[str] = "fncall"
+
+    def __init__(self, cgroup_parent: str = "dsec") -> None:
+        self.cgroup_parent = cgroup_parent
+        self._clients: dict[str, AgentClient] = {}
+        self._lock = threading.Lock()
+
+    def create(self, spec: SandboxSpec) -> SandboxHandle:
+        sdir = spec.state_dir
+        rootfs, run_dir, skel = sdir / "rootfs", sdir / "run", sdir / "skel"
+        cgroup = f"{self.cgroup_parent}/{spec.sandbox_id}"
+        handle = SandboxHandle(spec.sandbox_id, self.name, {
+            "rootfs": str(rootfs), "run_dir": str(run_dir), "cgroup": cgroup,
+            "state_dir": str(sdir), "network": spec.network})
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            _rootfs.make_skeleton(skel)
+            _rootfs.mount_overlay(rootfs, [*spec.rootfs.lower_dirs, skel])  # read-only
+            cg = _cgroups.Cgroup(cgroup)
+            lim = spec.limits
+            cg.create(memory=lim.memory, pids=lim.pids, cpus=lim.cpus)
+            pid = self._spawn(spec, rootfs, run_dir)
+            handle.state["pid"] = pid
+            handle.state["start_time"] = _rootfs.proc_start_time(pid)
+            for p in descendants(pid):  # bwrap, its pid-1 and the agent: children inherit
+                cg.add(p)
+        except BaseException:
+            self.destroy(handle)
+            raise
+        return handle
+
+    def _spawn(self, spec: SandboxSpec, rootfs: Path, run_dir: Path) -> int:
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}
+        argv = [bwrap_binary(), "--bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev",
+                "--tmpfs", "/tmp", "--bind", str(run_dir), "/.dsec/run",
+                "--ro-bind", str(agent_binary()), _rootfs.AGENT_IN_SANDBOX,
+                "--unshare-all", "--hostname", spec.hostname, "--new-session",
+                "--cap-drop", "ALL", "--clearenv"]
+        if spec.network == "host":
+            argv.append("--share-net")
+        for k, v in env.items():
+            argv += ["--setenv", k, v]
+        argv += ["--chdir", spec.workdir or "/", "--", _rootfs.AGENT_IN_SANDBOX, "--listen",
+                 _rootfs.SOCKET_IN_SANDBOX, "--ready-fd", "3"]
+        r, w = os.pipe()
+        log_path = spec.state_dir / "bwrap.log"
+        try:
+            with open(log_path, "wb") as logf, open(os.devnull, "rb") as null:
+                pid = os.posix_spawn(argv[0], argv, os.environ, setsid=True, file_actions=[
+                    (os.POSIX_SPAWN_DUP2, null.fileno(), 0),
+                    (os.POSIX_SPAWN_DUP2, logf.fileno(), 1),
+                    (os.POSIX_SPAWN_DUP2, logf.fileno(), 2),
+                    (os.POSIX_SPAWN_DUP2, w, 3),
+                ])
+        finally:
+            os.close(w)
+        try:
+            _rootfs.wait_ready(r, 30, f"sandbox {spec.sandbox_id}")
+        except BackendError as e:
+            msg = log_path.read_text(errors="replace").strip()
+            raise BackendError(f"{e.message}: {msg or 'bwrap gave no reason'}") from e
+        return pid
+
+    def destroy(self, handle: SandboxHandle) -> None:
+        st = handle.state
+        with self._lock:
+            c = self._clients.pop(handle.sandbox_id, None)
+        if c is not None:
+            c.close()
+        pid = st.get("pid")
+        if pid and _rootfs.alive(pid, st.get("start_time")):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _cgroups.Cgroup(st.get("cgroup") or f"{self.cgroup_parent}/{handle.sandbox_id}").remove()
+        if pid:
+            try:  # started by this process: reap it (a detached one is reaped by init)
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        if st.get("rootfs"):
+            _rootfs.umount(Path(st["rootfs"]))
+
+    def pause(self, handle: SandboxHandle) -> None:
+        _cgroups.Cgroup(handle.state["cgroup"]).freeze()
+
+    def resume(self, handle: SandboxHandle) -> None:
+        _cgroups.Cgroup(handle.state["cgroup"]).thaw()
+
+    def snapshot_diff(self, handle: SandboxHandle) -> Path:
+        raise UsageError("fncall sandboxes are read-only (only /tmp is writable, in memory): "
+                         "use the container backend to snapshot")
+
+    def is_alive(self, handle: SandboxHandle) -> bool:
+        return _rootfs.alive(handle.state.get("pid"), handle.state.get("start_time"))
+
+    def describe(self, handle: SandboxHandle) -> dict[str, Any]:
+        cg = _cgroups.Cgroup(handle.state["cgroup"])
+        return {"pid": handle.state.get("pid"), "runtime": "bwrap", "paused": cg.frozen(),
+                "network": handle.state.get("network"), **cg.counters()}
+
+    def client(self, handle: SandboxHandle) -> AgentClient:
+        with self._lock:
+            c = self._clients.get(handle.sandbox_id)
+            if c is not None and c._closed is None:
+                return c
+        c = AgentClient.connect_unix(Path(handle.state["run_dir"]) / "agent.sock")
+        with self._lock:
+            self._clients[handle.sandbox_id] = c
+        return c
+
+    def exec(self, handle: SandboxHandle, request: ExecRequest,
+             on_output: OutputCallback | None = None) -> ExecResult:
+        return exec_with_accounting(self.client(handle), handle, request, on_output)
+
+    def put_file(self, handle: SandboxHandle, path: str, data: bytes, mode: int = 0o644) -> None:
+        self.client(handle).put_file(path, data, mode)
+
+    def get_file(self, handle: SandboxHandle, path: str) -> bytes:
+        return self.client(handle).get_file(path)

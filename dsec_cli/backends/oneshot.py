@@ -1,0 +1,56 @@
+"""One command in a root directory under bubblewrap, for build `run` steps.
+
+The root is already assembled (an overlay mount); the command runs as root in fresh
+namespaces with no network unless asked, a private /proc, /dev and /tmp-less root, and
+dies with its parent. Output is streamed to a callback line by line.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from ..core.errors import BackendError
+
+
+def bwrap_path() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise BackendError("bubblewrap (bwrap) is not installed",
+                           hint="apt-get install bubblewrap, or run scripts/setup.sh")
+    return path
+
+
+def run_in_root(root: Path, argv: list[str], *, env: dict[str, str], cwd: str = "/",
+                network: bool = False, on_line: Callable[[str], None] | None = None,
+                timeout: float | None = None) -> int:
+    """Run argv inside root; return its exit code."""
+    cmd = [bwrap_path(), "--bind", str(root), "/", "--dev", "/dev", "--proc", "/proc",
+           "--unshare-all", "--die-with-parent", "--new-session", "--uid", "0", "--gid", "0",
+           "--hostname", "dsec-build", "--clearenv", "--chdir", cwd]
+    if network:
+        cmd += ["--share-net"]
+        # bind only over an existing file: creating a mount point would leak into the layer
+        if Path("/etc/resolv.conf").exists() and (root / "etc/resolv.conf").is_file():
+            cmd += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
+    for k, v in env.items():
+        cmd += ["--setenv", k, v]
+    cmd += ["--", *argv]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    try:
+        for raw in proc.stdout:
+            if on_line:
+                on_line(raw.decode("utf-8", "replace").rstrip("\n"))
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return 124
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,238 @@
+"""`dsec build`: load a set of specs, check them all, order them by dependency, and build
+each one that is not already in the store with the same inputs.
+
+Nothing is written to the store until every spec has been validated. Each layer is committed
+by writing its ref after its packs, index and manifest, so a build killed at any point
+leaves at most unreferenced objects for gc.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..core.config import load_config
+from ..core.digests import object_key
+from ..core.errors import NotFoundError, SpecError
+from ..format import canonical
+from ..format.index import INDEX_VERSION
+from ..format.manifest import Manifest, load_manifest, put_manifest
+from ..format.refs import get_ref, set_ref
+from ..push.dedup import KnownChunks
+from ..push.materialize import LayerCache
+from ..push.stores import open_store
+from ..push.stores.base import Store
+from .image import write_image
+from .layer import Progress, layer_manifest, write_layer
+from .spec import Spec, find_specs, load_spec
+from .steps import build_tree
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Built:
+    ref: str
+    kind: str
+    manifest: str
+    content_digest: str
+    cached: bool
+    size: int = 0
+    stored_size: int = 0
+    new_bytes: int = 0
+    new_chunks: int = 0
+    reused_chunks: int = 0
+    seconds: float = 0.0
+    spec: str = ""
+
+
+@dataclass
+class BuildReport:
+    store: str
+    items: list[Built] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _order(specs: list[Spec], store: Store) -> list[Spec]:
+    """Topological order; unknown references and cycles are errors naming file and line."""
+    by_ref: dict[str, Spec] = {}
+    for s in specs:
+        if s.ref in by_ref:
+            other = by_ref[s.ref]
+            raise SpecError(f"{s.ref} is also defined in {other.path}:{other.line}",
+                            path=str(s.path), line=s.line)
+        by_ref[s.ref] = s
+    for s in specs:
+        for ref, line in s.deps:
+            dep = by_ref.get(ref)
+            if dep is not None:
+                if s.kind == "image" and dep.kind != "layer":
+                    raise SpecError(f"{ref} is an image; images stack layers only",
+                                    path=str(s.path), line=line)
+                continue
+            try:
+                m = load_manifest(store, get_ref(store, ref).manifest)
+            except NotFoundError:
+                raise SpecError(f"unknown layer {ref}: not among the specs being built nor in "
+                                f"{store.url}", path=str(s.path), line=line) from None
+            if m.kind != "layer":
+                raise SpecError(f"{ref} is an image; only layers can be stacked",
+                                path=str(s.path), line=line)
+    order: list[Spec] = []
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(s: Spec, chain: list[Spec]) -> None:
+        if state.get(s.ref) == 2:
+            return
+        if state.get(s.ref) == 1:
+            cycle = chain[chain.index(s):] + [s]
+            raise SpecError("dependency cycle: " + " -> ".join(
+                f"{c.ref} ({c.path}:{c.line})" for c in cycle), path=str(s.path), line=s.line)
+        state[s.ref] = 1
+        for ref, _ in s.deps:
+            if ref in by_ref:
+                visit(by_ref[ref], chain + [s])
+        state[s.ref] = 2
+        order.append(s)
+
+    for s in sorted(specs, key=lambda x: x.ref):
+        visit(s, [])
+    return order
+
+
+def _fingerprint(spec: Spec) -> str:
+    """Cheap identity of a spec's inputs: sizes, mtimes and modes of every source file."""
+    h = hashlib.sha256()
+    for step in spec.steps:
+        src = step.args.get("src")
+        if src is None:
+            continue
+        paths = [src] if not src.is_dir() else [src, *sorted(src.rglob("*"))]
+        for p in paths:
+            st = os.lstat(p)
+            h.update(f"{p.relative_to(spec.dir)}\0{st.st_size}\0{st.st_mtime_ns}\0"
+                     f"{st.st_mode}\0{st.st_ino}\n".encode())
+    return h.hexdigest()
+
+
+class _BuildCache:
+    """Local: (spec, inputs, dependencies) -> manifest digest, per store."""
+
+    def __init__(self, data_dir: Path, store: Store) -> None:
+        sid = hashlib.sha256(store.url.encode()).hexdigest()[:16]
+        self.dir = data_dir / "build-cache" / sid
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def get(self, key: str) -> str | None:
+        try:
+            return (self.dir / key).read_text().strip()
+        except FileNotFoundError:
+            return None
+
+    def put(self, key: str, manifest: str) -> None:
+        tmp = self.dir / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(manifest)
+        os.replace(tmp, self.dir / key)
+
+
+def build(paths: list[Path] | None = None, store: str | Store | None = None, *,
+          force: bool = False, progress: Progress | None = None,
+          on_log: Callable[[str], None] | None = None) -> BuildReport:
+    """Build the specs in ``paths`` (default ``layerspecs/``) into a store."""
+    cfg = load_config()
+    st = store if isinstance(store, Store) else open_store(store)
+    specs = [load_spec(p) for p in find_specs(paths or [Path("layerspecs")])]
+    order = _order(specs, st)
+    report = BuildReport(store=st.url)
+    cache = _BuildCache(Path(cfg.data_dir), st)
+    digests: dict[str, str] = {}  # ref -> manifest digest, for this run
+    known: KnownChunks | None = None
+
+    def dep_digest(ref: str) -> str:
+        return digests[ref] if ref in digests else get_ref(st, ref).manifest
+
+    for spec in order:
+        started = time.monotonic()
+        deps = [dep_digest(r) for r, _ in spec.deps]
+        key = hashlib.sha256(canonical.dumps({
+            "format": INDEX_VERSION, "spec": spec.doc, "deps": deps,
+            "inputs": _fingerprint(spec) if spec.kind == "layer" else "",
+            "sde": os.environ.get("SOURCE_DATE_EPOCH", "0")})).hexdigest()
+        hit = None if force else cache.get(key)
+        if hit and st.has(object_key("manifests", hit)):
+            m = load_manifest(st, hit)
+            _point_ref(st, spec, hit, report)
+            digests[spec.ref] = hit
+            report.items.append(Built(spec.ref, spec.kind, hit, m.content_digest, True, m.size,
+                                      m.stored_size, spec=str(spec.path)))
+            continue
+        if spec.kind == "image":
+            digest, m = _build_image(st, spec, deps)
+            item = Built(spec.ref, "image", digest, "", False, m.size, m.stored_size)
+        else:
+            if known is None:
+                known = KnownChunks.load(st, Path(cfg.data_dir) / "chunk-tables")
+            digest, m, stats = _build_layer(st, spec, deps, known, Path(cfg.data_dir), progress,
+                                            on_log)
+            item = Built(spec.ref, "layer", digest, m.content_digest, False, m.size,
+                         m.stored_size, stats.new_bytes, stats.new_chunks, stats.reused_chunks)
+        _point_ref(st, spec, digest, report)
+        cache.put(key, digest)
+        digests[spec.ref] = digest
+        item.seconds = time.monotonic() - started
+        item.spec = str(spec.path)
+        report.items.append(item)
+    return report
+
+
+def _point_ref(st: Store, spec: Spec, digest: str, report: BuildReport) -> None:
+    try:
+        current = get_ref(st, spec.ref).manifest
+    except NotFoundError:
+        current = None
+    if current == digest:
+        return
+    if current is not None:
+        msg = (f"{spec.ref} already pointed at {current[:12]}; it now points at {digest[:12]} "
+               "(bump `version:` to keep both)")
+        log.warning(msg)
+        report.warnings.append(msg)
+    set_ref(st, spec.name, spec.version, digest)
+
+
+def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, data_dir: Path,
+                 progress: Progress | None, on_log: Callable[[str], None] | None):  # type: ignore[no-untyped-def]
+    bases = [load_manifest(st, d) for d in deps]
+    base_env: dict[str, str] = {}
+    for b in bases:
+        base_env.update(b.env)
+    lowers: list[Path] = []
+    if any(s.kind == "run" for s in spec.steps):
+        cache = LayerCache(Path(load_config().state_dir))
+        lowers = [cache.ensure(st, b) for b in bases]
+    tmp_root = data_dir / "tmp"
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="build-", dir=tmp_root))
+    try:
+        scanned = build_tree(spec, staging, lowers, base_env, on_log)
+        index, stats = write_layer(st, scanned, known=known, progress=progress)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    digest, m = layer_manifest(st, index, name=spec.name, version=spec.version,
+                               spec_digest=spec.digest(), base=deps, env=spec.env,
+                               workdir=spec.workdir)
+    known.add_index(index)
+    return digest, m, stats
+
+
+def _build_image(st: Store, spec: Spec, layers: list[str]) -> tuple[str, Manifest]:
+    ms = [load_manifest(st, d) for d in layers]
+    return write_image(st, spec.name, spec.version, layers, env=spec.env,
+                       workdir=spec.workdir, spec_digest=spec.digest(), manifests=ms)

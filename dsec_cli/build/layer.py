@@ -1,0 +1,313 @@
+"""The layer writer: entries -> chunks -> packs + index + manifest, deduplicated against
+the store; the caller writes the ref last.
+
+Chunking and hashing run on the calling thread; zstd compression (which releases the GIL)
+runs on a pool, with a bounded window of chunks in flight, and results are appended to packs
+in submission order so the output is deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import xxhash
+
+from ..core.digests import chunk_id, object_key, sha256_hex
+from ..core.errors import BuildError
+from ..format.chunker import ChunkParams, cut, encode
+from ..format.index import ChunkLoc, Entry, LayerIndex
+from ..format.manifest import Manifest, put_manifest
+from ..format.pack import FinishedPack, PackWriter
+from ..format.tree import Scanned, parent_of
+from ..push.dedup import KnownChunk, KnownChunks
+from ..push.stores.base import Store
+
+log = logging.getLogger(__name__)
+
+PACK_TARGET = 32 << 20
+#: progress events: ("files", n) as entries are processed, ("bytes", n) as data is chunked
+Progress = Callable[[str, int], None]
+
+
+@dataclass
+class WriteStats:
+    new_chunks: int = 0
+    new_bytes: int = 0  # compressed bytes written to new packs
+    reused_chunks: int = 0
+    packs_written: list[str] = field(default_factory=list)
+
+
+class _Writer:
+    def __init__(self, store: Store, known: KnownChunks, params: ChunkParams,
+                 staging: Path, progress: Progress | None, crypto: bool) -> None:
+        self.store = store
+        self.known = known
+        self.params = params
+        self.staging = staging
+        self.progress = progress
+        self.crypto = crypto
+        self.packs: list[str] = []
+        self.pack_no: dict[str, int] = {}
+        self.locs: list[ChunkLoc | None] = []
+        self.by_id: dict[bytes, int] = {}
+        self.pending: deque[tuple[int, bytes, int, Future[tuple[int, bytes]]]] = deque()
+        self.pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1)))
+        self.window = 4 * max(1, (os.cpu_count() or 1)) + 8
+        self.pack: PackWriter | None = None
+        self.result_new_bytes = 0
+        self.new_chunks = 0
+        self.reused = 0
+        self.written: list[str] = []
+        self.uploads: list[Future[None]] = []
+        self.upload_pool = ThreadPoolExecutor(max_workers=4)
+        self.open_chunks: list[int] = []  # chunk numbers in the pack being written
+        self.sha: dict[int, bytes] = {}
+
+    def _pack_index(self, digest: str) -> int:
+        n = self.pack_no.get(digest)
+        if n is None:
+            n = self.pack_no[digest] = len(self.packs)
+            self.packs.append(digest)
+        return n
+
+    def chunk(self, data: memoryview | bytes) -> int:
+        """The chunk number of these bytes in this layer's chunk table."""
+        cid = chunk_id(data)
+        n = self.by_id.get(cid)
+        if n is not None:
+            return n
+        n = len(self.locs)
+        self.by_id[cid] = n
+        k: KnownChunk | None = self.known.get(cid)
+        if k is not None and not self.crypto:
+            self.locs.append(ChunkLoc(cid, self._pack_index(k.pack), k.offset, k.clen, k.ulen,
+                                      k.codec))
+            self.reused += 1
+            return n
+        self.locs.append(None)
+        payload = bytes(data)
+        if self.crypto:
+            self.sha[n] = hashlib.sha256(payload).digest()
+        self.pending.append((n, cid, len(payload),
+                             self.pool.submit(encode, payload, self.params.level)))
+        while len(self.pending) >= self.window:
+            self._drain_one()
+        return n
+
+    def _drain_one(self) -> None:
+        n, cid, ulen, fut = self.pending.popleft()
+        codec, stored = fut.result()
+        if self.pack is None:
+            self.pack = PackWriter(self.staging)
+        pc = self.pack.add(cid, codec, stored, ulen)
+        self.locs[n] = ChunkLoc(cid, -1, pc.offset, pc.clen, ulen, codec, self.sha.get(n))
+        self.open_chunks.append(n)
+        self.result_new_bytes += len(stored)
+        self.new_chunks += 1
+        if self.pack.size >= PACK_TARGET:
+            self._seal()
+
+    def _seal(self) -> None:
+        if self.pack is None or not len(self.pack):
+            return
+        fp: FinishedPack = self.pack.finish()
+        self.pack = None
+        pno = self._pack_index(fp.digest)
+        for n in self.open_chunks:
+            loc = self.locs[n]
+            assert loc is not None
+            self.locs[n] = ChunkLoc(loc.chunk_id, pno, loc.offset, loc.clen, loc.ulen,
+                                    loc.codec, loc.sha256)
+        self.open_chunks = []
+        self.written.append(fp.digest)
+        self.uploads.append(self.upload_pool.submit(self._upload, fp))
+
+    def _upload(self, fp: FinishedPack) -> None:
+        try:
+            key = object_key("packs", fp.digest)
+            if not self.store.has(key):
+                self.store.put_file(key, fp.path)
+        finally:
+            fp.path.unlink(missing_ok=True)
+
+    def finish(self) -> list[ChunkLoc]:
+        while self.pending:
+            self._drain_one()
+        self._seal()
+        self.pool.shutdown()
+        for f in self.uploads:
+            f.result()  # raise the first upload error
+        self.upload_pool.shutdown()
+        assert all(loc is not None for loc in self.locs)
+        return self.locs  # type: ignore[return-value]
+
+    def abort(self) -> None:
+        for *_, fut in self.pending:
+            fut.cancel()
+        self.pool.shutdown(cancel_futures=True)
+        self.upload_pool.shutdown(cancel_futures=True)
+        if self.pack is not None:
+            self.pack.abort()
+
+
+def canonical_entries(scanned: list[Scanned], mtime: int = 0) -> list[Scanned]:
+    """Sorted, with the root and every parent directory present and each hardlink group
+    named by its first path."""
+    items = {s.entry.path: s for s in scanned}
+    if "." not in items:
+        items["."] = Scanned(Entry(".", "dir", 0o755, mtime=mtime), None)
+    for path in list(items):
+        p = path
+        while p != ".":
+            p = parent_of(p)
+            if p in items:
+                break
+            items[p] = Scanned(Entry(p, "dir", 0o755, mtime=mtime), None)
+    # a hardlink group's content lives at the group's first path in sorted order
+    groups: dict[str, list[str]] = {}
+    for path, s in items.items():
+        if s.entry.type == "hard":
+            root = s.entry.target
+            while root in items and items[root].entry.type == "hard":
+                root = items[root].entry.target
+            groups.setdefault(root, []).append(path)
+    for root, links in groups.items():
+        if root not in items or items[root].entry.type != "reg":
+            raise BuildError(f"hardlink {links[0]!r} points at {root!r}, which is not a file")
+        first = min([root, *links])
+        if first != root:
+            src = items[root]
+            items[first] = Scanned(_renamed(src.entry, first), src.source)
+            items[root] = Scanned(Entry(root, "hard", target=first), None)
+        for p in [root, *links]:
+            if p != first:
+                items[p] = Scanned(Entry(p, "hard", target=first), None)
+    return [items[k] for k in sorted(items)]
+
+
+def _renamed(e: Entry, path: str) -> Entry:
+    return replace(e, path=path)
+
+
+def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
+                params: ChunkParams | None = None, progress: Progress | None = None,
+                crypto_digests: bool = False) -> tuple[LayerIndex, WriteStats]:
+    """Chunk, compress and pack the entries' bytes into the store; return the index.
+
+    The caller puts the index and manifest and writes the ref (see `publish_layer`)."""
+    params = params or ChunkParams()
+    staging_root = Path(getattr(store, "staging_dir", lambda: Path(tempfile.gettempdir()))())
+    staging = Path(tempfile.mkdtemp(prefix="layer-", dir=staging_root))
+    w = _Writer(store, known, params, staging, progress, crypto_digests)
+    w._open_chunks = []
+    entries: list[Entry] = []
+    batch = bytearray()
+    batch_files: list[tuple[Entry, int, int]] = []
+
+    def flush_batch() -> None:
+        if not batch_files:
+            return
+        n = w.chunk(bytes(batch))
+        for e, off, ln in batch_files:
+            e.chunks = [(n, off, ln)]
+        batch.clear()
+        batch_files.clear()
+
+    try:
+        for s in canonical_entries(scanned):
+            e = s.entry
+            entries.append(e)
+            if progress:
+                progress("files", 1)
+            if e.type != "reg" or s.source is None:
+                continue
+            with open(s.source, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                e.size = size
+                if size == 0:
+                    continue
+                if size < params.small_file:
+                    data = f.read()
+                    batch_files.append((e, len(batch), len(data)))
+                    batch.extend(data)
+                    # content-defined batch boundaries keep a small change local
+                    if len(batch) >= params.avg_size or (
+                            len(batch) >= params.min_size and xxhash.xxh3_64_intdigest(data) & 3 == 0):
+                        flush_batch()
+                elif size <= params.max_size:
+                    e.chunks = [(w.chunk(f.read()), 0, size)]
+                else:
+                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                        view = memoryview(mm)
+                        try:
+                            e.chunks = [(w.chunk(view[o:o + ln]), 0, ln)
+                                        for o, ln in cut(view, params)]
+                        finally:
+                            view.release()
+                if progress:
+                    progress("bytes", size)
+        flush_batch()
+        locs = w.finish()
+    except BaseException:
+        w.abort()
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    index = LayerIndex(entries=entries, chunks=locs, packs=w.packs, params=params)
+    return index, WriteStats(w.new_chunks, w.result_new_bytes, w.reused, w.written)
+
+
+def publish_index(store: Store, index: LayerIndex) -> str:
+    data = index.to_bytes()
+    digest = sha256_hex(data)
+    key = object_key("indexes", digest)
+    if not store.has(key):
+        store.put(key, data)
+    return digest
+
+
+def layer_manifest(store: Store, index: LayerIndex, *, name: str, version: str,
+                   spec_digest: str = "", base: list[str] | None = None,
+                   env: dict[str, str] | None = None, workdir: str = "",
+                   created_by: str = "dsec build") -> tuple[str, Manifest]:
+    """Put the index and the layer's manifest; return the manifest digest."""
+    index_digest = publish_index(store, index)
+    used_packs = sorted({index.packs[c.pack] for c in index.chunks})
+    m = Manifest(
+        kind="layer", name=name, version=version, content_digest=index.content_digest(),
+        index=index_digest, packs=used_packs, base=base or [], spec_digest=spec_digest,
+        env=env or {}, workdir=workdir, created_by=created_by,
+        size=sum(e.size for e in index.entries if e.type == "reg"),
+        stored_size=sum(c.clen for c in index.chunks),
+        files=sum(1 for e in index.entries if e.type != "dir"),
+    )
+    return put_manifest(store, m), m
+
+
+def build_layer_from_dir(store: Store, upper_dir: Path, name: str, version: str, *,
+                         base: list[str] | None = None, env: dict[str, str] | None = None,
+                         workdir: str = "", created_by: str = "dsec snapshot",
+                         known: KnownChunks | None = None) -> tuple[str, Manifest]:
+    """Turn a directory in overlayfs upper form (a sandbox's writable diff) into a layer
+    and point ``name@version`` at it."""
+    from ..core.config import load_config
+    from ..format.refs import set_ref
+    from ..format.tree import scan_dir
+
+    if known is None:
+        known = KnownChunks.load(store, Path(load_config().data_dir) / "chunk-tables")
+    index, _ = write_layer(store, scan_dir(upper_dir, overlay_upper=True), known=known)
+    digest, m = layer_manifest(store, index, name=name, version=version, base=base, env=env,
+                               workdir=workdir, created_by=created_by)
+    set_ref(store, name, version, digest)
+    return digest, m

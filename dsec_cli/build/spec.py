@@ -1,0 +1,283 @@
+"""Layer and image specs: YAML files validated strictly, every error naming file and line."""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..core.digests import parse_ref
+from ..core.errors import SpecError, UsageError
+from ..format import canonical
+
+LAYER_KEYS = {"layer", "version", "from", "steps", "env", "workdir", "description"}
+IMAGE_KEYS = {"image", "version", "layers", "env", "workdir", "description"}
+STEP_KEYS = {
+    "copy": {"src", "dst", "owner", "mode"},
+    "extract": {"src", "dst"},
+    "run": {"cmd", "network", "env"},
+}
+
+
+@dataclass
+class Step:
+    kind: str  # copy | extract | run
+    args: dict[str, Any]
+    line: int
+
+
+@dataclass
+class Spec:
+    path: Path
+    kind: str  # layer | image
+    name: str
+    version: str
+    line: int
+    deps: list[tuple[str, int]] = field(default_factory=list)  # (ref, line): from / layers
+    steps: list[Step] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = ""
+    description: str = ""
+    doc: dict[str, Any] = field(default_factory=dict)  # the validated document
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    @property
+    def dir(self) -> Path:
+        return self.path.parent.resolve()
+
+    def digest(self) -> str:
+        return hashlib.sha256(canonical.dumps(self.doc)).hexdigest()
+
+
+class _Doc:
+    """A YAML node tree turned into plain values, remembering each node's line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def err(self, node: yaml.Node | None, msg: str) -> SpecError:
+        line = node.start_mark.line + 1 if node is not None else None
+        return SpecError(msg, path=str(self.path), line=line)
+
+    def load(self) -> yaml.MappingNode:
+        try:
+            text = self.path.read_text()
+        except OSError as e:
+            raise SpecError(f"cannot read spec: {e.strerror}", path=str(self.path)) from e
+        try:
+            node = yaml.compose(text, Loader=yaml.SafeLoader)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            raise SpecError(f"not valid YAML: {getattr(e, 'problem', e)}", path=str(self.path),
+                            line=mark.line + 1 if mark else None) from e
+        if not isinstance(node, yaml.MappingNode):
+            raise self.err(node, "a spec must be a mapping with `layer:` or `image:`")
+        return node
+
+    def mapping(self, node: yaml.Node, what: str) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.err(node, f"{what} must be a mapping")
+        out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+        for k, v in node.value:
+            if not isinstance(k, yaml.ScalarNode):
+                raise self.err(k, f"{what}: keys must be strings")
+            if k.value in out:
+                raise self.err(k, f"{what}: duplicate key {k.value!r}")
+            out[k.value] = (k, v)
+        return out
+
+    def string(self, node: yaml.Node, what: str) -> str:
+        if not isinstance(node, yaml.ScalarNode) or node.tag.endswith((":null", ":map", ":seq")):
+            raise self.err(node, f"{what} must be a string")
+        return str(node.value)
+
+    def boolean(self, node: yaml.Node, what: str) -> bool:
+        if not isinstance(node, yaml.ScalarNode) or not node.tag.endswith(":bool"):
+            raise self.err(node, f"{what} must be true or false")
+        return bool(yaml.safe_load(node.value))
+
+    def strings(self, node: yaml.Node, what: str) -> list[tuple[str, yaml.Node]]:
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.err(node, f"{what} must be a list")
+        return [(self.string(n, f"{what} entries"), n) for n in node.value]
+
+    def env(self, node: yaml.Node) -> dict[str, str]:
+        out = {}
+        for key, (kn, vn) in self.mapping(node, "env").items():
+            if not key or "=" in key:
+                raise self.err(kn, f"env: invalid variable name {key!r}")
+            out[key] = self.string(vn, f"env.{key}")
+        return out
+
+
+def _check_unknown(d: _Doc, keys: dict[str, tuple[yaml.Node, yaml.Node]], allowed: set[str],
+                   what: str) -> None:
+    for key, (kn, _) in keys.items():
+        if key not in allowed:
+            raise d.err(kn, f"unknown key {key!r} in {what}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _name_version(d: _Doc, keys: dict[str, tuple[yaml.Node, yaml.Node]], kind: str,
+                  top: yaml.Node) -> tuple[str, str]:
+    if "version" not in keys:
+        raise d.err(top, f"missing `version:` for {kind} spec")
+    name = d.string(keys[kind][1], kind)
+    version = d.string(keys["version"][1], "version")
+    try:
+        parse_ref(f"{name}@{version}")
+    except UsageError as e:
+        raise d.err(keys[kind][1], e.message) from None
+    return name, version
+
+
+def _inside(d: _Doc, node: yaml.Node, spec_dir: Path, src: str) -> Path:
+    if posixpath.isabs(src):
+        raise d.err(node, f"src {src!r} must be relative to the spec's folder")
+    host = (spec_dir / src).resolve()
+    root = spec_dir.resolve()
+    if host != root and root not in host.parents:
+        raise d.err(node, f"src {src!r} escapes the spec's folder")
+    if not host.exists():
+        raise d.err(node, f"src {src!r} does not exist ({host})")
+    return host
+
+
+def _dst(d: _Doc, node: yaml.Node, dst: str) -> str:
+    if not dst.startswith("/"):
+        raise d.err(node, f"dst {dst!r} must be an absolute path in the layer")
+    norm = posixpath.normpath(dst)
+    if any(p == ".." for p in dst.split("/")):
+        raise d.err(node, f"dst {dst!r} escapes /")
+    return "/" if norm in ("/", "//") else norm
+
+
+def _owner(d: _Doc, node: yaml.Node, text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    try:
+        uid = int(parts[0])
+        gid = int(parts[1]) if len(parts) == 2 else uid
+        if len(parts) > 2 or uid < 0 or gid < 0:
+            raise ValueError
+    except ValueError:
+        raise d.err(node, f"owner {text!r} must be UID or UID:GID (numbers)") from None
+    return uid, gid
+
+
+def _step(d: _Doc, node: yaml.Node, spec_dir: Path) -> tuple[Step, dict[str, Any]]:
+    keys = d.mapping(node, "step")
+    if len(keys) != 1:
+        raise d.err(node, f"a step has exactly one of: {', '.join(STEP_KEYS)}")
+    kind, (kn, vn) = next(iter(keys.items()))
+    if kind not in STEP_KEYS:
+        raise d.err(kn, f"unknown step {kind!r}; steps are: {', '.join(STEP_KEYS)}")
+    line = kn.start_mark.line + 1
+    if kind == "run" and isinstance(vn, yaml.ScalarNode):
+        cmd = d.string(vn, "run")
+        return Step("run", {"cmd": cmd, "network": False, "env": {}}, line), {"run": cmd}
+    args = d.mapping(vn, kind)
+    _check_unknown(d, args, STEP_KEYS[kind], f"{kind} step")
+    doc: dict[str, Any] = {}
+    out: dict[str, Any] = {}
+    if kind == "run":
+        if "cmd" not in args:
+            raise d.err(vn, "run step needs `cmd:`")
+        out["cmd"] = doc["cmd"] = d.string(args["cmd"][1], "run.cmd")
+        out["network"] = d.boolean(args["network"][1], "run.network") if "network" in args \
+            else False
+        out["env"] = d.env(args["env"][1]) if "env" in args else {}
+        doc.update(network=out["network"], env=out["env"])
+        return Step(kind, out, line), {kind: doc}
+    for req in ("src", "dst"):
+        if req not in args:
+            raise d.err(vn, f"{kind} step needs `{req}:`")
+    src_node = args["src"][1]
+    src = d.string(src_node, f"{kind}.src")
+    out["src"] = _inside(d, src_node, spec_dir, src)
+    out["dst"] = _dst(d, args["dst"][1], d.string(args["dst"][1], f"{kind}.dst"))
+    doc.update(src=src, dst=out["dst"])
+    if kind == "extract":
+        name = out["src"].name
+        if out["src"].is_dir() or not name.endswith((".tar", ".tar.gz", ".tgz", ".tar.zst",
+                                                     ".tar.xz")):
+            raise d.err(src_node, f"extract src {src!r} must be a .tar, .tar.gz, .tar.zst "
+                        "or .tar.xz file")
+    if "owner" in args:
+        out["owner"] = _owner(d, args["owner"][1], d.string(args["owner"][1], "copy.owner"))
+        doc["owner"] = list(out["owner"])
+    if "mode" in args:
+        text = d.string(args["mode"][1], "copy.mode")
+        try:
+            out["mode"] = int(text, 8)
+            if not 0 <= out["mode"] <= 0o7777:
+                raise ValueError
+        except ValueError:
+            raise d.err(args["mode"][1], f"mode {text!r} must be octal, e.g. '0755'") from None
+        doc["mode"] = out["mode"]
+    return Step(kind, out, line), {kind: doc}
+
+
+def load_spec(path: Path) -> Spec:
+    d = _Doc(path)
+    top = d.load()
+    keys = d.mapping(top, "spec")
+    kind = "layer" if "layer" in keys else "image" if "image" in keys else None
+    if kind is None or ("layer" in keys and "image" in keys):
+        raise d.err(top, "a spec has exactly one of `layer:` or `image:`")
+    _check_unknown(d, keys, LAYER_KEYS if kind == "layer" else IMAGE_KEYS, f"{kind} spec")
+    name, version = _name_version(d, keys, kind, top)
+    spec = Spec(path=path, kind=kind, name=name, version=version, line=top.start_mark.line + 1)
+    doc: dict[str, Any] = {kind: name, "version": version}
+    dep_key = "from" if kind == "layer" else "layers"
+    if dep_key in keys:
+        for ref, n in d.strings(keys[dep_key][1], dep_key):
+            try:
+                parse_ref(ref)
+            except UsageError as e:
+                raise d.err(n, e.message) from None
+            spec.deps.append((ref, n.start_mark.line + 1))
+    elif kind == "image":
+        raise d.err(top, "image spec needs `layers:`")
+    doc[dep_key] = [r for r, _ in spec.deps]
+    if "env" in keys:
+        spec.env = d.env(keys["env"][1])
+    if "workdir" in keys:
+        spec.workdir = _dst(d, keys["workdir"][1], d.string(keys["workdir"][1], "workdir"))
+    if "description" in keys:
+        spec.description = d.string(keys["description"][1], "description")
+    if kind == "layer":
+        steps_node = keys["steps"][1] if "steps" in keys else None
+        if steps_node is None:
+            raise d.err(top, "layer spec needs `steps:`")
+        if not isinstance(steps_node, yaml.SequenceNode) or not steps_node.value:
+            raise d.err(steps_node, "steps must be a non-empty list")
+        docs = []
+        for n in steps_node.value:
+            step, sdoc = _step(d, n, path.parent)
+            spec.steps.append(step)
+            docs.append(sdoc)
+        doc["steps"] = docs
+    doc.update(env=spec.env, workdir=spec.workdir)
+    spec.doc = doc
+    return spec
+
+
+def find_specs(paths: list[Path]) -> list[Path]:
+    """Spec files named directly, plus *.yaml / *.yml anywhere under named directories."""
+    out: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            out += sorted(x for x in p.rglob("*") if x.suffix in (".yaml", ".yml") and x.is_file())
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise UsageError(f"no such spec file or directory: {p}")
+    if not out:
+        raise UsageError(f"no layer specs (*.yaml) found in {', '.join(map(str, paths))}")
+    return out

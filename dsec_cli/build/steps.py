@@ -1,0 +1,219 @@
+"""Build steps: turning a layer spec's copy / extract / run steps into a tree of entries.
+
+A spec without `run` steps is built *virtually*: entries point at their sources (host files,
+spooled archive members) and nothing is copied. A spec with `run` steps is built in a staging
+upper directory: earlier steps are written into it, then each command runs over an overlay of
+the `from` layers and that upper directory; the upper directory, deletions included as
+whiteouts, becomes the layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..backends.oneshot import run_in_root
+from ..core.errors import BuildError
+from ..format.index import Entry
+from ..format.tree import Scanned, TreeWriter, parent_of, scan_dir
+from .spec import Spec, Step
+from .tarball import read_tar
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def source_date_epoch() -> int:
+    """Timestamp (ns) for files that `run` steps write; SOURCE_DATE_EPOCH when set."""
+    return int(os.environ.get("SOURCE_DATE_EPOCH", "0")) * 1_000_000_000
+
+
+def _dir_entry(path: str, mtime: int) -> Scanned:
+    return Scanned(Entry(path, "dir", 0o755, 0, 0, mtime), None)
+
+
+def copy_entries(step: Step, sde: int) -> list[Scanned]:
+    src: Path = step.args["src"]
+    dst = step.args["dst"].strip("/")
+    uid, gid = step.args.get("owner", (0, 0))
+    mode = step.args.get("mode")
+    if src.is_dir():
+        scanned = scan_dir(src)
+    else:
+        st = src.stat()
+        scanned = [Scanned(Entry(".", "reg", st.st_mode & 0o7777, mtime=st.st_mtime_ns,
+                                 size=st.st_size), str(src))]
+    out: list[Scanned] = []
+    for s in scanned:
+        e = s.entry
+        rel = e.path
+        path = (dst or ".") if rel == "." else (f"{dst}/{rel}" if dst else rel)
+        target = e.target
+        if e.type == "hard":
+            target = f"{dst}/{target}" if dst else target
+        xattrs = {k: v for k, v in e.xattrs.items() if not k.startswith("security.")}
+        e = replace(e, path=path, uid=uid, gid=gid, target=target, xattrs=xattrs)
+        if mode is not None and e.type != "sym":
+            e.mode = mode
+        out.append(Scanned(e, s.source))
+    return out
+
+
+def with_parents(scanned: list[Scanned], existing: Callable[[str], bool], sde: int
+                 ) -> list[Scanned]:
+    """Add directory entries for any missing ancestors (mode 0755, root-owned)."""
+    extra: dict[str, Scanned] = {}
+    for s in scanned:
+        p = s.entry.path
+        while p != ".":
+            p = parent_of(p)
+            if existing(p) or p in extra:
+                break
+            extra[p] = _dir_entry(p, sde)
+    if not existing(".") and "." not in extra:
+        extra["."] = _dir_entry(".", sde)
+    return list(extra.values()) + scanned
+
+
+class VirtualTree:
+    """The layer as a mapping path -> entry; later steps override earlier ones."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, Scanned] = {}
+
+    def add(self, scanned: list[Scanned], sde: int) -> None:
+        def exists(p: str) -> bool:
+            return p in self.items and self.items[p].entry.type == "dir"
+
+        for s in with_parents(scanned, exists, sde):
+            old = self.items.get(s.entry.path)
+            if old is not None and old.entry.type == "dir" and s.entry.type != "dir":
+                prefix = s.entry.path + "/"
+                for k in [k for k in self.items if k.startswith(prefix)]:
+                    del self.items[k]
+            self.items[s.entry.path] = s
+
+    def scanned(self) -> list[Scanned]:
+        return [self.items[k] for k in sorted(self.items)]
+
+
+def _mount_overlay(lowers: list[Path], upper: Path, work: Path, merged: Path) -> None:
+    # overlayfs lists lower dirs top first
+    lower = ":".join(str(p) for p in reversed(lowers))
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    if not lowers:
+        # overlayfs needs a lower dir: an empty one stands for "from scratch"
+        empty = work.parent / "empty"
+        empty.mkdir(exist_ok=True)
+        opts = f"lowerdir={empty},upperdir={upper},workdir={work}"
+    r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(merged)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BuildError(f"cannot mount the build overlay: {r.stderr.strip()}",
+                         hint="`run` steps need root and overlayfs")
+
+
+def _umount(merged: Path) -> None:
+    subprocess.run(["umount", "-l", str(merged)], capture_output=True)
+
+
+class StagedTree:
+    """The layer as an overlayfs upper directory, for specs with `run` steps."""
+
+    def __init__(self, staging: Path, lowers: list[Path]) -> None:
+        self.upper = staging / "upper"
+        self.work = staging / "work"
+        self.merged = staging / "merged"
+        for d in (self.upper, self.work, self.merged):
+            d.mkdir(parents=True, exist_ok=True)
+        self.lowers = lowers
+        self.touched_after: list[int] = []  # ctime thresholds of run steps
+
+    def add(self, scanned: list[Scanned], sde: int, read: Callable[[Scanned], Any]) -> None:
+        w = TreeWriter(self.upper, overlay_form=True)
+
+        def exists(p: str) -> bool:
+            return (self.upper / p).is_dir() or any((lo / p).is_dir() for lo in self.lowers)
+
+        for s in with_parents(scanned, exists, sde):
+            w.write(s.entry, read(s) if s.entry.type == "reg" else None)
+        w.finish()
+
+    def run(self, spec: Spec, step: Step, env: dict[str, str],
+            on_line: Callable[[str], None] | None) -> None:
+        if os.geteuid() != 0:
+            raise BuildError(f"{spec.path}:{step.line}: `run` steps need root (overlayfs, "
+                             "namespaces)")
+        start = time.time_ns()
+        self.touched_after.append(start)
+        _mount_overlay(self.lowers, self.upper, self.work, self.merged)
+        try:
+            if not (self.merged / "bin/sh").exists() and not (self.merged / "bin/sh").is_symlink():
+                raise BuildError(f"{spec.path}:{step.line}: `run` needs /bin/sh in the layers "
+                                 f"this spec builds `from` ({', '.join(r for r, _ in spec.deps) or 'none'})")
+            code = run_in_root(self.merged, ["/bin/sh", "-c", step.args["cmd"]],
+                               env={**env, **step.args["env"]}, network=step.args["network"],
+                               on_line=on_line)
+        finally:
+            _umount(self.merged)
+        if code != 0:
+            raise BuildError(f"{spec.path}:{step.line}: run step exited with code {code}: "
+                             f"{step.args['cmd']!r}")
+
+    def scanned(self, sde: int) -> list[Scanned]:
+        out = scan_dir(self.upper, overlay_upper=True)
+        first_run = min(self.touched_after) if self.touched_after else None
+        for s in out:
+            # what the commands wrote gets the fixed timestamp, as with SOURCE_DATE_EPOCH
+            if first_run is not None and s.ctime >= first_run and s.entry.type != "whiteout":
+                s.entry.mtime = sde
+        return out
+
+
+def run_env(spec: Spec, base_env: dict[str, str]) -> dict[str, str]:
+    env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
+    env.update(base_env)
+    env.update(spec.env)
+    env["SOURCE_DATE_EPOCH"] = str(source_date_epoch() // 1_000_000_000)
+    return env
+
+
+def build_tree(spec: Spec, staging: Path, lowers: list[Path], base_env: dict[str, str],
+               on_line: Callable[[str], None] | None = None) -> list[Scanned]:
+    """Run a layer spec's steps; return the layer's entries (sorted, with sources)."""
+    sde = source_date_epoch()
+    if not any(s.kind == "run" for s in spec.steps):
+        vt = VirtualTree()
+        for n, step in enumerate(spec.steps):
+            vt.add(_step_entries(step, staging / f"spool-{n}", sde), sde)
+        return vt.scanned()
+    st = StagedTree(staging, lowers)
+    env = run_env(spec, base_env)
+    for n, step in enumerate(spec.steps):
+        if step.kind == "run":
+            st.run(spec, step, env, on_line)
+        else:
+            st.add(_step_entries(step, staging / f"spool-{n}", sde), sde, _read_source)
+    return st.scanned(sde)
+
+
+def _read_source(s: Scanned) -> Iterator[bytes]:
+    assert s.source is not None
+    with open(s.source, "rb") as f:
+        while piece := f.read(1 << 20):
+            yield piece
+
+
+def _step_entries(step: Step, spool: Path, sde: int) -> list[Scanned]:
+    if step.kind == "copy":
+        return copy_entries(step, sde)
+    if step.kind == "extract":
+        return read_tar(step.args["src"], step.args["dst"], spool)
+    raise AssertionError(step.kind)

@@ -1,0 +1,129 @@
+"""Reading tar archives (tar, tar.gz, tar.xz, tar.zst) into layer entries, safely.
+
+Absolute paths, ``..`` components, hardlinks to outside the archive and relative symlinks
+that climb out of the root are rejected. OCI-style whiteouts (``.wh.NAME``,
+``.wh..wh..opq``) become whiteout entries and opaque directories. Regular files' bytes are
+spooled to a staging directory so the archive is read once, as a stream.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shutil
+import tarfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+from ..core.errors import SpecError
+from ..format.index import Entry
+from ..format.tree import Scanned
+
+WH_PREFIX = ".wh."
+WH_OPAQUE = ".wh..wh..opq"
+
+
+@contextmanager
+def open_tar(path: Path) -> Iterator[tarfile.TarFile]:
+    if path.name.endswith(".zst"):
+        import zstandard
+
+        with open(path, "rb") as raw:
+            reader: IO[bytes] = zstandard.ZstdDecompressor().stream_reader(raw)  # type: ignore[assignment]
+            with tarfile.open(fileobj=reader, mode="r|") as tf:
+                yield tf
+    else:
+        with tarfile.open(path, mode="r|*") as tf:
+            yield tf
+
+
+def _norm(name: str, what: str, src: Path) -> str:
+    if name.startswith("/"):
+        raise SpecError(f"archive entry {name!r} is an absolute path", path=str(src))
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if any(p == ".." for p in parts):
+        raise SpecError(f"archive {what} {name!r} escapes the root", path=str(src))
+    return "/".join(parts) or "."
+
+
+def _symlink_escapes(path: str, target: str) -> bool:
+    if target.startswith("/"):
+        return False  # absolute targets resolve inside the sandbox's own root
+    depth = len(path.split("/")) - 1
+    for part in target.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                return True
+        elif part not in ("", "."):
+            depth += 1
+    return False
+
+
+def read_tar(src: Path, dst: str, spool: Path) -> list[Scanned]:
+    """Entries of an archive placed under ``dst`` (an absolute layer path)."""
+    base = dst.strip("/")
+    out: dict[str, Scanned] = {}
+    spool.mkdir(parents=True, exist_ok=True)
+    n = 0
+
+    def place(rel: str) -> str:
+        if rel == ".":
+            return base or "."
+        return f"{base}/{rel}" if base else rel
+
+    try:
+        with open_tar(src) as tf:
+            for m in tf:
+                rel = _norm(m.name, "entry", src)
+                name = posixpath.basename(rel)
+                mtime = int(m.mtime * 1_000_000_000)
+                xattrs = {k[len("SCHILY.xattr."):]: v.encode("utf-8", "surrogateescape")
+                          for k, v in m.pax_headers.items() if k.startswith("SCHILY.xattr.")}
+                if name == WH_OPAQUE:
+                    parent = place(posixpath.dirname(rel) or ".")
+                    if parent in out:
+                        out[parent].entry.opaque = True
+                    else:
+                        out[parent] = Scanned(Entry(parent, "dir", 0o755, opaque=True,
+                                                    mtime=mtime), None)
+                    continue
+                if name.startswith(WH_PREFIX):
+                    path = place(posixpath.join(posixpath.dirname(rel), name[len(WH_PREFIX):]))
+                    out[path] = Scanned(Entry(path, "whiteout"), None)
+                    continue
+                path = place(rel)
+                e = Entry(path, "reg", m.mode & 0o7777, m.uid, m.gid, mtime, xattrs=xattrs)
+                source = None
+                if m.isreg():
+                    e.size = m.size
+                    source = str(spool / f"{n:08d}")
+                    n += 1
+                    fobj = tf.extractfile(m)
+                    with open(source, "wb") as f:
+                        if fobj is not None:
+                            shutil.copyfileobj(fobj, f, 1 << 20)
+                elif m.isdir():
+                    e.type = "dir"
+                elif m.issym():
+                    if _symlink_escapes(rel, m.linkname):
+                        raise SpecError(f"archive symlink {m.name!r} -> {m.linkname!r} points "
+                                        "outside the root", path=str(src))
+                    e.type, e.target, e.xattrs = "sym", m.linkname, {}
+                elif m.islnk():
+                    target = place(_norm(m.linkname, "hardlink target", src))
+                    if target not in out or out[target].entry.type != "reg":
+                        raise SpecError(f"archive hardlink {m.name!r} -> {m.linkname!r} has no "
+                                        "regular file target in the archive", path=str(src))
+                    e.type, e.target = "hard", target
+                elif m.ischr() or m.isblk():
+                    e.type, e.rdev = ("chr" if m.ischr() else "blk"), (m.devmajor, m.devminor)
+                elif m.isfifo():
+                    e.type = "fifo"
+                else:
+                    continue
+                out[path] = Scanned(e, source)
+    except (tarfile.TarError, EOFError, OSError) as err:
+        raise SpecError(f"cannot read archive: {err}", path=str(src)) from err
+    return list(out.values())

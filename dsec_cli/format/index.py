@@ -1,0 +1,145 @@
+"""Layer indexes: the file tree of one layer and, for each regular file, where its bytes are.
+
+Stored as zstd-compressed canonical JSON, named by the sha256 of the stored bytes.
+The *content digest* of a layer is the sha256 of its canonical tree with chunk ids (no pack
+locations, no codecs), so the same inputs give the same content digest wherever they are
+built and however the store happened to pack them.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import zstandard
+
+from ..core.errors import FormatError
+from . import canonical
+from .chunker import ChunkParams
+
+INDEX_VERSION = 1
+ENTRY_TYPES = ("reg", "dir", "sym", "hard", "chr", "blk", "fifo", "whiteout")
+
+
+@dataclass
+class Entry:
+    """One path of a layer. ``path`` is relative to the root, '.' for the root itself."""
+
+    path: str
+    type: str
+    mode: int = 0o644
+    uid: int = 0
+    gid: int = 0
+    mtime: int = 0  # nanoseconds since the epoch
+    size: int = 0
+    target: str = ""  # symlink target, or the path a hardlink shares its inode with
+    rdev: tuple[int, int] | None = None
+    xattrs: dict[str, bytes] = field(default_factory=dict)
+    opaque: bool = False  # directory hides the lower layers' contents (overlayfs opaque)
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (chunk#, offset, length)
+
+    def to_doc(self, chunk_ids: list[str] | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"p": self.path, "t": self.type}
+        if self.type not in ("whiteout",):
+            d.update(m=self.mode, u=self.uid, g=self.gid, mt=self.mtime)
+        if self.size:
+            d["s"] = self.size
+        if self.target:
+            d["l"] = self.target
+        if self.rdev is not None:
+            d["rd"] = list(self.rdev)
+        if self.xattrs:
+            d["x"] = {k: base64.b64encode(v).decode() for k, v in sorted(self.xattrs.items())}
+        if self.opaque:
+            d["o"] = True
+        if self.chunks:
+            if chunk_ids is None:
+                d["c"] = [list(c) for c in self.chunks]
+            else:
+                d["c"] = [[chunk_ids[i], off, ln] for i, off, ln in self.chunks]
+        return d
+
+    @classmethod
+    def from_doc(cls, d: dict[str, Any]) -> Entry:
+        t = d["t"]
+        if t not in ENTRY_TYPES:
+            raise FormatError(f"index entry {d.get('p')!r} has unknown type {t!r}")
+        return cls(
+            path=d["p"], type=t, mode=d.get("m", 0), uid=d.get("u", 0), gid=d.get("g", 0),
+            mtime=d.get("mt", 0), size=d.get("s", 0), target=d.get("l", ""),
+            rdev=tuple(d["rd"]) if "rd" in d else None,  # type: ignore[arg-type]
+            xattrs={k: base64.b64decode(v) for k, v in d.get("x", {}).items()},
+            opaque=d.get("o", False), chunks=[tuple(c) for c in d.get("c", [])],  # type: ignore[misc]
+        )
+
+
+@dataclass(frozen=True)
+class ChunkLoc:
+    """Where one chunk is stored: pack (position in LayerIndex.packs), byte range, codec."""
+
+    chunk_id: bytes
+    pack: int
+    offset: int
+    clen: int
+    ulen: int
+    codec: int
+    sha256: bytes | None = None  # optional cryptographic digest of the uncompressed bytes
+
+
+@dataclass
+class LayerIndex:
+    entries: list[Entry]
+    chunks: list[ChunkLoc]
+    packs: list[str]
+    params: ChunkParams = field(default_factory=ChunkParams)
+    prefetch: list[str] = field(default_factory=list)
+    chunk_hash: str = "xxh3-128"
+
+    def content_digest(self) -> str:
+        ids = [c.chunk_id.hex() for c in self.chunks]
+        doc = {"format": INDEX_VERSION, "chunk_hash": self.chunk_hash,
+               "entries": [e.to_doc(ids) for e in self.entries]}
+        return hashlib.sha256(canonical.dumps(doc)).hexdigest()
+
+    def to_bytes(self) -> bytes:
+        has_sha = any(c.sha256 for c in self.chunks)
+        doc = {
+            "format": INDEX_VERSION,
+            "chunk_hash": self.chunk_hash,
+            "chunk_sha256": has_sha,
+            "params": {"min": self.params.min_size, "avg": self.params.avg_size,
+                       "max": self.params.max_size, "small": self.params.small_file,
+                       "level": self.params.level},
+            "packs": self.packs,
+            "chunks": [[c.chunk_id.hex(), c.pack, c.offset, c.clen, c.ulen, c.codec]
+                       + ([c.sha256.hex() if c.sha256 else ""] if has_sha else [])
+                       for c in self.chunks],
+            "entries": [e.to_doc() for e in self.entries],
+            "prefetch": self.prefetch,
+        }
+        return zstandard.ZstdCompressor(level=9).compress(canonical.dumps(doc))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str = "index") -> LayerIndex:
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 31)
+        except zstandard.ZstdError as e:
+            raise FormatError(f"{what} is not a zstd frame: {e}") from e
+        doc = canonical.loads(raw, what)
+        if doc.get("format") != INDEX_VERSION:
+            raise FormatError(f"{what} has format {doc.get('format')}; this dsec reads "
+                              f"{INDEX_VERSION}")
+        if doc.get("chunk_hash") != "xxh3-128":
+            raise FormatError(f"{what} uses chunk hash {doc.get('chunk_hash')!r}, unsupported")
+        p = doc["params"]
+        has_sha = doc.get("chunk_sha256", False)
+        chunks = [ChunkLoc(bytes.fromhex(c[0]), c[1], c[2], c[3], c[4], c[5],
+                           bytes.fromhex(c[6]) if has_sha and c[6] else None)
+                  for c in doc["chunks"]]
+        return cls(
+            entries=[Entry.from_doc(e) for e in doc["entries"]], chunks=chunks,
+            packs=doc["packs"], prefetch=doc.get("prefetch", []),
+            params=ChunkParams(p["min"], p["avg"], p["max"], p["small"], p["level"]),
+        )

@@ -1,0 +1,112 @@
+"""The chunks a store already holds, so a writer references them instead of storing them again.
+
+Built from the indexes of every layer reachable from the store's refs; indexes are immutable,
+so their chunk tables are cached on this machine by digest and loading is cheap after the
+first time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.digests import object_key
+from ..core.errors import DsecError
+from ..format.index import LayerIndex
+from ..format.manifest import load_manifest
+from ..format.refs import list_refs
+from .stores.base import Store
+
+log = logging.getLogger(__name__)
+
+_REC = struct.Struct("<16sIQIIB")  # chunk id, pack#, offset, clen, ulen, codec
+
+
+@dataclass(frozen=True)
+class KnownChunk:
+    pack: str
+    offset: int
+    clen: int
+    ulen: int
+    codec: int
+
+
+def load_index(store: Store, digest: str) -> LayerIndex:
+    from ..core.digests import verify_sha256
+
+    data = store.get(object_key("indexes", digest))
+    return LayerIndex.from_bytes(verify_sha256(data, digest, f"index {digest[:12]}"),
+                                 f"index {digest[:12]}")
+
+
+class KnownChunks:
+    """chunk id -> where it is stored, for one store."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[bytes, KnownChunk] = {}
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def get(self, chunk_id: bytes) -> KnownChunk | None:
+        return self.chunks.get(chunk_id)
+
+    def add_index(self, index: LayerIndex) -> None:
+        for c in index.chunks:
+            self.chunks.setdefault(c.chunk_id, KnownChunk(index.packs[c.pack], c.offset, c.clen,
+                                                          c.ulen, c.codec))
+
+    @classmethod
+    def load(cls, store: Store, cache_dir: Path | None = None,
+             exclude_packs: set[str] | None = None) -> KnownChunks:
+        known = cls()
+        seen: set[str] = set()
+        for ref in list_refs(store):
+            try:
+                _collect(store, ref.manifest, seen, known, cache_dir)
+            except DsecError as e:  # a broken ref must not stop other writers
+                log.warning("ignoring %s for dedup: %s", ref.ref, e)
+        if exclude_packs:
+            known.chunks = {k: v for k, v in known.chunks.items() if v.pack not in exclude_packs}
+        return known
+
+
+def _collect(store: Store, digest: str, seen: set[str], known: KnownChunks,
+             cache_dir: Path | None) -> None:
+    if digest in seen:
+        return
+    seen.add(digest)
+    m = load_manifest(store, digest)
+    for layer in m.layers:
+        _collect(store, layer, seen, known, cache_dir)
+    if m.index and m.index not in seen:
+        seen.add(m.index)
+        _add_cached(store, m.index, known, cache_dir)
+
+
+def _add_cached(store: Store, index_digest: str, known: KnownChunks,
+                cache_dir: Path | None) -> None:
+    """Chunk tables are kept on disk in a compact binary form keyed by index digest."""
+    path = cache_dir / index_digest if cache_dir else None
+    if path is not None and path.is_file():
+        data = path.read_bytes()
+        npacks = struct.unpack_from("<I", data)[0]
+        off = 4
+        packs = [data[off + 64 * i: off + 64 * (i + 1)].decode() for i in range(npacks)]
+        off += 64 * npacks
+        for cid, p, o, cl, ul, codec in _REC.iter_unpack(data[off:]):
+            known.chunks.setdefault(cid, KnownChunk(packs[p], o, cl, ul, codec))
+        return
+    index = load_index(store, index_digest)
+    known.add_index(index)
+    if path is not None:
+        body = b"".join(_REC.pack(c.chunk_id, c.pack, c.offset, c.clen, c.ulen, c.codec)
+                        for c in index.chunks)
+        blob = struct.pack("<I", len(index.packs)) + "".join(index.packs).encode() + body
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)

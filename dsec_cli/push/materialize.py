@@ -1,0 +1,222 @@
+"""Writing layers out of a store: exports (a directory or a tar of an image's merged tree) and
+the node's layer cache (one read-only directory per layer, in overlayfs form, shared by every
+sandbox and build that stacks the layer)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import tarfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.digests import object_key
+from ..core.errors import NotFoundError, UsageError
+from ..format.index import Entry, LayerIndex
+from ..format.manifest import Manifest, load_manifest
+from ..format.merge import merge
+from ..format.reader import ChunkReader, Fetch
+from ..format.refs import resolve
+from ..format.tree import TreeWriter
+from .dedup import load_index
+from .stores.base import Store
+
+log = logging.getLogger(__name__)
+
+
+def store_fetch(store: Store) -> Fetch:
+    def fetch(pack: str, offset: int, length: int) -> bytes:
+        return store.get(object_key("packs", pack), offset, length)
+
+    return fetch
+
+
+@dataclass
+class ResolvedImage:
+    """An image or a single layer, as the list of layers to stack (bottom first)."""
+
+    digest: str
+    manifest: Manifest
+    layers: list[tuple[str, Manifest]]
+
+    @property
+    def env(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for _, m in self.layers:
+            env.update(m.env)
+        env.update(self.manifest.env)
+        return env
+
+    @property
+    def workdir(self) -> str:
+        if self.manifest.workdir:
+            return self.manifest.workdir
+        for _, m in reversed(self.layers):
+            if m.workdir:
+                return m.workdir
+        return "/"
+
+
+def resolve_image(store: Store, ref: str) -> ResolvedImage:
+    digest = resolve(store, ref)
+    m = load_manifest(store, digest)
+    if m.kind == "layer":
+        return ResolvedImage(digest, m, [(digest, m)])
+    return ResolvedImage(digest, m, [(d, load_manifest(store, d)) for d in m.layers])
+
+
+def _reader_for(store: Store, m: Manifest) -> tuple[LayerIndex, ChunkReader]:
+    if not m.index:
+        raise NotFoundError(f"{m.ref} has no index")
+    index = load_index(store, m.index)
+    return index, ChunkReader(index, store_fetch(store), max_read=store.preferred_read_size)
+
+
+def export(store: Store, ref: str, dest: Path,
+           progress: Callable[[str, int], None] | None = None) -> ResolvedImage:
+    """Write the merged tree of an image (or one layer) to a directory or a ``.tar`` file."""
+    img = resolve_image(store, ref)
+    indexes, readers = [], []
+    for _, m in img.layers:
+        ix, rd = _reader_for(store, m)
+        indexes.append(ix)
+        readers.append(rd)
+    entries = merge(indexes)
+    if dest.suffix == ".tar":
+        _export_tar(entries, readers, dest, progress)
+    else:
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise UsageError(f"export destination {dest} exists and is not an empty directory")
+        w = TreeWriter(dest, overlay_form=False)
+        for e, n in entries:
+            w.write(e, readers[n].read_file(e) if e.type == "reg" else None)
+            if progress:
+                progress("files", 1)
+                if e.type == "reg":
+                    progress("bytes", e.size)
+        w.finish()
+    return img
+
+
+class _Stream(io.RawIOBase):
+    def __init__(self, pieces: Iterator[bytes]) -> None:
+        self._it = pieces
+        self._buf = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: memoryview) -> int:  # type: ignore[override]
+        while not self._buf:
+            try:
+                self._buf = next(self._it)
+            except StopIteration:
+                return 0
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+
+_TAR_TYPES = {"reg": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "sym": tarfile.SYMTYPE,
+              "hard": tarfile.LNKTYPE, "chr": tarfile.CHRTYPE, "blk": tarfile.BLKTYPE,
+              "fifo": tarfile.FIFOTYPE}
+
+
+def _export_tar(entries: list[tuple[Entry, int]], readers: list[ChunkReader], dest: Path,
+                progress: Callable[[str, int], None] | None) -> None:
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
+        for e, n in entries:
+            ti = tarfile.TarInfo("." if e.path == "." else f"./{e.path}")
+            ti.type = _TAR_TYPES[e.type]
+            ti.mode, ti.uid, ti.gid = e.mode, e.uid, e.gid
+            ti.mtime = e.mtime / 1e9  # type: ignore[assignment]
+            if e.type in ("sym", "hard"):
+                ti.linkname = e.target if e.type == "sym" else f"./{e.target}"
+            if e.rdev:
+                ti.devmajor, ti.devminor = e.rdev
+            if e.xattrs:
+                ti.pax_headers = {f"SCHILY.xattr.{k}": v.decode("utf-8", "surrogateescape")
+                                  for k, v in e.xattrs.items()}
+            if e.type == "reg":
+                ti.size = e.size
+                tf.addfile(ti, io.BufferedReader(_Stream(readers[n].read_file(e)), 1 << 20))
+            else:
+                tf.addfile(ti)
+            if progress:
+                progress("files", 1)
+    os.replace(tmp, dest)
+
+
+class LayerCache:
+    """``<root>/layers/<content digest>``: each layer written once, in overlayfs form.
+
+    Directories are created atomically (written under a temporary name, then renamed), so
+    concurrent users never see a half-written layer; their mtime records the last use, for
+    least-recently-used eviction by node gc."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root) / "layers"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, m: Manifest) -> Path:
+        return self.root / m.content_digest
+
+    def ensure(self, store: Store, m: Manifest) -> Path:
+        dest = self.path(m)
+        if dest.is_dir():
+            os.utime(dest, None)
+            return dest
+        index, reader = _reader_for(store, m)
+        tmp = self.root / f".tmp-{m.content_digest[:16]}-{uuid.uuid4().hex[:8]}"
+        try:
+            w = TreeWriter(tmp, overlay_form=True)
+            for e in index.entries:
+                w.write(e, reader.read_file(e) if e.type == "reg" else None)
+            w.finish()
+            try:
+                os.rename(tmp, dest)
+            except OSError:
+                if not dest.is_dir():
+                    raise
+                log.debug("layer %s was materialized concurrently", m.content_digest[:12])
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+
+    def entries(self) -> list[tuple[Path, float, int]]:
+        """(path, last use, bytes) of every cached layer."""
+        out = []
+        for p in self.root.iterdir():
+            if p.name.startswith(".tmp-"):
+                continue
+            size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()
+                       and not f.is_symlink())
+            out.append((p, p.stat().st_mtime, size))
+        return out
+
+
+@dataclass
+class PreparedImage:
+    manifest_digest: str
+    lower_dirs: list[Path]  # bottom to top
+    env: dict[str, str]
+    workdir: str
+    image: ResolvedImage
+
+
+def prepare_image(store: Store, ref: str, cache_root: Path) -> PreparedImage:
+    """Materialize (once) every layer of an image in the node's layer cache."""
+    img = resolve_image(store, ref)
+    cache = LayerCache(cache_root)
+    started = time.monotonic()
+    lowers = [cache.ensure(store, m) for _, m in img.layers]
+    log.debug("prepared %s in %.3fs", ref, time.monotonic() - started)
+    return PreparedImage(img.digest, lowers, img.env, img.workdir, img)

@@ -1,0 +1,435 @@
+"""Sandbox lifecycle on this node: create, exec, cp, pause, resume, snapshot, remove, list,
+reconcile and node gc, over any backend.
+
+State lives under one directory (`Config.state_dir`, `DSEC_STATE_DIR`): ``node.db`` (see
+state.py), ``sandboxes/<id>/`` (upper dir, mounts, sockets), ``cache/layers/`` (main's layer
+cache) and ``runc/`` (runc's own state). Every change is written to the database *before*
+anything is made on the system and removed *after* it is torn down, so a crash at any point
+leaves rows that reconcile can finish, never resources nobody knows about. Cgroups are named
+after a digest of the state dir, so two nodes (or test sessions) on one host never touch each
+other's sandboxes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ..backends import (
+    Backend,
+    ExecRequest,
+    ExecResult,
+    Limits,
+    OutputCallback,
+    RootfsSpec,
+    SandboxHandle,
+    SandboxSpec,
+    get_backend,
+)
+from ..backends import _cgroups, _rootfs
+from ..core.errors import NotFoundError, SandboxError, UsageError
+from .state import NodeDB, SandboxRecord, now
+
+log = logging.getLogger(__name__)
+
+BACKEND_CHOICES = ("container", "fncall", "microvm", "vm")
+MIN_MEMORY = 8 << 20
+
+
+@dataclass
+class CreateOptions:
+    backend: str = "container"
+    cpus: float | None = None
+    memory: int | None = None
+    pids: int | None = None
+    ttl: float | None = None
+    network: Literal["none", "host"] = "none"
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+
+    def validate(self) -> None:
+        if self.backend not in BACKEND_CHOICES:
+            raise UsageError(f"unknown backend {self.backend!r}; choose one of: "
+                             f"{', '.join(BACKEND_CHOICES)}")
+        ncpu = os.cpu_count() or 1
+        if self.cpus is not None and not (0.01 <= self.cpus <= ncpu):
+            raise UsageError(f"invalid --cpus {self.cpus}: must be between 0.01 and {ncpu} "
+                             "(the CPUs of this node)")
+        if self.memory is not None and self.memory < MIN_MEMORY:
+            raise UsageError(f"invalid --memory {self.memory}: must be at least 8 MiB")
+        if self.pids is not None and self.pids < 2:
+            raise UsageError(f"invalid --pids {self.pids}: must be at least 2")
+        if self.ttl is not None and self.ttl <= 0:
+            raise UsageError(f"invalid --ttl {self.ttl}: must be positive")
+        if self.network not in ("none", "host"):
+            raise UsageError(f"invalid --network {self.network!r}: choose none or host")
+        if self.workdir is not None and not self.workdir.startswith("/"):
+            raise UsageError(f"invalid workdir {self.workdir!r}: must be an absolute path")
+
+
+@dataclass
+class Image:
+    ref: str
+    digest: str
+    lower_dirs: list[Path]
+    env: dict[str, str]
+    workdir: str
+    layer_digests: list[str]  # manifest digests of the layers (empty for a directory image)
+    from_store: bool
+
+
+class Node:
+    """One node's sandboxes. Thread-safe; share one per process (see `local_node`)."""
+
+    def __init__(self, state_dir: str | Path | None = None, store: str | None = None) -> None:
+        from ..core.config import load_config
+
+        cfg = load_config()
+        self.root = Path(state_dir or cfg.state_dir).absolute()
+        self.store_url = store or cfg.store
+        self.cache_budget = cfg.cache_budget
+        self.sandboxes_dir = self.root / "sandboxes"
+        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self.cache_root = self.root / "cache"
+        self.runc_root = self.root / "runc"
+        self.db = NodeDB(self.root / "node.db")
+        self.cgroup_parent = "dsec-" + hashlib.sha256(str(self.root).encode()).hexdigest()[:10]
+        self._backends: dict[str, Backend] = {}
+        self._lock = threading.Lock()
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def backend(self, name: str) -> Backend:
+        with self._lock:
+            b = self._backends.get(name)
+            if b is None:
+                opts: dict[str, Any] = {}
+                if name in ("container", "fncall"):
+                    opts["cgroup_parent"] = self.cgroup_parent
+                if name == "container":
+                    opts["runc_root"] = str(self.runc_root)
+                b = self._backends[name] = get_backend(name, **opts)
+            return b
+
+    def store(self) -> Any:
+        from ..push.stores import open_store
+
+        return open_store(self.store_url)
+
+    def resolve_image(self, image: str) -> Image:
+        """A store reference (``name@version`` or digest), or a local rootfs directory."""
+        p = Path(image)
+        if image.startswith(("/", "./", "../")) or (p.is_dir() and "@" not in image):
+            if not p.is_dir():
+                raise NotFoundError(f"image directory {image} does not exist")
+            return Image(image, "dir:" + str(p.resolve()), [p.resolve()], {}, "/", [], False)
+        from ..push.materialize import prepare_image
+
+        prepared = prepare_image(self.store(), image, self.cache_root)
+        return Image(image, prepared.manifest_digest, list(prepared.lower_dirs),
+                     dict(prepared.env), prepared.workdir or "/",
+                     [d for d, _ in prepared.image.layers], True)
+
+    def lookup(self, sid: str) -> SandboxRecord:
+        if not sid or not all(c.isalnum() or c in "-_" for c in sid):
+            raise UsageError(f"invalid sandbox id {sid!r}")
+        rec = self.db.get(sid)
+        if rec is not None:
+            return rec
+        found = self.db.find(sid)
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            raise UsageError(f"sandbox id {sid!r} is ambiguous: "
+                             f"{', '.join(r.id for r in found[:5])}")
+        raise NotFoundError(f"no sandbox {sid!r} on this node", hint="list them with `dsec ps`")
+
+    def _handle(self, rec: SandboxRecord) -> SandboxHandle:
+        return SandboxHandle(rec.id, rec.backend, dict(rec.handle or {}))
+
+    # -- create / remove -----------------------------------------------------------------------
+    def create(self, image: str, opts: CreateOptions | None = None) -> SandboxRecord:
+        opts = opts or CreateOptions()
+        opts.validate()
+        backend = self.backend(opts.backend)
+        img = self.resolve_image(image)
+        sid = secrets.token_hex(6)
+        limits = Limits(cpus=opts.cpus, memory=opts.memory, pids=opts.pids)
+        env = {**img.env, **opts.env}
+        workdir = opts.workdir or img.workdir or "/"
+        rec = SandboxRecord(
+            id=sid, backend=opts.backend, image=image, image_digest=img.digest, status="creating",
+            handle=None, created=now(), expires=now() + opts.ttl if opts.ttl else None,
+            spec={"limits": {"cpus": opts.cpus, "memory": opts.memory, "pids": opts.pids},
+                  "network": opts.network, "env": env, "workdir": workdir,
+                  "layer_digests": img.layer_digests, "from_store": img.from_store},
+            owner_pid=os.getpid(), owner_start=_rootfs.proc_start_time(os.getpid()),
+            layers=[str(p) for p in img.lower_dirs])
+        self.db.insert(rec, [img.digest] if img.from_store else [])
+        sdir = self.sandboxes_dir / sid
+        spec = SandboxSpec(sandbox_id=sid, rootfs=RootfsSpec(tuple(img.lower_dirs),
+                           sdir / "upper", sdir / "work"), state_dir=sdir, env=env,
+                           workdir=workdir, limits=limits, network=opts.network,
+                           image_digest=img.digest)
+        try:
+            sdir.mkdir(parents=True)
+            handle = backend.create(spec)
+            self.db.update(sid, status="running", handle=handle.state)
+        except BaseException:
+            self._teardown(SandboxHandle(sid, opts.backend, {}), sdir)
+            self.db.delete(sid)
+            raise
+        rec.status, rec.handle = "running", handle.state
+        return rec
+
+    def _fallback_state(self, sid: str, backend: str) -> dict[str, Any]:
+        """What a backend needs to destroy a sandbox whose handle was never saved."""
+        sdir = self.sandboxes_dir / sid
+        return {"cgroup": f"{self.cgroup_parent}/{sid}", "runc_root": str(self.runc_root),
+                "rootfs": str(sdir / "rootfs"), "state_dir": str(sdir)}
+
+    def _teardown(self, handle: SandboxHandle, sdir: Path) -> None:
+        if not handle.state:
+            handle.state = self._fallback_state(handle.sandbox_id, handle.backend)
+        try:
+            self.backend(handle.backend).destroy(handle)
+        finally:
+            _rootfs.remove_tree(sdir)
+
+    def remove(self, sid: str) -> SandboxRecord:
+        rec = self.lookup(sid)
+        self._teardown(self._handle(rec), self.sandboxes_dir / rec.id)
+        self.db.delete(rec.id)
+        return rec
+
+    # -- work inside ---------------------------------------------------------------------------
+    def _live(self, sid: str) -> tuple[SandboxRecord, Backend, SandboxHandle]:
+        rec = self.lookup(sid)
+        if rec.status == "creating":
+            raise UsageError(f"sandbox {rec.id} is still being created")
+        if rec.status == "paused":
+            raise UsageError(f"sandbox {rec.id} is paused", hint=f"dsec resume {rec.id}")
+        b, h = self.backend(rec.backend), self._handle(rec)
+        if rec.status == "dead" or not b.is_alive(h):
+            if rec.status != "dead":
+                self.db.update(rec.id, status="dead")
+            raise SandboxError(f"sandbox {rec.id} is no longer running",
+                               hint=f"remove it with `dsec rm {rec.id}`")
+        return rec, b, h
+
+    def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
+             cwd: str | None = None, stdin: bytes | None = None, timeout: float | None = None,
+             on_output: OutputCallback | None = None) -> ExecResult:
+        if not argv:
+            raise UsageError("exec needs a command")
+        if timeout is not None and timeout <= 0:
+            raise UsageError(f"invalid timeout {timeout}: must be positive")
+        _, b, h = self._live(sid)
+        return b.exec(h, ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout), on_output)
+
+    def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        _, b, h = self._live(sid)
+        b.put_file(h, _sandbox_path(path), data, mode)
+
+    def get_file(self, sid: str, path: str) -> bytes:
+        _, b, h = self._live(sid)
+        return b.get_file(h, _sandbox_path(path))
+
+    def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
+        _, b, h = self._live(sid)
+        client = getattr(b, "client", None)
+        if client is None:
+            return b.get_file(h, _sandbox_path(path)), 0o644
+        result: tuple[bytes, int] = client(h).get_file_with_mode(_sandbox_path(path))
+        return result
+
+    # -- pause / resume / snapshot -------------------------------------------------------------
+    def pause(self, sid: str) -> SandboxRecord:
+        rec, b, h = self._live(sid)
+        b.pause(h)
+        self.db.update(rec.id, status="paused")
+        rec.status = "paused"
+        return rec
+
+    def resume(self, sid: str) -> SandboxRecord:
+        rec = self.lookup(sid)
+        if rec.status != "paused":
+            raise UsageError(f"sandbox {rec.id} is not paused (it is {rec.status})")
+        self.backend(rec.backend).resume(self._handle(rec))
+        self.db.update(rec.id, status="running")
+        rec.status = "running"
+        return rec
+
+    def snapshot(self, sid: str, ref: str, push: str | None = None) -> dict[str, Any]:
+        """The sandbox's writable diff becomes layer ``NAME-layer@VERSION`` and image
+        ``NAME@VERSION`` (the original's layers plus the new one)."""
+        from ..core.digests import parse_ref
+
+        name, version = _parse_snapshot_ref(ref, parse_ref)
+        rec = self.lookup(sid)
+        if not rec.spec.get("from_store"):
+            raise UsageError(f"sandbox {rec.id} runs a directory image: only sandboxes of store "
+                             "images can be snapshotted")
+        b, h = self.backend(rec.backend), self._handle(rec)
+        was_running = rec.status == "running" and b.is_alive(h)
+        if was_running:
+            b.pause(h)  # a consistent diff: nothing writes while it is read
+        try:
+            upper = b.snapshot_diff(h)
+            from ..build.image import write_image
+            from ..build.layer import build_layer_from_dir
+
+            st = self.store()
+            base = list(rec.spec.get("layer_digests", []))
+            layer_digest, _ = build_layer_from_dir(
+                st, upper, f"{name}-layer", version, base=base, created_by=f"dsec snapshot {rec.id}")
+            image_digest, _ = write_image(
+                st, name, version, [*base, layer_digest], env=rec.spec.get("env", {}),
+                workdir=rec.spec.get("workdir", ""), set_ref_too=True,
+                created_by=f"dsec snapshot {rec.id}")
+        finally:
+            if was_running:
+                b.resume(h)
+        out: dict[str, Any] = {"sandbox": rec.id, "image": f"{name}@{version}",
+                               "image_digest": image_digest, "layer": f"{name}-layer@{version}",
+                               "layer_digest": layer_digest}
+        if push:
+            out["pushed"] = _push(st, [f"{name}@{version}"], push)
+        return out
+
+    # -- listing, reconcile, gc ----------------------------------------------------------------
+    def list(self, reconcile: bool = True) -> list[SandboxRecord]:
+        if reconcile:
+            self.reconcile()
+        return self.db.all()
+
+    def reconcile(self) -> dict[str, list[str]]:
+        """Make the database and the system agree after crashes: finish half-done creates,
+        mark dead sandboxes, remove mounts, dirs, cgroups and runc state nobody owns."""
+        report: dict[str, list[str]] = {"aborted": [], "dead": [], "orphans": []}
+        # list the system first, then read rows: a row is written before its resources exist
+        dirs = {p.name for p in self.sandboxes_dir.iterdir()} if self.sandboxes_dir.is_dir() \
+            else set()
+        groups = _cgroups.children(self.cgroup_parent)
+        runc = {p.name for p in self.runc_root.iterdir()} if self.runc_root.is_dir() else set()
+        rows = {r.id: r for r in self.db.all()}
+        for r in rows.values():
+            if r.status == "creating":
+                if not _rootfs.alive(r.owner_pid, r.owner_start):
+                    self._teardown(SandboxHandle(r.id, r.backend, dict(r.handle or {})),
+                                   self.sandboxes_dir / r.id)
+                    self.db.delete(r.id)
+                    report["aborted"].append(r.id)
+            elif r.status in ("running", "paused"):
+                if not self.backend(r.backend).is_alive(self._handle(r)):
+                    self.db.update(r.id, status="dead")
+                    report["dead"].append(r.id)
+        for sid in (dirs | groups | runc) - set(rows):
+            if sid.startswith("."):
+                continue
+            _cgroups.Cgroup(f"{self.cgroup_parent}/{sid}").remove()
+            shutil.rmtree(self.runc_root / sid, ignore_errors=True)
+            _rootfs.remove_tree(self.sandboxes_dir / sid)
+            report["orphans"].append(sid)
+        return report
+
+    def gc(self, budget: int | None = None, dry_run: bool = False) -> dict[str, Any]:
+        """Remove expired and dead sandboxes, then evict unleased cached layers, least
+        recently used first, until the cache fits the budget."""
+        from ..core.config import parse_size
+
+        report: dict[str, Any] = {"removed": [], "evicted": [], "freed_bytes": 0}
+        if not dry_run:
+            report.update(self.reconcile())
+        t = now()
+        for r in self.db.all():
+            expired = r.expires is not None and r.expires <= t
+            if expired or r.status == "dead":
+                report["removed"].append({"id": r.id, "reason": "expired" if expired else "dead"})
+                if not dry_run:
+                    try:
+                        self.remove(r.id)
+                    except NotFoundError:
+                        pass  # removed concurrently
+        budget = budget if budget is not None else parse_size(self.cache_budget, "cache budget")
+        from ..push.materialize import LayerCache
+
+        cache = LayerCache(self.cache_root)
+        entries = sorted(cache.entries(), key=lambda e: e[1])  # oldest use first
+        total = sum(size for _, _, size in entries)
+        leased = self.db.leased_layers()
+        for path, _, size in entries:
+            if total <= budget:
+                break
+            if str(path) in leased:
+                continue
+            report["evicted"].append(path.name)
+            report["freed_bytes"] += size
+            total -= size
+            if not dry_run:
+                tmp = path.with_name(f".tmp-evict-{path.name[:16]}-{secrets.token_hex(4)}")
+                try:
+                    os.rename(path, tmp)  # atomic: a concurrent create re-materializes it
+                except OSError:
+                    continue
+                shutil.rmtree(tmp, ignore_errors=True)
+        report["cache_bytes"] = total
+        if not dry_run and not self.db.all():
+            _cgroups.Cgroup(self.cgroup_parent).remove_if_empty()
+        return report
+
+    def describe(self, sid: str) -> dict[str, Any]:
+        rec = self.lookup(sid)
+        out = rec.public()
+        if rec.status in ("running", "paused"):
+            out.update(self.backend(rec.backend).describe(self._handle(rec)))
+        return out
+
+
+def _sandbox_path(path: str) -> str:
+    """Paths inside a sandbox are absolute; the agent resolves them in the sandbox's own
+    root, so `..` and symlinks cannot leave it."""
+    if not path.startswith("/"):
+        raise UsageError(f"sandbox path {path!r} must be absolute")
+    if "\0" in path:
+        raise UsageError("sandbox paths may not contain NUL")
+    return path
+
+
+def _parse_snapshot_ref(ref: str, parse_ref: Any) -> tuple[str, str]:
+    try:
+        name, version = parse_ref(ref)
+    except Exception as e:
+        raise UsageError(f"invalid snapshot name {ref!r}: expected NAME@VERSION ({e})") from e
+    return name, version
+
+
+def _push(store: Any, refs: list[str], url: str) -> Any:
+    try:
+        from ..push import transfer  # type: ignore[attr-defined]
+    except ImportError as e:
+        raise UsageError("pushing needs the push stage (dsec_cli.push.transfer), "
+                         "which this installation lacks") from e
+    return transfer.push(refs, store, url)
+
+
+_nodes: dict[str, Node] = {}
+_nodes_lock = threading.Lock()
+
+
+def local_node(state_dir: str | Path | None = None, store: str | None = None) -> Node:
+    """The process-wide Node for a state dir (shared so agent connections stay warm)."""
+    from ..core.config import load_config
+
+    key = str(Path(state_dir or load_config().state_dir).absolute()) + "|" + (store or "")
+    with _nodes_lock:
+        n = _nodes.get(key)
+        if n is None:
+            n = _nodes[key] = Node(state_dir, store)
+        return n

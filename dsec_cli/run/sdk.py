@@ -1,0 +1,133 @@
+"""The sandbox SDK: what `dsec run/exec/cp/ps/rm/pause/resume/snapshot` do, as Python objects,
+so a trainer creates and drives sandboxes without shelling out.
+
+    from dsec_cli.run.sdk import Sandbox
+    with Sandbox.create("busybox@1.35-1", memory="256M", ttl="10m") as sb:
+        r = sb.exec("echo hi")          # ExecResult(exit_code, stdout, stderr, duration, ...)
+        sb.write_file("/tmp/x", b"data")
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any, Literal
+
+from ..backends.base import ExecResult, OutputCallback
+from ..core.config import parse_duration, parse_size
+from .node import CreateOptions, Node, local_node
+from .state import SandboxRecord
+
+__all__ = ["Sandbox", "ExecResult", "run", "list_sandboxes", "gc_node"]
+
+
+def _size(v: int | str | None, what: str) -> int | None:
+    return None if v is None else v if isinstance(v, int) else parse_size(v, what)
+
+
+def _secs(v: float | str | None, what: str) -> float | None:
+    return None if v is None else float(v) if isinstance(v, int | float) \
+        else parse_duration(v, what)
+
+
+class Sandbox:
+    """A sandbox on this node. Use as a context manager to remove it on exit."""
+
+    def __init__(self, record: SandboxRecord, node: Node) -> None:
+        self._rec = record
+        self.node = node
+
+    @property
+    def id(self) -> str:
+        return self._rec.id
+
+    @property
+    def backend(self) -> str:
+        return self._rec.backend
+
+    @property
+    def image(self) -> str:
+        return self._rec.image
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.id!r}, image={self.image!r}, backend={self.backend!r})"
+
+    @classmethod
+    def create(cls, image: str | Path, backend: str = "container", *,
+               cpus: float | None = None, memory: int | str | None = None,
+               pids: int | None = None, ttl: float | str | None = None,
+               network: Literal["none", "host"] = "none", env: dict[str, str] | None = None,
+               workdir: str | None = None, state_dir: str | Path | None = None,
+               store: str | None = None) -> Sandbox:
+        node = local_node(state_dir, store)
+        opts = CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, "memory"),
+                             pids=pids, ttl=_secs(ttl, "ttl"), network=network,
+                             env=dict(env or {}), workdir=workdir)
+        return cls(node.create(str(image), opts), node)
+
+    @classmethod
+    def attach(cls, sandbox_id: str, *, state_dir: str | Path | None = None) -> Sandbox:
+        node = local_node(state_dir)
+        return cls(node.lookup(sandbox_id), node)
+
+    def exec(self, cmd: str | list[str], *, stdin: bytes | str | None = None,
+             env: dict[str, str] | None = None, cwd: str | None = None,
+             timeout: float | None = None, on_output: OutputCallback | None = None
+             ) -> ExecResult:
+        """Run a command (a list, or a string for `sh -c`); returns stdout, stderr, the exit
+        code and the duration. A failing command is a result, not an exception."""
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        return self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=data, timeout=timeout,
+                              on_output=on_output)
+
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        self.node.put_file(self.id, path, data.encode() if isinstance(data, str) else data, mode)
+
+    def read_file(self, path: str) -> bytes:
+        return self.node.get_file(self.id, path)
+
+    def pause(self) -> None:
+        self._rec = self.node.pause(self.id)
+
+    def resume(self) -> None:
+        self._rec = self.node.resume(self.id)
+
+    def snapshot(self, ref: str, push: str | None = None) -> dict[str, Any]:
+        return self.node.snapshot(self.id, ref, push)
+
+    def info(self) -> dict[str, Any]:
+        return self.node.describe(self.id)
+
+    def remove(self) -> None:
+        self.node.remove(self.id)
+
+    close = remove
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def run(image: str | Path, cmd: str | list[str], backend: str = "container",
+        **options: Any) -> ExecResult:
+    """Create a sandbox, run one command in it, remove it."""
+    exec_opts = {k: options.pop(k) for k in ("stdin", "timeout", "on_output", "cwd")
+                 if k in options}
+    with Sandbox.create(image, backend, **options) as sb:
+        return sb.exec(cmd, **exec_opts)
+
+
+def list_sandboxes(state_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    return [r.public() for r in local_node(state_dir).list()]
+
+
+def gc_node(budget: int | str | None = None, dry_run: bool = False,
+            state_dir: str | Path | None = None) -> dict[str, Any]:
+    return local_node(state_dir).gc(_size(budget, "cache budget"), dry_run)
+
+
+def shell_join(argv: list[str]) -> str:
+    return shlex.join(argv)

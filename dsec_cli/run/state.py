@@ -1,0 +1,156 @@
+"""The node database: sandboxes, the layer leases they hold and the image pins that keep store
+gc from deleting what runs here. sqlite in WAL mode, one short transaction per change, so many
+dsec processes (and threads) on one node can create and remove sandboxes at once and the state
+survives crashes and restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    backend TEXT NOT NULL,
+    image TEXT NOT NULL,
+    image_digest TEXT NOT NULL,
+    status TEXT NOT NULL,           -- creating | running | paused | dead
+    handle TEXT,                    -- the backend's JSON state, once created
+    spec TEXT NOT NULL,             -- limits, network, env, workdir, layers (JSON)
+    created REAL NOT NULL,
+    expires REAL,                   -- NULL: no TTL
+    owner_pid INTEGER,              -- the process creating it (reconcile: dead owner = crash)
+    owner_start INTEGER
+);
+CREATE TABLE IF NOT EXISTS leases (   -- cached layer dirs a sandbox's rootfs stacks
+    sandbox_id TEXT NOT NULL REFERENCES sandboxes(id) ON DELETE CASCADE,
+    layer TEXT NOT NULL,
+    PRIMARY KEY (sandbox_id, layer)
+);
+CREATE TABLE IF NOT EXISTS pins (     -- manifest digests store gc must keep
+    sandbox_id TEXT NOT NULL REFERENCES sandboxes(id) ON DELETE CASCADE,
+    digest TEXT NOT NULL,
+    PRIMARY KEY (sandbox_id, digest)
+);
+"""
+
+
+@dataclass
+class SandboxRecord:
+    id: str
+    backend: str
+    image: str
+    image_digest: str
+    status: str
+    handle: dict[str, Any] | None
+    spec: dict[str, Any]
+    created: float
+    expires: float | None
+    owner_pid: int | None = None
+    owner_start: int | None = None
+    layers: list[str] = field(default_factory=list)
+
+    def public(self) -> dict[str, Any]:
+        return {"id": self.id, "backend": self.backend, "image": self.image,
+                "image_digest": self.image_digest, "status": self.status,
+                "created": self.created, "expires": self.expires,
+                "limits": self.spec.get("limits", {}), "network": self.spec.get("network")}
+
+
+class NodeDB:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._connect() as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+        db.execute("PRAGMA busy_timeout=60000")
+        db.execute("PRAGMA foreign_keys=ON")
+        db.execute("PRAGMA synchronous=NORMAL")
+        return db
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        db = self._connect()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            yield db
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        finally:
+            db.close()
+
+    def insert(self, r: SandboxRecord, pins: list[str]) -> None:
+        with self.tx() as db:
+            db.execute("INSERT INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                       (r.id, r.backend, r.image, r.image_digest, r.status,
+                        json.dumps(r.handle) if r.handle is not None else None,
+                        json.dumps(r.spec), r.created, r.expires, r.owner_pid, r.owner_start))
+            db.executemany("INSERT OR IGNORE INTO leases VALUES (?,?)",
+                           [(r.id, layer) for layer in r.layers])
+            db.executemany("INSERT OR IGNORE INTO pins VALUES (?,?)", [(r.id, d) for d in pins])
+
+    def update(self, sid: str, *, status: str | None = None,
+               handle: dict[str, Any] | None = None) -> None:
+        with self.tx() as db:
+            if status is not None:
+                db.execute("UPDATE sandboxes SET status=? WHERE id=?", (status, sid))
+            if handle is not None:
+                db.execute("UPDATE sandboxes SET handle=? WHERE id=?", (json.dumps(handle), sid))
+
+    def delete(self, sid: str) -> None:
+        with self.tx() as db:
+            db.execute("DELETE FROM sandboxes WHERE id=?", (sid,))
+
+    def _rows(self, where: str = "", args: tuple[Any, ...] = ()) -> list[SandboxRecord]:
+        db = self._connect()
+        try:
+            rows = db.execute(f"SELECT * FROM sandboxes {where} ORDER BY created", args).fetchall()
+            leases: dict[str, list[str]] = {}
+            for sid, layer in db.execute("SELECT sandbox_id, layer FROM leases"):
+                leases.setdefault(sid, []).append(layer)
+        finally:
+            db.close()
+        return [SandboxRecord(r[0], r[1], r[2], r[3], r[4],
+                              json.loads(r[5]) if r[5] else None, json.loads(r[6]), r[7], r[8],
+                              r[9], r[10], leases.get(r[0], [])) for r in rows]
+
+    def all(self) -> list[SandboxRecord]:
+        return self._rows()
+
+    def get(self, sid: str) -> SandboxRecord | None:
+        rows = self._rows("WHERE id=?", (sid,))
+        return rows[0] if rows else None
+
+    def find(self, prefix: str) -> list[SandboxRecord]:
+        return self._rows("WHERE id LIKE ?", (prefix.replace("%", "") + "%",))
+
+    def leased_layers(self) -> set[str]:
+        db = self._connect()
+        try:
+            return {r[0] for r in db.execute("SELECT DISTINCT layer FROM leases")}
+        finally:
+            db.close()
+
+    def pins(self) -> set[str]:
+        db = self._connect()
+        try:
+            return {r[0] for r in db.execute("SELECT DISTINCT digest FROM pins")}
+        finally:
+            db.close()
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,82 @@
+"""The public Python API of the build and store stages; the CLI calls exactly these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .build.builder import Built, BuildReport, build
+from .core.errors import UsageError
+from .format.manifest import Manifest, load_manifest
+from .format.refs import list_refs, resolve
+from .push.dedup import load_index
+from .push.materialize import ResolvedImage, export, prepare_image, resolve_image
+from .push.stores import Store, open_store
+
+__all__ = [
+    "BuildReport", "Built", "ImageInfo", "build", "export", "inspect", "list_images",
+    "open_store", "prepare_image", "resolve_image", "Store",
+]
+
+
+@dataclass
+class ImageInfo:
+    ref: str
+    kind: str
+    digest: str
+    size: int
+    stored_size: int
+    files: int
+    updated: float
+    layers: list[str] = field(default_factory=list)
+
+
+def _store(store: str | Store | None) -> Store:
+    return store if isinstance(store, Store) else open_store(store)
+
+
+def list_images(kind: str = "all", store: str | Store | None = None) -> list[ImageInfo]:
+    """Layers and/or images in a store (``kind``: layers, images or all)."""
+    if kind not in ("all", "layers", "images"):
+        raise UsageError(f"unknown listing {kind!r}: choose layers, images or all")
+    st = _store(store)
+    out = []
+    for r in list_refs(st):
+        m = load_manifest(st, r.manifest)
+        if kind != "all" and m.kind + "s" != kind:
+            continue
+        out.append(ImageInfo(r.ref, m.kind, r.manifest, m.size, m.stored_size, m.files,
+                             r.updated, [d for d in m.layers]))
+    return out
+
+
+def inspect(ref: str, store: str | Store | None = None, *, files: bool = False
+            ) -> dict[str, Any]:
+    """The manifest of a layer or image, with index statistics (and the file list)."""
+    st = _store(store)
+    digest = resolve(st, ref)
+    m: Manifest = load_manifest(st, digest)
+    doc: dict[str, Any] = {"digest": digest, "store": st.url, "manifest": m.__dict__.copy()}
+    if m.kind == "image":
+        img: ResolvedImage = resolve_image(st, ref)
+        doc["layers"] = [{"ref": lm.ref, "digest": d, "size": lm.size,
+                          "stored_size": lm.stored_size} for d, lm in img.layers]
+        doc["env"] = img.env
+        doc["workdir"] = img.workdir
+    elif m.index:
+        ix = load_index(st, m.index)
+        types: dict[str, int] = {}
+        for e in ix.entries:
+            types[e.type] = types.get(e.type, 0) + 1
+        doc["index"] = {"digest": m.index, "entries": types, "chunks": len(ix.chunks),
+                        "packs": len(ix.packs), "chunk_params": ix.params.__dict__}
+        if files:
+            doc["files"] = [{"path": e.path, "type": e.type, "mode": oct(e.mode), "uid": e.uid,
+                             "gid": e.gid, "size": e.size, "target": e.target}
+                            for e in ix.entries]
+    return doc
+
+
+def export_image(ref: str, dest: Path, store: str | Store | None = None) -> ResolvedImage:
+    return export(_store(store), ref, dest)
