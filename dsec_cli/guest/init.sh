@@ -72,4 +72,5 @@ echo "dsec-init: root mounted, agent on $port" > /dev/ttyS0
 # The agent runs chrooted in the sandbox root but from the initramfs copy (through
 # /proc/self/fd), so the sandbox tree never holds it.
 exec 3< /bin/dsec-agent
-exec chroot /newroot /proc/self/fd/3 --port "$port"
+exec env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
+  chroot /newroot /proc/self/fd/3 --serial "$port"
