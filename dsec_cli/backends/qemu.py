@@ -115,15 +115,31 @@ class QemuBackend(Backend):
             args.append("dsec.net=1")
         return " ".join(args)
 
+    def _validate(self, spec: SandboxSpec) -> None:
+        """Reject bad input before anything is created."""
+        if spec.network not in ("none", "host"):
+            raise UsageError(f"unknown network policy {spec.network!r}: choose none or host")
+        lim = spec.limits
+        if lim.memory is not None and lim.memory < MIN_MEMORY:
+            raise UsageError(f"memory limit {lim.memory} bytes is too small for a VM "
+                             "(minimum 128 MiB)")
+        if lim.cpus is not None and lim.cpus <= 0:
+            raise UsageError(f"cpu limit {lim.cpus} must be positive")
+        if lim.disk is not None and lim.disk < vmimage.MIN_DISK:
+            raise UsageError(f"disk limit {lim.disk} bytes is too small for a VM (minimum 16 MiB)")
+        for d in spec.rootfs.lower_dirs:
+            if not Path(d).is_dir():
+                raise UsageError(f"rootfs layer directory {str(d)!r} does not exist")
+        self._qemu_binary()
+
     def _argv(self, spec: SandboxSpec, st: dict[str, Any], kernel: Kernel, initramfs: Path,
               root: Path, disk: Path) -> list[str]:
         lim = spec.limits
         cpus = max(1, math.ceil(lim.cpus)) if lim.cpus else 1
         mem = lim.memory or DEFAULT_MEMORY
-        if mem < MIN_MEMORY:
-            raise UsageError(f"memory limit {mem} bytes is too small for a VM (minimum 128 MiB)")
         accel = st["accel"]
-        argv = [self._qemu_binary(), "-name", f"dsec-{spec.sandbox_id},process=dsec-{spec.sandbox_id}",
+        name = f"dsec-{spec.sandbox_id}"  # also how is_alive tells our QEMU from a reused pid
+        argv = [self._qemu_binary(), "-name", f"{name},process={name}",
                 "-M", self.machine, "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
                 "-smp", str(cpus), "-m", f"{mem >> 20}M",
                 "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
@@ -145,8 +161,7 @@ class QemuBackend(Backend):
 
     # -- lifecycle -----------------------------------------------------------------------------
     def create(self, spec: SandboxSpec) -> SandboxHandle:
-        if spec.network not in ("none", "host"):
-            raise UsageError(f"unknown network policy {spec.network!r}: choose none or host")
+        self._validate(spec)
         kernel = self._kernel()
         sdir = spec.state_dir
         # unix socket paths are limited to 108 bytes: keep them short, in a private dir
@@ -256,7 +271,7 @@ class QemuBackend(Backend):
 
     def is_alive(self, handle: SandboxHandle) -> bool:
         pid = handle.state.get("pid")
-        return bool(pid) and self._is_our_qemu(handle, pid)
+        return isinstance(pid, int) and self._is_our_qemu(handle, pid)
 
     def is_paused(self, handle: SandboxHandle) -> bool:
         try:

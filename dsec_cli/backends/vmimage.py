@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 #: them never writes into the sandbox's upper layer
 MOUNT_POINTS = ("proc", "sys", "dev", "tmp")
 DEFAULT_DISK_SIZE = 8 << 30  # sparse: costs only what the guest writes
+MIN_DISK = 16 << 20
 
 
 def _run(argv: list[str], what: str) -> None:
@@ -111,7 +112,7 @@ def writable_disk(path: Path, size: int | None) -> Path:
     the sandbox, and a journal-less fs can be read from the host after a guest `sync`
     without replaying anything."""
     size = size or DEFAULT_DISK_SIZE
-    if size < 16 << 20:
+    if size < MIN_DISK:
         raise UsageError(f"disk limit {size} bytes is too small for a VM (minimum 16 MiB)")
     with open(path, "wb") as f:
         f.truncate(size)
