@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .build.builder import Built, BuildReport, build
+from .build.builder import BuildReport, Built, build
 from .core.errors import UsageError
 from .format.manifest import Manifest, load_manifest
 from .format.refs import list_refs, resolve

@@ -67,3 +67,6 @@ if [ "${DSEC_SKIP_KERNEL:-0}" != 1 ] && [ ! -e "$KCACHE/current/lib/modules" ]; 
   mv "$KCACHE/$kpkg.tmp" "$KCACHE/$kpkg"
   ln -sfn "$kpkg" "$KCACHE/current"
 fi
+
+# The example base layer's root filesystem, made from the installed busybox-static.
+layerspecs/busybox/make-rootfs.sh

@@ -23,14 +23,14 @@ from ..core.digests import object_key
 from ..core.errors import NotFoundError, SpecError
 from ..format import canonical
 from ..format.index import INDEX_VERSION
-from ..format.manifest import Manifest, load_manifest, put_manifest
+from ..format.manifest import Manifest, load_manifest
 from ..format.refs import get_ref, set_ref
 from ..push.dedup import KnownChunks
 from ..push.materialize import LayerCache
 from ..push.stores import open_store
 from ..push.stores.base import Store
 from .image import write_image
-from .layer import Progress, layer_manifest, write_layer
+from .layer import Progress, WriteStats, layer_manifest, write_layer
 from .spec import Spec, find_specs, load_spec
 from .steps import build_tree
 
@@ -144,8 +144,12 @@ class _BuildCache:
 
 def build(paths: list[Path] | None = None, store: str | Store | None = None, *,
           force: bool = False, progress: Progress | None = None,
-          on_log: Callable[[str], None] | None = None) -> BuildReport:
-    """Build the specs in ``paths`` (default ``layerspecs/``) into a store."""
+          on_log: Callable[[str], None] | None = None,
+          chunk_sha256: bool = False) -> BuildReport:
+    """Build the specs in ``paths`` (default ``layerspecs/``) into a store.
+
+    ``chunk_sha256`` adds a sha256 per chunk to new layers, for stores shared across trust
+    domains (docs/format.md)."""
     cfg = load_config()
     st = store if isinstance(store, Store) else open_store(store)
     specs = [load_spec(p) for p in find_specs(paths or [Path("layerspecs")])]
@@ -164,7 +168,7 @@ def build(paths: list[Path] | None = None, store: str | Store | None = None, *,
         key = hashlib.sha256(canonical.dumps({
             "format": INDEX_VERSION, "spec": spec.doc, "deps": deps,
             "inputs": _fingerprint(spec) if spec.kind == "layer" else "",
-            "sde": os.environ.get("SOURCE_DATE_EPOCH", "0")})).hexdigest()
+            "sde": os.environ.get("SOURCE_DATE_EPOCH", "0"), "sha": chunk_sha256})).hexdigest()
         hit = None if force else cache.get(key)
         if hit and st.has(object_key("manifests", hit)):
             m = load_manifest(st, hit)
@@ -180,7 +184,7 @@ def build(paths: list[Path] | None = None, store: str | Store | None = None, *,
             if known is None:
                 known = KnownChunks.load(st, Path(cfg.data_dir) / "chunk-tables")
             digest, m, stats = _build_layer(st, spec, deps, known, Path(cfg.data_dir), progress,
-                                            on_log)
+                                            on_log, chunk_sha256)
             item = Built(spec.ref, "layer", digest, m.content_digest, False, m.size,
                          m.stored_size, stats.new_bytes, stats.new_chunks, stats.reused_chunks)
         _point_ref(st, spec, digest, report)
@@ -208,7 +212,8 @@ def _point_ref(st: Store, spec: Spec, digest: str, report: BuildReport) -> None:
 
 
 def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, data_dir: Path,
-                 progress: Progress | None, on_log: Callable[[str], None] | None):  # type: ignore[no-untyped-def]
+                 progress: Progress | None, on_log: Callable[[str], None] | None,
+                 chunk_sha256: bool) -> tuple[str, Manifest, WriteStats]:
     bases = [load_manifest(st, d) for d in deps]
     base_env: dict[str, str] = {}
     for b in bases:
@@ -222,7 +227,8 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
     staging = Path(tempfile.mkdtemp(prefix="build-", dir=tmp_root))
     try:
         scanned = build_tree(spec, staging, lowers, base_env, on_log)
-        index, stats = write_layer(st, scanned, known=known, progress=progress)
+        index, stats = write_layer(st, scanned, known=known, progress=progress,
+                                   crypto_digests=chunk_sha256)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     digest, m = layer_manifest(st, index, name=spec.name, version=spec.version,

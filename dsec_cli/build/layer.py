@@ -204,12 +204,10 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
                 crypto_digests: bool = False) -> tuple[LayerIndex, WriteStats]:
     """Chunk, compress and pack the entries' bytes into the store; return the index.
 
-    The caller puts the index and manifest and writes the ref (see `publish_layer`)."""
+    The caller puts the index and manifest and writes the ref (see `layer_manifest`)."""
     params = params or ChunkParams()
-    staging_root = Path(getattr(store, "staging_dir", lambda: Path(tempfile.gettempdir()))())
-    staging = Path(tempfile.mkdtemp(prefix="layer-", dir=staging_root))
+    staging = Path(tempfile.mkdtemp(prefix="layer-", dir=store.staging_dir()))
     w = _Writer(store, known, params, staging, progress, crypto_digests)
-    w._open_chunks = []
     entries: list[Entry] = []
     batch = bytearray()
     batch_files: list[tuple[Entry, int, int]] = []
@@ -241,8 +239,9 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
                     batch_files.append((e, len(batch), len(data)))
                     batch.extend(data)
                     # content-defined batch boundaries keep a small change local
-                    if len(batch) >= params.avg_size or (
-                            len(batch) >= params.min_size and xxhash.xxh3_64_intdigest(data) & 3 == 0):
+                    cut_here = xxhash.xxh3_64_intdigest(data) & 3 == 0
+                    if len(batch) >= params.avg_size or (len(batch) >= params.min_size
+                                                         and cut_here):
                         flush_batch()
                 elif size <= params.max_size:
                     e.chunks = [(w.chunk(f.read()), 0, size)]

@@ -156,8 +156,9 @@ class StagedTree:
         _mount_overlay(self.lowers, self.upper, self.work, self.merged)
         try:
             if not (self.merged / "bin/sh").exists() and not (self.merged / "bin/sh").is_symlink():
+                bases = ", ".join(r for r, _ in spec.deps) or "none"
                 raise BuildError(f"{spec.path}:{step.line}: `run` needs /bin/sh in the layers "
-                                 f"this spec builds `from` ({', '.join(r for r, _ in spec.deps) or 'none'})")
+                                 f"this spec builds `from` ({bases})")
             code = run_in_root(self.merged, ["/bin/sh", "-c", step.args["cmd"]],
                                env={**env, **step.args["env"]}, network=step.args["network"],
                                on_line=on_line)

@@ -47,6 +47,16 @@ def _norm(name: str, what: str, src: Path) -> str:
     return "/".join(parts) or "."
 
 
+def _mtime_ns(m: tarfile.TarInfo) -> int:
+    """Exact nanoseconds: pax headers carry a decimal string that a float would round."""
+    text = m.pax_headers.get("mtime")
+    if text:
+        whole, _, frac = text.partition(".")
+        return int(whole) * 1_000_000_000 + int((frac + "000000000")[:9] or 0) * (
+            -1 if whole.startswith("-") else 1)
+    return int(m.mtime) * 1_000_000_000
+
+
 def _symlink_escapes(path: str, target: str) -> bool:
     if target.startswith("/"):
         return False  # absolute targets resolve inside the sandbox's own root
@@ -78,7 +88,7 @@ def read_tar(src: Path, dst: str, spool: Path) -> list[Scanned]:
             for m in tf:
                 rel = _norm(m.name, "entry", src)
                 name = posixpath.basename(rel)
-                mtime = int(m.mtime * 1_000_000_000)
+                mtime = _mtime_ns(m)
                 xattrs = {k[len("SCHILY.xattr."):]: v.encode("utf-8", "surrogateescape")
                           for k, v in m.pax_headers.items() if k.startswith("SCHILY.xattr.")}
                 if name == WH_OPAQUE:

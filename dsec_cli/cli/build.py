@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from .render import console, err_console, human_bytes, print_json, progress, table
 
-StoreOpt = Annotated[Optional[str], typer.Option("--store", help="store URL (default: embedded)")]  # noqa: UP007
+StoreOpt = Annotated[str | None, typer.Option("--store", help="store URL (default: embedded)")]  # noqa: UP007
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def build(
-        specs: Annotated[Optional[list[Path]], typer.Argument(help="spec files or folders")] = None,  # noqa: UP007
+        specs: Annotated[list[Path] | None, typer.Argument(help="spec files or folders")] = None,  # noqa: UP007
         store: StoreOpt = None,
         force: Annotated[bool, typer.Option("--force", help="rebuild even if cached")] = False,
+        chunk_sha256: Annotated[bool, typer.Option(
+            "--chunk-sha256", help="also store a sha256 per chunk (stores shared across trust "
+            "domains)")] = False,
         json_: JsonOpt = False,
     ) -> None:
         """Build layer and image specs (default: layerspecs/) into a store."""
@@ -26,7 +29,7 @@ def register(app: typer.Typer) -> None:
 
         with progress(not json_) as p:
             files = p.add_task("files", total=None) if p else None
-            data = p.add_task("chunked", total=None) if p else None
+            data = p.add_task("chunked", total=None, unit="bytes") if p else None
 
             def tick(kind: str, n: int) -> None:
                 if p is not None:
@@ -36,7 +39,8 @@ def register(app: typer.Typer) -> None:
                 if not json_:
                     err_console().print(f"  | {line}", style="dim", highlight=False, markup=False)
 
-            report = sdk.build(specs or None, store, force=force, progress=tick, on_log=log_line)
+            report = sdk.build(specs or None, store, force=force, progress=tick, on_log=log_line,
+                               chunk_sha256=chunk_sha256)
         if json_:
             print_json({"store": report.store, "items": [i.__dict__ for i in report.items],
                         "warnings": report.warnings})

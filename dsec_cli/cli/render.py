@@ -46,21 +46,22 @@ def human_bytes(n: float) -> str:
 
 @contextmanager
 def progress(enabled: bool = True) -> Iterator[Any]:
-    """A rich Progress on a terminal (stderr), or None when output is piped or --json."""
+    """A rich Progress on a terminal (stderr), or None when output is piped or --json.
+
+    Tasks added with ``unit="bytes"`` show sizes and MB/s; others show counts."""
     if not enabled or not err_console().is_terminal:
         yield None
         return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+    from rich.text import Text
 
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        TimeElapsedColumn(), console=err_console(), transient=True,
-    ) as p:
+    class Amount(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            if task.fields.get("unit") == "bytes":
+                speed = task.speed or 0
+                return Text(f"{human_bytes(task.completed)}  {speed / 1e6:.0f} MB/s")
+            return Text(f"{task.completed:.0f}")
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), Amount(), TimeElapsedColumn(),
+                  console=err_console(), transient=True) as p:
         yield p

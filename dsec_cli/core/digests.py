@@ -46,7 +46,8 @@ def object_key(kind: str, digest: str) -> str:
 def parse_object_key(key: str) -> tuple[str, str] | None:
     """Inverse of `object_key`; None for keys that are not content-addressed objects."""
     parts = key.split("/")
-    if len(parts) == 3 and parts[0] in KINDS and _HEX64.match(parts[2]) and parts[1] == parts[2][:2]:
+    if (len(parts) == 3 and parts[0] in KINDS and _HEX64.match(parts[2])
+            and parts[1] == parts[2][:2]):
         return parts[0], parts[2]
     return None
 

@@ -92,14 +92,23 @@ def export(store: Store, ref: str, dest: Path,
     else:
         if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
             raise UsageError(f"export destination {dest} exists and is not an empty directory")
-        w = TreeWriter(dest, overlay_form=False)
-        for e, n in entries:
-            w.write(e, readers[n].read_file(e) if e.type == "reg" else None)
-            if progress:
-                progress("files", 1)
-                if e.type == "reg":
-                    progress("bytes", e.size)
-        w.finish()
+        # written beside the destination and renamed: a failed export leaves nothing behind
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            w = TreeWriter(tmp, overlay_form=False)
+            for e, n in entries:
+                w.write(e, readers[n].read_file(e) if e.type == "reg" else None)
+                if progress:
+                    progress("files", 1)
+                    if e.type == "reg":
+                        progress("bytes", e.size)
+            w.finish()
+            if dest.exists():
+                dest.rmdir()
+            os.rename(tmp, dest)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return img
 
 
@@ -136,14 +145,15 @@ def _export_tar(entries: list[tuple[Entry, int]], readers: list[ChunkReader], de
             ti = tarfile.TarInfo("." if e.path == "." else f"./{e.path}")
             ti.type = _TAR_TYPES[e.type]
             ti.mode, ti.uid, ti.gid = e.mode, e.uid, e.gid
-            ti.mtime = e.mtime / 1e9  # type: ignore[assignment]
+            ti.mtime = e.mtime // 1_000_000_000
+            pax = {"mtime": f"{e.mtime // 1_000_000_000}.{e.mtime % 1_000_000_000:09d}"}
             if e.type in ("sym", "hard"):
                 ti.linkname = e.target if e.type == "sym" else f"./{e.target}"
             if e.rdev:
                 ti.devmajor, ti.devminor = e.rdev
-            if e.xattrs:
-                ti.pax_headers = {f"SCHILY.xattr.{k}": v.decode("utf-8", "surrogateescape")
-                                  for k, v in e.xattrs.items()}
+            pax.update({f"SCHILY.xattr.{k}": v.decode("utf-8", "surrogateescape")
+                        for k, v in e.xattrs.items()})
+            ti.pax_headers = pax
             if e.type == "reg":
                 ti.size = e.size
                 tf.addfile(ti, io.BufferedReader(_Stream(readers[n].read_file(e)), 1 << 20))

@@ -85,6 +85,15 @@ class Store(abc.ABC):
     def delete(self, key: str) -> None:
         self._delete(validate_key(key))
 
+    def staging_dir(self) -> Path:
+        """Where writers stage local files (packs) before `put_file`; a store on a local
+        filesystem returns a directory on that filesystem, so uploads are renames."""
+        from ...core.config import load_config
+
+        path = Path(load_config().data_dir) / "tmp"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the default has nothing to release."""
 
