@@ -34,7 +34,7 @@ from ..core.errors import BackendError, SandboxError, UsageError
 from . import qemu_accel, vmimage
 from .base import Backend, ExecRequest, ExecResult, OutputCallback, SandboxHandle, SandboxSpec
 from .qemu_qmp import QMPError, qmp
-from .vmkernel import Kernel, build_initramfs, find_kernel
+from .vmkernel import Kernel, boot_image, build_initramfs, find_kernel
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,10 @@ class QemuBackend(Backend):
                                       self.vm_dir, self.vm_dir / "initramfs")
 
     def _cmdline(self, spec: SandboxSpec, accel: str) -> str:
-        args = ["console=ttyS0", "quiet", "panic=-1", "rdinit=/init", "dsec.root=erofs",
+        args = ["console=ttyS0", "panic=-1", "rdinit=/init", "dsec.root=erofs",
                 f"dsec.hostname={_safe_hostname(spec.hostname)}"]
+        if not os.environ.get("DSEC_VM_VERBOSE"):  # the full kernel log, for boot problems
+            args.append("quiet")
         if accel == "tcg":
             khz = _host_tsc_khz()
             if khz:
@@ -144,7 +146,8 @@ class QemuBackend(Backend):
                 "-smp", str(cpus), "-m", f"{mem >> 20}M",
                 "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
                 "-daemonize", "-pidfile", st["pidfile"],
-                "-kernel", str(kernel.image), "-initrd", str(initramfs),
+                "-kernel", str(boot_image(kernel, self.vm_dir / "kernel")),
+                "-initrd", str(initramfs),
                 "-append", self._cmdline(spec, accel),
                 "-serial", f"file:{st['console']}",
                 "-qmp", f"unix:{st['qmp']},server=on,wait=off",

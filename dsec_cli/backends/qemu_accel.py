@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from .vmkernel import Kernel, build_initramfs
+from .vmkernel import Kernel, boot_image, build_initramfs
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +23,14 @@ PROBE_TIMEOUT = 15.0  # a working KVM boots this guest in about a second
 MARKER = b"dsec-guest-up"
 
 
-def floor_argv(qemu: str, kernel: Kernel, initramfs: Path, accel: str) -> list[str]:
+def floor_argv(qemu: str, image: Path, initramfs: Path, accel: str,
+               machine: str = "microvm", append: str = "") -> list[str]:
     """QEMU booting `kernel` straight into the power-off init: the probe, and the floor
     the benchmarks compare guest boots against."""
-    return [qemu, "-M", "microvm", "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
+    return [qemu, "-M", machine, "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
             "-m", "256M", "-nodefaults", "-no-user-config", "-display", "none",
-            "-no-reboot", "-serial", "stdio", "-kernel", str(kernel.image),
-            "-initrd", str(initramfs), "-append", "console=ttyS0 quiet panic=-1"]
+            "-no-reboot", "-serial", "stdio", "-kernel", str(image),
+            "-initrd", str(initramfs), "-append", f"console=ttyS0 quiet panic=-1 {append}"]
 
 
 def probe_kvm(qemu: str, kernel: Kernel, cache_dir: Path) -> tuple[bool, str]:
@@ -37,9 +38,10 @@ def probe_kvm(qemu: str, kernel: Kernel, cache_dir: Path) -> tuple[bool, str]:
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return False, "/dev/kvm is missing or not accessible"
     initramfs = build_initramfs(kernel, cache_dir, init="poweroff.sh")
+    image = boot_image(kernel, cache_dir)
     start = time.monotonic()
     try:
-        out = subprocess.run(floor_argv(qemu, kernel, initramfs, "kvm"), capture_output=True,
+        out = subprocess.run(floor_argv(qemu, image, initramfs, "kvm"), capture_output=True,
                              timeout=PROBE_TIMEOUT)
     except subprocess.TimeoutExpired:
         return False, f"a KVM guest did not boot within {PROBE_TIMEOUT:.0f}s"

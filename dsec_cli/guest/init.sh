@@ -67,7 +67,7 @@ for p in /sys/class/virtio-ports/*; do
   [ "$(cat "$p/name" 2>/dev/null)" = dsec.agent ] && port=/dev/${p##*/}
 done
 [ -n "$port" ] || fail "no dsec.agent virtio-serial port"
-echo "dsec-init: root mounted, agent on $port" > /dev/ttyS0
+echo "dsec-init: root mounted at $(cut -d" " -f1 /proc/uptime)s, agent on $port" > /dev/ttyS0
 
 # The agent runs chrooted in the sandbox root but from the initramfs copy (through
 # /proc/self/fd), so the sandbox tree never holds it.
