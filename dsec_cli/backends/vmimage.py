@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -43,12 +44,24 @@ def _run(argv: list[str], what: str) -> None:
 
 
 def image_key(lower_dirs: Sequence[Path], image_digest: str) -> str:
-    """The cache key: the image digest, or (without one) a digest of the layer paths,
-    which name content-addressed layer directories in the node cache."""
-    if image_digest:
+    """The cache key: a content digest (``sha256:...``) names the image as it is. Anything
+    else (no digest, or a plain directory used as an image) is not content-addressed, so
+    the key also covers a stat walk of the layers: an edited tree gets a new image."""
+    if re.fullmatch(r"sha256:[0-9a-f]{64}", image_digest):
         return image_digest.replace(":", "-")
-    h = hashlib.sha256("\0".join(str(Path(p).resolve()) for p in lower_dirs).encode())
-    return "paths-" + h.hexdigest()
+    h = hashlib.sha256(image_digest.encode() + b"\0")
+    for d in lower_dirs:
+        h.update(str(Path(d).resolve()).encode() + b"\0")
+        for dirpath, dirnames, filenames in os.walk(d):
+            dirnames.sort()
+            for name in sorted([*filenames, *dirnames]) + ["."]:
+                try:
+                    st = os.lstat(os.path.join(dirpath, name))
+                except OSError:
+                    continue
+                h.update(f"{dirpath}/{name}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0"
+                         .encode())
+    return "tree-" + h.hexdigest()
 
 
 def root_image(lower_dirs: Sequence[Path], image_digest: str, cache_dir: Path) -> Path:
