@@ -10,6 +10,7 @@ dsec adds on top of the kernel boot itself.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -38,29 +39,35 @@ def busybox_layer(dest: Path) -> Path:
     return dest
 
 
-def floor(backend: QemuBackend, name: str, runs: int, work: Path) -> list[float]:
+def floor_cmd(backend: QemuBackend, name: str, work: Path) -> list[str]:
     kernel = find_kernel()
     accel = backend.acceleration(kernel)["accel"]
     initramfs = build_initramfs(kernel, work / "initramfs", init="poweroff.sh")
     khz = _host_tsc_khz()
     append = f"tsc_early_khz={khz} tsc=reliable" if accel == "tcg" and khz else ""
     image = boot_image(kernel, work / "kernel")  # the same image the backends boot
-    argv = floor_argv(backend._qemu_binary(), image, initramfs, accel, MACHINES[name], append)
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        out = subprocess.run(argv, capture_output=True, timeout=600)
-        times.append(time.perf_counter() - t)
-        assert b"dsec-guest-up" in out.stdout, out.stderr[-500:]
-    return times
+    return floor_argv(backend._qemu_binary(), image, initramfs, accel, MACHINES[name], append)
 
 
-def boots(backend: QemuBackend, layer: Path, runs: int, execs: int, work: Path
-          ) -> tuple[list[float], list[float]]:
+def floor_once(argv: list[str]) -> float:
+    t = time.perf_counter()
+    out = subprocess.run(argv, capture_output=True, timeout=600)
+    took = time.perf_counter() - t
+    assert b"dsec-guest-up" in out.stdout, out.stderr[-500:]
+    return took
+
+
+def interleaved(backend: QemuBackend, layer: Path, runs: int, execs: int, work: Path
+                ) -> tuple[list[float], list[float], list[float]]:
+    """Floor boots and sandbox boots alternate, so load from other work on the host
+    weighs on both alike."""
+    argv = floor_cmd(backend, backend.name, work)
+    floor: list[float] = []
     ready: list[float] = []
     rtt: list[float] = []
     for i in range(runs):
-        sdir = work / "sandboxes" / f"b{i}"
+        floor.append(floor_once(argv))
+        sdir = work / "sandboxes" / f"{backend.name}{i}"
         spec = SandboxSpec(f"bench{backend.name}{i}", RootfsSpec((layer,), sdir / "u", sdir / "w"),
                            sdir, limits=Limits(cpus=1, memory=256 << 20),
                            image_digest="sha256:" + "b" * 64)
@@ -75,12 +82,12 @@ def boots(backend: QemuBackend, layer: Path, runs: int, execs: int, work: Path
                     rtt.append(time.perf_counter() - t)
         finally:
             backend.destroy(h)
-    return ready, rtt
+    return floor, ready, rtt
 
 
 def main(args: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks vm")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--execs", type=int, default=50)
     ap.add_argument("--backends", default="microvm,vm")
     opts = ap.parse_args(args)
@@ -94,8 +101,7 @@ def main(args: list[str]) -> None:
             warm = SandboxSpec(f"warm{name}", RootfsSpec((layer,), work / "wu", work / "ww"),
                                work / "warm" / name, image_digest="sha256:" + "b" * 64)
             backend.destroy(backend.create(warm))
-            fl = floor(backend, name, opts.runs, work)
-            ready, rtt = boots(backend, layer, opts.runs, opts.execs, work)
+            fl, ready, rtt = interleaved(backend, layer, opts.runs, opts.execs, work)
             f_med, r_med = statistics.median(fl), statistics.median(ready)
             results[name] = {
                 "accel": backend.acceleration()["accel"],
@@ -108,7 +114,8 @@ def main(args: list[str]) -> None:
             print(f"{name}: floor {f_med:.2f}s, ready {r_med:.2f}s "
                   f"({r_med / f_med:.2f}x floor), exec rtt "
                   f"{results[name]['exec_rtt_ms']['median']:.1f} ms ({results[name]['accel']})")
-    out = save("vm", {"runs": opts.runs, "backends": results})
+    load = os.getloadavg()
+    out = save("vm", {"runs": opts.runs, "loadavg_after": load, "backends": results})
     print(f"results: {out.relative_to(REPO)}")
 
 

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MEMORY = 512 << 20
 MIN_MEMORY = 128 << 20
 BOOT_TIMEOUT = 180.0  # TCG on a loaded 2-core host boots in tens of seconds
+CONNECT_TIMEOUT = 60.0  # waiting for another process to release the agent connection
 
 
 def _host_tsc_khz() -> int | None:
@@ -199,10 +200,16 @@ class QemuBackend(Backend):
             raise
         return handle
 
-    def _wait_ready(self, handle: SandboxHandle) -> None:
-        """Ping the agent until it answers; fail early if QEMU exits."""
-        deadline = time.monotonic() + self.boot_timeout
-        client = AgentClient.connect_unix(handle.state["agent_sock"])
+    def _connect(self, handle: SandboxHandle, timeout: float) -> AgentClient:
+        """A client whose agent answered a ping within `timeout` (QEMU accepts one
+        connection on the port's socket at a time: a second process waits its turn, and a
+        guest still booting has not opened the port yet). Fails early if QEMU exits."""
+        deadline = time.monotonic() + timeout
+        try:
+            client = AgentClient.connect_unix(handle.state["agent_sock"])
+        except AgentError as e:
+            raise SandboxError(f"cannot reach the agent of sandbox {handle.sandbox_id}: {e}") \
+                from e
         done = threading.Event()
         error: list[BaseException] = []
 
@@ -214,18 +221,24 @@ class QemuBackend(Backend):
             done.set()
 
         threading.Thread(target=ping, daemon=True).start()
-        while not done.wait(0.2):
+        while not done.wait(0.1):
             if not self.is_alive(handle) or time.monotonic() > deadline:
                 client.close()
                 done.wait(5)
-                why = ("QEMU exited" if not self.is_alive(handle)
-                       else f"the guest agent did not answer within {self.boot_timeout:.0f}s")
-                raise BackendError(f"sandbox {handle.sandbox_id} did not boot: {why}; "
-                                   f"console: {self._console_tail(handle)}")
+                raise SandboxError("QEMU exited" if not self.is_alive(handle) else
+                                   f"the guest agent did not answer within {timeout:.0f}s "
+                                   "(still booting, or another process holds its connection)")
         if error:
             client.close()
-            raise BackendError(f"sandbox {handle.sandbox_id} did not boot: {error[0]}; "
-                               f"console: {self._console_tail(handle)}")
+            raise SandboxError(f"the guest agent failed: {error[0]}")
+        return client
+
+    def _wait_ready(self, handle: SandboxHandle) -> None:
+        try:
+            client = self._connect(handle, self.boot_timeout)
+        except SandboxError as e:
+            raise BackendError(f"sandbox {handle.sandbox_id} did not boot: {e.message}; "
+                               f"console: {self._console_tail(handle)}") from e
         with self._lock:
             self._clients[handle.sandbox_id] = client
 
@@ -330,11 +343,7 @@ class QemuBackend(Backend):
             if c is not None and c._closed is None:
                 return c
         self._require_alive(handle)
-        try:
-            c = AgentClient.connect_unix(handle.state["agent_sock"])
-        except AgentError as e:
-            raise SandboxError(f"cannot reach the agent of sandbox {handle.sandbox_id}: {e}") \
-                from e
+        c = self._connect(handle, CONNECT_TIMEOUT)
         with self._lock:
             old = self._clients.get(handle.sandbox_id)
             if old is not None and old._closed is None:

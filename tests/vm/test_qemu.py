@@ -140,7 +140,8 @@ CHILD = textwrap.dedent("""
     from test_qemu import spec_for
     layers = tuple(Path(p) for p in {layers!r})
     b = get_backend("microvm", state_dir={node!r})
-    h = b.create(spec_for({sid!r}, layers, Path({node!r}), "sha256:" + "b" * 64))
+    h = b.create(spec_for({sid!r}, layers, Path({node!r}), "sha256:" + "b" * 64,
+                          network="host"))
     print(json.dumps(h.state), flush=True)
     time.sleep(3600)
 """)
@@ -148,8 +149,9 @@ CHILD = textwrap.dedent("""
 
 def test_snapshot_as_layer_and_survival_of_kill9(base_layer: Path, node_dir: Path,
                                                  tmp_path: Path) -> None:
-    """A diff taken from one VM, stacked as a layer under a new VM created by a process that
-    is then SIGKILLed: the VM outlives it, serves exec, and destroy leaves nothing."""
+    """A diff taken from one VM, stacked as a layer under a new VM (with the `host` network)
+    created by a process that is then SIGKILLed: the VM outlives it, serves exec, and
+    destroy leaves nothing."""
     backend = get_backend("microvm", state_dir=node_dir)
     first = backend.create(spec_for(f"s{os.getpid()}", (base_layer,), node_dir, ""))
     try:
@@ -174,6 +176,9 @@ def test_snapshot_as_layer_and_survival_of_kill9(base_layer: Path, node_dir: Pat
         assert fresh.is_alive(handle)
         r = fresh.exec(handle, ExecRequest(["sh", "-c", "cat /etc/added; ls /etc"]))
         assert r.stdout == b"layered\n" + b"added\n"
+        # network="host": a user-mode NIC configured by the guest init
+        r = fresh.exec(handle, ExecRequest(["ip", "-4", "addr", "show", "eth0"]))
+        assert b"10.0.2.15/24" in r.stdout
     finally:
         fresh.destroy(handle)
     pid = state["pid"]
