@@ -99,9 +99,11 @@ class ExecHandle:
                                       timed_out=bool(flags & 1))
                 elif kind == T_RESULT:
                     code, msg = _result(payload)
-                    raise SandboxError(f"exec failed in the sandbox: {msg or os.strerror(code)}")
+                    raise SandboxError(
+                        f"exec failed in the sandbox: {msg or os.strerror(code)}")
                 elif kind < 0:
-                    raise AgentError(f"lost the connection to the sandbox agent: {payload.decode()}")
+                    raise AgentError("lost the connection to the sandbox agent: "
+                                     f"{payload.decode()}")
         finally:
             self._client._done(self.rid)
 
@@ -225,7 +227,8 @@ class AgentClient:
         for req in pending:
             req.frames.put((-1, reason.encode()))
 
-    def _wait_result(self, rid: int, req: _Request, sink: list[bytes] | None = None) -> tuple[int, str]:
+    def _wait_result(self, rid: int, req: _Request,
+                     sink: list[bytes] | None = None) -> tuple[int, str]:
         try:
             while True:
                 kind, payload = req.frames.get()
@@ -234,7 +237,8 @@ class AgentClient:
                 if kind == T_DATA and sink is not None:
                     sink.append(payload)
                 elif kind < 0:
-                    raise AgentError(f"lost the connection to the sandbox agent: {payload.decode()}")
+                    raise AgentError("lost the connection to the sandbox agent: "
+                                     f"{payload.decode()}")
         finally:
             self._done(rid)
 

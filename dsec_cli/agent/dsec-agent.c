@@ -133,7 +133,9 @@ static void send_errno(int ci, uint32_t id, const char *what, const char *path) 
 
 static void kill_exec(struct ex *x, int sig) {
     if (x->pid > 0) {
-        kill(-x->pid, sig);  /* the exec leads its own process group */
+        /* the exec leads its own process group; repeat so children forked while the
+         * first signal was being delivered (a fork bomb) are caught too */
+        for (int i = 0; i < (sig == SIGKILL ? 3 : 1); i++) kill(-x->pid, sig);
         kill(x->pid, sig);
     }
 }
@@ -556,6 +558,11 @@ int main(int argc, char **argv) {
     static struct pollfd pfds[2 + MAX_CONN + 3 * MAX_EXEC];
     static int kind[2 + MAX_CONN + 3 * MAX_EXEC], idx[2 + MAX_CONN + 3 * MAX_EXEC];
     while (!terminate) {
+        if (listen_fd < 0 && !serial_path) {  /* --fd mode: done once the stream is gone */
+            int open_conns = 0;
+            for (int i = 0; i < MAX_CONN; i++) open_conns += conns[i].fd >= 0;
+            if (!open_conns) break;
+        }
         int n = 0;
         int64_t next = 0;
         pfds[n] = (struct pollfd){sig_pipe[0], POLLIN, 0}; kind[n++] = 0;

@@ -168,6 +168,22 @@ class Cgroup:
             raise BackendError(f"cannot {'freeze' if freeze else 'thaw'} {self.rel}: {e}") from e
         raise BackendError(f"cgroup {self.rel} did not settle {'frozen' if freeze else 'thawed'}")
 
+    def limit_events(self) -> tuple[int, int]:
+        """(OOM kills, pids-limit hits) so far: two small reads, for the exec path."""
+        oom = hits = 0
+        mem, pid = self.path("memory"), self.path("pids")
+        try:
+            if mem:
+                name = "memory.events" if self.layout.version == 2 else "memory.oom_control"
+                for line in (mem / name).read_text().splitlines():
+                    if line.startswith("oom_kill "):
+                        oom = int(line.split()[1])
+            if pid:
+                hits = int((pid / "pids.events").read_text().split()[-1])
+        except (OSError, ValueError, IndexError):
+            pass
+        return oom, hits
+
     def counters(self) -> dict[str, int]:
         """Memory use, OOM kills and pids, for reporting limits that were hit."""
         out: dict[str, int] = {}
@@ -208,12 +224,10 @@ class Cgroup:
         deadline = time.monotonic() + timeout
         dirs = self.all_dirs()
         while True:
-            self.kill_all()
-            busy = False
-            for d in dirs:
-                busy |= _rmtree_cgroup(d)
-            if not busy:
+            busy = [_rmtree_cgroup(d) for d in dirs]  # every hierarchy, no short-circuit
+            if not any(busy):
                 return
+            self.kill_all()
             if time.monotonic() > deadline:
                 raise BackendError(f"cgroup {self.rel} still has processes after SIGKILL")
             time.sleep(0.002)
@@ -236,8 +250,13 @@ def _kill(pid: int) -> None:
 
 def _rmtree_cgroup(d: Path) -> bool:
     """rmdir a cgroup and its children, deepest first; True if something is still busy."""
-    if not d.is_dir():
+    try:
+        d.rmdir()  # the common case: a leaf group whose processes are gone
         return False
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
     busy = False
     for child in [c for c in d.iterdir() if c.is_dir()]:
         busy |= _rmtree_cgroup(child)

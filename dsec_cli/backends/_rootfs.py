@@ -21,7 +21,8 @@ from pathlib import Path
 from ..core.errors import BackendError
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                        ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 MNT_DETACH = 2
 CLONE_NEWNET = 0x40000000
@@ -30,6 +31,22 @@ CLONE_NEWNET = 0x40000000
 SKELETON_DIRS = ("proc", "sys", "dev", "tmp", ".dsec/run")
 AGENT_IN_SANDBOX = "/.dsec/agent"
 SOCKET_IN_SANDBOX = "/.dsec/run/agent.sock"
+
+
+def shared_skeleton(root: Path) -> Path:
+    """The skeleton under a node-wide directory, made once (atomically) for all sandboxes."""
+    path = root / "skel-v1"
+    if path.is_dir():
+        return path
+    tmp = root / f".skel-{os.getpid()}-{threading.get_ident()}"
+    make_skeleton(tmp)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # made concurrently by another create
+        if not path.is_dir():
+            raise
+    return path
 
 
 def make_skeleton(path: Path) -> Path:
@@ -67,12 +84,8 @@ def mount_overlay(target: Path, lower_dirs: Sequence[Path], upper: Path | None =
 
 
 def umount(target: Path) -> None:
-    """Unmount, detaching lazily if something still holds it; quiet when not mounted."""
-    if _libc.umount2(str(target).encode(), 0) == 0:
-        return
-    e = ctypes.get_errno()
-    if e in (errno.EINVAL, errno.ENOENT):
-        return  # not a mount point (never mounted, or already gone)
+    """Detach a mount (quiet when not mounted). Detaching returns at once; the kernel frees
+    the overlay when its last user is gone, and a destroyed sandbox has none left."""
     if _libc.umount2(str(target).encode(), MNT_DETACH) != 0:
         e = ctypes.get_errno()
         if e not in (errno.EINVAL, errno.ENOENT):

@@ -119,9 +119,11 @@ def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup
 class ContainerBackend(Backend):
     name: ClassVar[str] = "container"
 
-    def __init__(self, cgroup_parent: str = "dsec", runc_root: str | None = None) -> None:
+    def __init__(self, cgroup_parent: str = "dsec", runc_root: str | None = None,
+                 shared_dir: str | None = None) -> None:
         self.cgroup_parent = cgroup_parent
         self.runc_root = runc_root
+        self.shared_dir = shared_dir  # node-wide files (the skeleton layer); else per sandbox
         self._clients: dict[str, AgentClient] = {}
         self._lock = threading.Lock()
 
@@ -135,11 +137,15 @@ class ContainerBackend(Backend):
             "rootfs": str(rootfs), "run_dir": str(run_dir), "cgroup": cgroup,
             "runc_root": runc_root, "upper": str(spec.rootfs.upper_dir),
             "state_dir": str(sdir), "network": spec.network,
+            "limited": bool(spec.limits.memory or spec.limits.pids),
         })
         try:
             for d in (run_dir, spec.rootfs.upper_dir, spec.rootfs.work_dir):
                 d.mkdir(parents=True, exist_ok=True)
-            _rootfs.make_skeleton(skel)
+            if self.shared_dir:
+                skel = _rootfs.shared_skeleton(Path(self.shared_dir))
+            else:
+                _rootfs.make_skeleton(skel)
             _rootfs.mount_overlay(rootfs, [*spec.rootfs.lower_dirs, skel],
                                   spec.rootfs.upper_dir, spec.rootfs.work_dir)
             config = oci_spec(spec, rootfs, run_dir, agent_binary(), cgroup)
@@ -263,16 +269,16 @@ def exec_with_accounting(client: AgentClient, handle: SandboxHandle, request: Ex
                          on_output: OutputCallback | None) -> ExecResult:
     """Exec through the agent and tell the caller when the sandbox's memory or pids limit
     was what ended the command (cgroup counters read before and after)."""
-    cg = _cgroups.Cgroup(handle.state["cgroup"]) if handle.state.get("cgroup") else None
-    before = cg.counters() if cg else {}
+    limited = handle.state.get("limited", True) and handle.state.get("cgroup")
+    cg = _cgroups.Cgroup(handle.state["cgroup"]) if limited else None
+    before = cg.limit_events() if cg else (0, 0)
     t0 = time.monotonic()
     res = client.exec(request.argv, request.env, request.cwd, request.stdin, request.timeout,
                       on_output)
     if cg is None:
         return res
-    after = cg.counters()
-    oom = after.get("oom_kills", 0) > before.get("oom_kills", 0)
-    pids_hit = after.get("pids_max_hits", 0) > before.get("pids_max_hits", 0)
+    after = cg.limit_events()
+    oom, pids_hit = after[0] > before[0], after[1] > before[1]
     if not (oom or pids_hit):
         return res
     return ExecResult(res.exit_code, res.stdout, res.stderr, time.monotonic() - t0,

@@ -32,7 +32,8 @@ from .container import DEFAULT_PATH, exec_with_accounting
 def bwrap_binary() -> str:
     path = shutil.which("bwrap")
     if path is None:
-        raise BackendError("bubblewrap is not installed", hint="run scripts/setup.sh (apt: bubblewrap)")
+        raise BackendError("bubblewrap is not installed",
+                           hint="run scripts/setup.sh (apt: bubblewrap)")
     return path
 
 
@@ -54,8 +55,9 @@ def descendants(pid: int) -> list[int]:
 class FncallBackend(Backend):
     name: ClassVar[str] = "fncall"
 
-    def __init__(self, cgroup_parent: str = "dsec") -> None:
+    def __init__(self, cgroup_parent: str = "dsec", shared_dir: str | None = None) -> None:
         self.cgroup_parent = cgroup_parent
+        self.shared_dir = shared_dir  # node-wide files (the skeleton layer); else per sandbox
         self._clients: dict[str, AgentClient] = {}
         self._lock = threading.Lock()
 
@@ -65,10 +67,14 @@ class FncallBackend(Backend):
         cgroup = f"{self.cgroup_parent}/{spec.sandbox_id}"
         handle = SandboxHandle(spec.sandbox_id, self.name, {
             "rootfs": str(rootfs), "run_dir": str(run_dir), "cgroup": cgroup,
-            "state_dir": str(sdir), "network": spec.network})
+            "state_dir": str(sdir), "network": spec.network,
+            "limited": bool(spec.limits.memory or spec.limits.pids)})
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            _rootfs.make_skeleton(skel)
+            if self.shared_dir:
+                skel = _rootfs.shared_skeleton(Path(self.shared_dir))
+            else:
+                _rootfs.make_skeleton(skel)
             _rootfs.mount_overlay(rootfs, [*spec.rootfs.lower_dirs, skel])  # read-only
             cg = _cgroups.Cgroup(cgroup)
             lim = spec.limits

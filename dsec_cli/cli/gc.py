@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def gc(
-        node: bool = typer.Option(False, "--node", help="Collect this node's sandboxes and cache."),
-        budget: str = typer.Option(None, "--budget",
-                                   help="Layer cache budget, e.g. 20G (default: cache_budget)."),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Show what would go."),
-        json_out: bool = typer.Option(False, "--json"),
-        state_dir: str = typer.Option(None, "--state-dir",
-                                      help="Node state directory (default: DSEC_STATE_DIR)."),
+        node: Annotated[bool, typer.Option("--node",
+                                           help="collect this node's sandboxes and cache")
+                        ] = False,
+        budget: Annotated[str | None,  # noqa: UP007
+                          typer.Option("--budget",
+                                       help="layer cache budget, e.g. 20G (default: cache_budget)")
+                          ] = None,
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="show what would go")] = False,
+        json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+        state_dir: Annotated[str | None,  # noqa: UP007
+                             typer.Option("--state-dir",
+                                          help="node state directory (default: DSEC_STATE_DIR)")
+                             ] = None,
     ) -> None:
         """Garbage-collect: with --node, expired/dead sandboxes and least recently used layers."""
         from ..core.config import parse_size

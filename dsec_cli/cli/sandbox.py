@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
-STATE_HELP = "Node state directory (default: DSEC_STATE_DIR or the config's state_dir)."
+STATE_HELP = "node state directory (default: DSEC_STATE_DIR or the config's state_dir)"
 
 
 def _node(state_dir: str | None) -> Any:
@@ -71,24 +71,43 @@ def _report(res: Any, json_out: bool, sid: str | None = None) -> None:
     raise typer.Exit(res.exit_code)
 
 
+JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+StateOpt = Annotated[str | None, typer.Option("--state-dir", help=STATE_HELP)]  # noqa: UP007
+EnvOpt = Annotated[list[str] | None,  # noqa: UP007
+                   typer.Option("--env", "-e", help="KEY=VALUE (repeatable)")]
+WorkdirOpt = Annotated[str | None, typer.Option("--workdir", "-w")]  # noqa: UP007
+TimeoutOpt = Annotated[float | None,  # noqa: UP007
+                       typer.Option(help="kill the command after this many seconds")]
+SandboxArg = Annotated[str, typer.Argument(help="sandbox id (a unique prefix is enough)")]
+CmdArg = Annotated[list[str] | None, typer.Argument(help="command to run (after --)")]  # noqa: UP007
+
+
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(context_settings={"ignore_unknown_options": True})
     def run(
-        image: str = typer.Argument(..., help="Image (NAME@VERSION, digest) or a rootfs dir."),
-        cmd: list[str] = typer.Argument(None, help="Command to run (after --)."),
-        backend: str = typer.Option("container", "--backend", "-b",
-                                    help="container | fncall | microvm | vm"),
-        cpus: float = typer.Option(None, help="CPU share, e.g. 0.5 or 2."),
-        memory: str = typer.Option(None, help="Memory limit, e.g. 512M."),
-        pids: int = typer.Option(None, help="Maximum number of processes."),
-        ttl: str = typer.Option(None, help="Remove after this long (dsec gc --node), e.g. 30m."),
-        network: str = typer.Option("none", help="none (loopback only) | host"),
-        env: list[str] = typer.Option(None, "--env", "-e", help="KEY=VALUE (repeatable)."),
-        workdir: str = typer.Option(None, "--workdir", "-w"),
-        timeout: float = typer.Option(None, help="Kill the command after this many seconds."),
-        detach: bool = typer.Option(False, "--detach", "-d", help="Print the id, leave it running."),
-        json_out: bool = typer.Option(False, "--json"),
-        state_dir: str = typer.Option(None, "--state-dir", help=STATE_HELP),
+        image: Annotated[str, typer.Argument(help="image (NAME@VERSION, digest) or rootfs dir")],
+        cmd: CmdArg = None,
+        backend: Annotated[str, typer.Option("--backend", "-b",
+                                             help="container | fncall | microvm | vm")
+                           ] = "container",
+        cpus: Annotated[float | None, typer.Option(help="CPU share, e.g. 0.5 or 2")  # noqa: UP007
+                        ] = None,
+        memory: Annotated[str | None, typer.Option(help="memory limit, e.g. 512M")  # noqa: UP007
+                          ] = None,
+        pids: Annotated[int | None, typer.Option(help="maximum number of processes")  # noqa: UP007
+                        ] = None,
+        ttl: Annotated[str | None,  # noqa: UP007
+                       typer.Option(help="remove after this long (dsec gc --node), e.g. 30m")
+                       ] = None,
+        network: Annotated[str, typer.Option(help="none (loopback only) | host")] = "none",
+        env: EnvOpt = None,
+        workdir: WorkdirOpt = None,
+        timeout: TimeoutOpt = None,
+        detach: Annotated[bool, typer.Option("--detach", "-d",
+                                             help="print the id and leave it running")
+                          ] = False,
+        json_out: JsonOpt = False,
+        state_dir: StateOpt = None,
     ) -> None:
         """Create a sandbox; run CMD in it and remove it, or leave it running with -d."""
         from ..core.config import parse_duration, parse_size
@@ -98,10 +117,10 @@ def register(app: typer.Typer) -> None:
 
         if not detach and not cmd:
             raise UsageError("give a command after -- or use -d to leave the sandbox running")
-        opts = CreateOptions(backend=backend, cpus=cpus,
-                             memory=parse_size(memory, "--memory") if memory else None,
-                             pids=pids, ttl=parse_duration(ttl, "--ttl") if ttl else None,
-                             network=network, env=_parse_env(env), workdir=workdir)  # type: ignore[arg-type]
+        opts = CreateOptions(
+            backend=backend, cpus=cpus, memory=parse_size(memory, "--memory") if memory else None,
+            pids=pids, ttl=parse_duration(ttl, "--ttl") if ttl else None,
+            network=network, env=_parse_env(env), workdir=workdir)  # type: ignore[arg-type]
         node = _node(state_dir)
         rec = node.create(image, opts)
         if detach:
@@ -112,6 +131,7 @@ def register(app: typer.Typer) -> None:
             else:
                 typer.echo(rec.id)
             return
+        assert cmd
         try:
             res = node.exec(rec.id, cmd, stdin=_stdin_source(), timeout=timeout,
                             on_output=None if json_out else _stream)
@@ -119,31 +139,34 @@ def register(app: typer.Typer) -> None:
             node.remove(rec.id)
         _report(res, json_out, rec.id)
 
-    @app.command("exec", context_settings={"allow_interspersed_args": False})
+    @app.command("exec", context_settings={"ignore_unknown_options": True})
     def exec_(
-        sandbox: str = typer.Argument(..., help="Sandbox id (a unique prefix is enough)."),
-        cmd: list[str] = typer.Argument(..., help="Command to run (after --)."),
-        env: list[str] = typer.Option(None, "--env", "-e", help="KEY=VALUE (repeatable)."),
-        workdir: str = typer.Option(None, "--workdir", "-w"),
-        timeout: float = typer.Option(None, help="Kill the command after this many seconds."),
-        json_out: bool = typer.Option(False, "--json"),
-        state_dir: str = typer.Option(None, "--state-dir", help=STATE_HELP),
+        sandbox: SandboxArg,
+        cmd: CmdArg = None,
+        env: EnvOpt = None,
+        workdir: WorkdirOpt = None,
+        timeout: TimeoutOpt = None,
+        json_out: JsonOpt = False,
+        state_dir: StateOpt = None,
     ) -> None:
         """Run a command in a sandbox: streams output, forwards stdin, exits with its code."""
+        from ..core.errors import UsageError
+
         if cmd and cmd[0] == "--":
             cmd = cmd[1:]
-        node = _node(state_dir)
-        res = node.exec(sandbox, cmd, env=_parse_env(env), cwd=workdir,
-                        stdin=_stdin_source(), timeout=timeout,
-                        on_output=None if json_out else _stream)
+        if not cmd:
+            raise UsageError("exec needs a command, e.g. `dsec exec ID -- ls /`")
+        res = _node(state_dir).exec(sandbox, cmd, env=_parse_env(env), cwd=workdir,
+                                    stdin=_stdin_source(), timeout=timeout,
+                                    on_output=None if json_out else _stream)
         _report(res, json_out)
 
     @app.command()
     def cp(
-        src: str = typer.Argument(..., help="Host path or SANDBOX:PATH."),
-        dst: str = typer.Argument(..., help="Host path or SANDBOX:PATH."),
-        json_out: bool = typer.Option(False, "--json"),
-        state_dir: str = typer.Option(None, "--state-dir", help=STATE_HELP),
+        src: Annotated[str, typer.Argument(help="host path or SANDBOX:PATH")],
+        dst: Annotated[str, typer.Argument(help="host path or SANDBOX:PATH")],
+        json_out: JsonOpt = False,
+        state_dir: StateOpt = None,
     ) -> None:
         """Copy a file into or out of a sandbox (one side is SANDBOX:PATH)."""
         from ..run.transfer import copy
@@ -154,14 +177,11 @@ def register(app: typer.Typer) -> None:
             print_json(result)
 
     @app.command()
-    def ps(
-        json_out: bool = typer.Option(False, "--json"),
-        state_dir: str = typer.Option(None, "--state-dir", help=STATE_HELP),
-    ) -> None:
+    def ps(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
         """List this node's sandboxes (after reconciling the database with the system)."""
         from .render import print_json, table
 
-        recs = [r.public() for r in _node(state_dir).list()]
+        recs = [r.public() for r in _node(state_dir).sandboxes()]
         if json_out:
             print_json(recs)
             return
@@ -173,9 +193,9 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def rm(
-        sandboxes: list[str] = typer.Argument(..., help="Sandbox ids."),
-        json_out: bool = typer.Option(False, "--json"),
-        state_dir: str = typer.Option(None, "--state-dir", help=STATE_HELP),
+        sandboxes: Annotated[list[str], typer.Argument(help="sandbox ids")],
+        json_out: JsonOpt = False,
+        state_dir: StateOpt = None,
     ) -> None:
         """Remove sandboxes (stops everything they run)."""
         from .render import print_json
@@ -190,30 +210,24 @@ def register(app: typer.Typer) -> None:
                 typer.echo(sid)
 
     @app.command()
-    def pause(
-        sandbox: str = typer.Argument(...),
-        json_out: bool = typer.Option(False, "--json"),
-        state_dir: str = typer.Option(None, "--state-dir", help=STATE_HELP),
-    ) -> None:
+    def pause(sandbox: SandboxArg, json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
         """Freeze every process of a sandbox (cgroup freezer)."""
         _status(_node(state_dir).pause(sandbox), json_out)
 
     @app.command()
-    def resume(
-        sandbox: str = typer.Argument(...),
-        json_out: bool = typer.Option(False, "--json"),
-        state_dir: str = typer.Option(None, "--state-dir", help=STATE_HELP),
-    ) -> None:
+    def resume(sandbox: SandboxArg, json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
         """Thaw a paused sandbox."""
         _status(_node(state_dir).resume(sandbox), json_out)
 
     @app.command()
     def snapshot(
-        sandbox: str = typer.Argument(...),
-        as_: str = typer.Option(..., "--as", help="NAME@VERSION of the new image."),
-        push: str = typer.Option(None, "--push", help="Also push the image to this store URL."),
-        json_out: bool = typer.Option(False, "--json"),
-        state_dir: str = typer.Option(None, "--state-dir", help=STATE_HELP),
+        sandbox: SandboxArg,
+        as_: Annotated[str, typer.Option("--as", help="NAME@VERSION of the new image")],
+        push: Annotated[str | None,  # noqa: UP007
+                        typer.Option("--push", help="also push the image to this store URL")
+                        ] = None,
+        json_out: JsonOpt = False,
+        state_dir: StateOpt = None,
     ) -> None:
         """Turn a sandbox's changes into a new layer and an image stacking it."""
         from .render import print_json

@@ -31,9 +31,10 @@ from ..backends import (
     RootfsSpec,
     SandboxHandle,
     SandboxSpec,
+    _cgroups,
+    _rootfs,
     get_backend,
 )
-from ..backends import _cgroups, _rootfs
 from ..core.errors import NotFoundError, SandboxError, UsageError
 from .state import NodeDB, SandboxRecord, now
 
@@ -112,6 +113,7 @@ class Node:
                 opts: dict[str, Any] = {}
                 if name in ("container", "fncall"):
                     opts["cgroup_parent"] = self.cgroup_parent
+                    opts["shared_dir"] = str(self.root)
                 if name == "container":
                     opts["runc_root"] = str(self.runc_root)
                 b = self._backends[name] = get_backend(name, **opts)
@@ -288,7 +290,8 @@ class Node:
             st = self.store()
             base = list(rec.spec.get("layer_digests", []))
             layer_digest, _ = build_layer_from_dir(
-                st, upper, f"{name}-layer", version, base=base, created_by=f"dsec snapshot {rec.id}")
+                st, upper, f"{name}-layer", version, base=base,
+                created_by=f"dsec snapshot {rec.id}")
             image_digest, _ = write_image(
                 st, name, version, [*base, layer_digest], env=rec.spec.get("env", {}),
                 workdir=rec.spec.get("workdir", ""), set_ref_too=True,
@@ -304,7 +307,7 @@ class Node:
         return out
 
     # -- listing, reconcile, gc ----------------------------------------------------------------
-    def list(self, reconcile: bool = True) -> list[SandboxRecord]:
+    def sandboxes(self, reconcile: bool = True) -> list[SandboxRecord]:
         if reconcile:
             self.reconcile()
         return self.db.all()

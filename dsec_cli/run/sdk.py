@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..backends.base import ExecResult, OutputCallback
+from ..backends.fnpool import FunctionCallError, FunctionPool
 from ..core.config import parse_duration, parse_size
 from .node import CreateOptions, Node, local_node
 from .state import SandboxRecord
 
-__all__ = ["Sandbox", "ExecResult", "run", "list_sandboxes", "gc_node"]
+__all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "run",
+           "list_sandboxes", "gc_node"]
 
 
 def _size(v: int | str | None, what: str) -> int | None:
@@ -121,7 +123,7 @@ def run(image: str | Path, cmd: str | list[str], backend: str = "container",
 
 
 def list_sandboxes(state_dir: str | Path | None = None) -> list[dict[str, Any]]:
-    return [r.public() for r in local_node(state_dir).list()]
+    return [r.public() for r in local_node(state_dir).sandboxes()]
 
 
 def gc_node(budget: int | str | None = None, dry_run: bool = False,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -67,30 +68,35 @@ class SandboxRecord:
 class NodeDB:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._local = threading.local()
         path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.executescript(SCHEMA)
+        db = self._connect()
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(SCHEMA)
 
     def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-        db.execute("PRAGMA busy_timeout=60000")
-        db.execute("PRAGMA foreign_keys=ON")
-        db.execute("PRAGMA synchronous=NORMAL")
+        """One connection per thread, kept open: opening and closing (which checkpoints the
+        WAL) per statement would cost more than the statements."""
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=60, isolation_level=None,
+                                 check_same_thread=False)
+            db.execute("PRAGMA busy_timeout=60000")
+            db.execute("PRAGMA foreign_keys=ON")
+            db.execute("PRAGMA synchronous=NORMAL")
+            self._local.db = db
         return db
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
         db = self._connect()
+        db.execute("BEGIN IMMEDIATE")
         try:
-            db.execute("BEGIN IMMEDIATE")
             yield db
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
-        finally:
-            db.close()
 
     def insert(self, r: SandboxRecord, pins: list[str]) -> None:
         with self.tx() as db:
@@ -116,13 +122,10 @@ class NodeDB:
 
     def _rows(self, where: str = "", args: tuple[Any, ...] = ()) -> list[SandboxRecord]:
         db = self._connect()
-        try:
-            rows = db.execute(f"SELECT * FROM sandboxes {where} ORDER BY created", args).fetchall()
-            leases: dict[str, list[str]] = {}
-            for sid, layer in db.execute("SELECT sandbox_id, layer FROM leases"):
-                leases.setdefault(sid, []).append(layer)
-        finally:
-            db.close()
+        rows = db.execute(f"SELECT * FROM sandboxes {where} ORDER BY created", args).fetchall()
+        leases: dict[str, list[str]] = {}
+        for sid, layer in db.execute("SELECT sandbox_id, layer FROM leases"):
+            leases.setdefault(sid, []).append(layer)
         return [SandboxRecord(r[0], r[1], r[2], r[3], r[4],
                               json.loads(r[5]) if r[5] else None, json.loads(r[6]), r[7], r[8],
                               r[9], r[10], leases.get(r[0], [])) for r in rows]
@@ -138,18 +141,10 @@ class NodeDB:
         return self._rows("WHERE id LIKE ?", (prefix.replace("%", "") + "%",))
 
     def leased_layers(self) -> set[str]:
-        db = self._connect()
-        try:
-            return {r[0] for r in db.execute("SELECT DISTINCT layer FROM leases")}
-        finally:
-            db.close()
+        return {r[0] for r in self._connect().execute("SELECT DISTINCT layer FROM leases")}
 
     def pins(self) -> set[str]:
-        db = self._connect()
-        try:
-            return {r[0] for r in db.execute("SELECT DISTINCT digest FROM pins")}
-        finally:
-            db.close()
+        return {r[0] for r in self._connect().execute("SELECT DISTINCT digest FROM pins")}
 
 
 def now() -> float:

@@ -91,3 +91,20 @@ def test_put_get_file(agent: tuple[AgentClient, Path]) -> None:
         c.get_file(str(d / "missing"))
     with pytest.raises(UsageError):
         c.get_file(str(d))
+
+
+def test_single_stream_mode_over_an_inherited_fd() -> None:
+    """`--fd N`: the mode a VM's virtio-serial port uses (one stream, no listener)."""
+    import socket
+
+    host, guest = socket.socketpair()
+    proc = subprocess.Popen([str(agent_binary()), "--fd", str(guest.fileno())],
+                            pass_fds=(guest.fileno(),))
+    guest.close()
+    client = AgentClient(host)
+    try:
+        assert client.ping().startswith("dsec-agent 1")
+        assert client.exec(["sh", "-c", "echo $((6 * 7))"]).stdout == b"42\n"
+    finally:
+        client.close()
+        assert proc.wait() == 0  # EOF on its only stream ends the agent

@@ -1,0 +1,97 @@
+"""Shared fixtures for sandbox tests: one file store with the busybox layer built into it
+(session-wide), and a node state dir per test module. Everything real: runc, bwrap, overlay
+mounts, cgroups. Needs root."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGE = "busybox@1.35-1"
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
+
+
+@pytest.fixture(scope="session")
+def sandbox_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture(scope="session")
+def store_url(tmp_path_factory: pytest.TempPathFactory, sandbox_data: Path) -> str:
+    root = tmp_path_factory.mktemp("store")
+    subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
+    from dsec_cli.build.builder import build
+
+    url = root.as_uri()
+    old = os.environ.get("XDG_DATA_HOME")
+    os.environ["XDG_DATA_HOME"] = str(sandbox_data)  # chunk tables and build cache
+    try:
+        build([REPO / "layerspecs/busybox/busybox.yaml"], url)
+    finally:
+        if old is None:
+            os.environ.pop("XDG_DATA_HOME", None)
+        else:
+            os.environ["XDG_DATA_HOME"] = old
+    return url
+
+
+@pytest.fixture(scope="module")
+def node_env(tmp_path_factory: pytest.TempPathFactory, store_url: str,
+             sandbox_data: Path) -> Iterator[dict[str, str]]:
+    """DSEC_* variables for one node state dir; everything left is removed at the end."""
+    state = tmp_path_factory.mktemp("node")
+    env = {"DSEC_STATE_DIR": str(state), "DSEC_STORE": store_url,
+           "XDG_DATA_HOME": str(sandbox_data)}
+    yield env
+    from dsec_cli.run.node import Node
+
+    n = Node(state, store_url)
+    for r in n.db.all():
+        n.remove(r.id)
+    n.gc(budget=0)
+
+
+@pytest.fixture(autouse=True)
+def dsec_home(node_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overrides the suite-wide isolated home: sandbox tests share one node and store per
+    module (creating a store and a node per test would cost seconds each)."""
+    for k, v in node_env.items():
+        monkeypatch.setenv(k, v)
+    for var in ("DSEC_DATA_DIR", "DSEC_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="module")
+def node(node_env: dict[str, str]) -> object:
+    from dsec_cli.run.node import Node
+
+    return Node(node_env["DSEC_STATE_DIR"], node_env["DSEC_STORE"])
+
+
+def dsec(env: dict[str, str], *args: str, input: bytes | None = None,
+         check: int | None = 0) -> subprocess.CompletedProcess[bytes]:
+    """Run the real `dsec` console script."""
+    exe = Path(os.sys.executable).with_name("dsec")  # type: ignore[attr-defined]
+    p = subprocess.run([str(exe), *args], input=input, capture_output=True,
+                       env={**os.environ, **env})
+    if check is not None:
+        assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
+    return p
+
+
+def leaks(state_dir: str) -> dict[str, object]:
+    """Mounts, cgroups and processes a node state dir still holds."""
+    from dsec_cli.backends import _cgroups, _rootfs
+    from dsec_cli.run.node import Node
+
+    n = Node(state_dir)
+    sbx = Path(state_dir) / "sandboxes"
+    return {"mounts": _rootfs.mounts_under(Path(state_dir)),
+            "cgroups": sorted(_cgroups.children(n.cgroup_parent)),
+            "dirs": sorted(p.name for p in sbx.iterdir()) if sbx.is_dir() else []}
