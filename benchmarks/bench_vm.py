@@ -25,7 +25,7 @@ from dsec_cli.backends.qemu import QemuBackend, _host_tsc_khz
 from dsec_cli.backends.qemu_accel import floor_argv
 from dsec_cli.backends.vmkernel import boot_image, build_initramfs, find_kernel
 
-MACHINES = {"microvm": "microvm,x-option-roms=off,rtc=off", "vm": "q35"}
+MACHINES = {"microvm": "microvm,x-option-roms=off", "vm": "q35"}
 
 
 def busybox_layer(dest: Path) -> Path:
