@@ -15,10 +15,12 @@ import hashlib
 import os
 import re
 import stat
+import struct
 import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import BinaryIO
 
 from ..core.errors import UsageError
 
@@ -99,8 +101,6 @@ def _decompress(data: bytes, kind: str) -> bytes:
 def _has_pvh_note(elf: bytes) -> bool:
     """True if the ELF kernel carries XEN_ELFNOTE_PHYS32_ENTRY, which QEMU's PVH loader
     needs to enter it directly in 32-bit mode."""
-    import struct
-
     if elf[:4] != b"\x7fELF" or elf[4] != 2:
         return False
     phoff, = struct.unpack_from("<Q", elf, 0x20)
@@ -201,7 +201,7 @@ def module_load_order(modules_dir: Path, wanted: tuple[str, ...] = GUEST_MODULES
 class _Cpio:
     """A minimal writer for the newc cpio format the kernel unpacks as initramfs."""
 
-    def __init__(self, out: object) -> None:
+    def __init__(self, out: BinaryIO) -> None:
         self.out = out
         self.ino = 1
 
@@ -213,7 +213,7 @@ class _Cpio:
         buf = hdr + name.encode() + b"\0"
         buf += b"\0" * (-len(buf) % 4)
         buf += data + b"\0" * (-len(data) % 4)
-        self.out.write(buf)  # type: ignore[attr-defined]
+        self.out.write(buf)
 
     def dir(self, name: str) -> None:
         self._entry(name, stat.S_IFDIR | 0o755)

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from dsec_cli.backends import vmimage
-from dsec_cli.backends.vmkernel import build_initramfs, find_kernel, module_load_order
+from dsec_cli.backends.vmkernel import (
+    _has_pvh_note,
+    boot_image,
+    build_initramfs,
+    find_kernel,
+    module_load_order,
+)
 from dsec_cli.core.errors import UsageError
 
 
@@ -31,6 +37,16 @@ def test_initramfs_holds_init_busybox_and_modules(tmp_path: Path) -> None:
     listing = subprocess.run(["/bin/busybox", "cpio", "-t"], stdin=img.open("rb"),
                              capture_output=True, text=True, check=True).stdout.split()
     assert {"init", "bin/busybox", "lib/modules/load-order", "lib/modules/ext4.ko"} <= set(listing)
+
+
+def test_boot_image_is_the_uncompressed_pvh_kernel(tmp_path: Path) -> None:
+    k = find_kernel()
+    img = boot_image(k, tmp_path)
+    if img == k.image:
+        pytest.skip("this kernel has no PVH entry point; it boots as a bzImage")
+    elf = img.read_bytes()
+    assert elf[:4] == b"\x7fELF" and _has_pvh_note(elf)
+    assert boot_image(k, tmp_path) == img  # extracted once
 
 
 def test_missing_kernel_names_the_path(tmp_path: Path) -> None:
