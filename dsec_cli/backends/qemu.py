@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -116,16 +117,23 @@ class QemuBackend(Backend):
                 args += [f"tsc_early_khz={khz}", "tsc=reliable"]
         if spec.network == "host":
             args.append("dsec.net=1")
+        if spec.limits.pids:
+            args.append(f"dsec.pids={int(spec.limits.pids)}")
         return " ".join(args)
 
     def _validate(self, spec: SandboxSpec) -> None:
         """Reject bad input before anything is created."""
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", spec.sandbox_id):
+            raise UsageError(f"invalid sandbox id {spec.sandbox_id!r}: use letters, digits, "
+                             "'.', '_' and '-' (at most 64)")
         if spec.network not in ("none", "host"):
             raise UsageError(f"unknown network policy {spec.network!r}: choose none or host")
         lim = spec.limits
         if lim.memory is not None and lim.memory < MIN_MEMORY:
             raise UsageError(f"memory limit {lim.memory} bytes is too small for a VM "
                              "(minimum 128 MiB)")
+        if lim.pids is not None and lim.pids < 8:
+            raise UsageError(f"pids limit {lim.pids} is too small (minimum 8)")
         if lim.cpus is not None and lim.cpus <= 0:
             raise UsageError(f"cpu limit {lim.cpus} must be positive")
         if lim.disk is not None and lim.disk < vmimage.MIN_DISK:
@@ -141,8 +149,8 @@ class QemuBackend(Backend):
         cpus = max(1, math.ceil(lim.cpus)) if lim.cpus else 1
         mem = lim.memory or DEFAULT_MEMORY
         accel = st["accel"]
-        name = f"dsec-{spec.sandbox_id}"  # also how is_alive tells our QEMU from a reused pid
-        argv = [self._qemu_binary(), "-name", f"{name},process={name}",
+        # the -name argument is also how is_alive tells our QEMU from a reused pid
+        argv = [self._qemu_binary(), "-name", _qemu_name(spec.sandbox_id).decode(),
                 "-M", self.machine, "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
                 "-smp", str(cpus), "-m", f"{mem >> 20}M",
                 "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
@@ -168,19 +176,14 @@ class QemuBackend(Backend):
         self._validate(spec)
         kernel = self._kernel()
         sdir = spec.state_dir
-        # unix socket paths are limited to 108 bytes: keep them short, in a private dir
-        run = Path("/tmp") / f"dsec-vm-{spec.sandbox_id}"
         st: dict[str, Any] = {
-            "state_dir": str(sdir), "run_dir": str(run), "machine": self.name,
-            "pidfile": str(run / "qemu.pid"), "qmp": str(run / "qmp.sock"),
-            "agent_sock": str(run / "agent.sock"), "console": str(sdir / "console.log"),
-            "disk": str(sdir / "disk.ext4"), "snap_mount": str(sdir / "snap-mnt"),
+            **_default_state(spec.sandbox_id, str(sdir)), "machine": self.name,
             "env": dict(spec.env), "workdir": spec.workdir, "network": spec.network,
         }
         handle = SandboxHandle(spec.sandbox_id, self.name, st)
         try:
             sdir.mkdir(parents=True, exist_ok=True)
-            run.mkdir(mode=0o700, parents=True, exist_ok=True)
+            Path(st["run_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
             initramfs = build_initramfs(kernel, self.vm_dir / "initramfs", agent=agent_binary())
             root = vmimage.root_image(spec.rootfs.lower_dirs, spec.image_digest,
                                       self.vm_dir / "images")
@@ -250,14 +253,14 @@ class QemuBackend(Backend):
         return " | ".join(text.strip().splitlines()[-lines:]) or "(no console output)"
 
     def destroy(self, handle: SandboxHandle) -> None:
-        st = handle.state
+        st = {**_default_state(handle.sandbox_id, handle.state.get("state_dir")), **handle.state}
         self._drop_client(handle.sandbox_id)
         pid = st.get("pid")
-        if pid is None and st.get("pidfile"):
-            try:  # QEMU started but the handle was not saved yet
+        if pid is None:  # QEMU may have started before the handle was saved
+            try:
                 pid = int(Path(st["pidfile"]).read_text().strip())
             except (OSError, ValueError):
-                pid = None
+                pid = _find_qemu(handle.sandbox_id)
         if pid and self._is_our_qemu(handle, pid):
             try:
                 qmp(st["qmp"], "quit", timeout=2)
@@ -272,8 +275,7 @@ class QemuBackend(Backend):
         mnt = st.get("snap_mount")
         if mnt and os.path.ismount(mnt):
             subprocess.run(["umount", "-l", mnt], capture_output=True)
-        if st.get("run_dir"):
-            shutil.rmtree(st["run_dir"], ignore_errors=True)
+        shutil.rmtree(st["run_dir"], ignore_errors=True)
         if st.get("disk"):
             Path(st["disk"]).unlink(missing_ok=True)
 
@@ -283,7 +285,9 @@ class QemuBackend(Backend):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             return False
-        return f"dsec-{handle.sandbox_id}".encode() in cmdline and _proc_start(pid) is not None
+        argv0 = b"\0" + cmdline
+        return (b"\0" + _qemu_name(handle.sandbox_id) + b"\0" in argv0
+                and _proc_start(pid) is not None)
 
     def is_alive(self, handle: SandboxHandle) -> bool:
         pid = handle.state.get("pid")
@@ -392,6 +396,37 @@ class VMBackend(QemuBackend):
     blk_dev: ClassVar[str] = "virtio-blk-pci"
     serial_dev: ClassVar[str] = "virtio-serial-pci"
     net_dev: ClassVar[str] = "virtio-net-pci"
+
+
+def _default_state(sid: str, state_dir: str | None) -> dict[str, Any]:
+    """Where a sandbox's files are, derived from its id and state dir alone: what destroy
+    needs when a crash left no saved handle."""
+    # unix socket paths are limited to 108 bytes: keep them short, in a private dir
+    run = Path("/tmp") / f"dsec-vm-{sid}"
+    st: dict[str, Any] = {"run_dir": str(run), "pidfile": str(run / "qemu.pid"),
+                          "qmp": str(run / "qmp.sock"), "agent_sock": str(run / "agent.sock")}
+    if state_dir:
+        sdir = Path(state_dir)
+        st.update(state_dir=str(sdir), console=str(sdir / "console.log"),
+                  disk=str(sdir / "disk.ext4"), snap_mount=str(sdir / "snap-mnt"))
+    return st
+
+
+def _qemu_name(sid: str) -> bytes:
+    return f"dsec-{sid},process=dsec-{sid}".encode()
+
+
+def _find_qemu(sid: str) -> int | None:
+    """The pid of this sandbox's QEMU found by its -name, when no pid was recorded."""
+    name = _qemu_name(sid)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"\0" + name + b"\0" in b"\0" + (entry / "cmdline").read_bytes():
+                    return int(entry.name)
+            except OSError:
+                continue
+    return None
 
 
 def _safe_hostname(name: str) -> str:

@@ -2,6 +2,7 @@
 # PID 1 of a dsec microvm/vm guest. Kernel command line keys (dsec.*):
 #   dsec.root=erofs|ext4   filesystem of the read-only root image on the first disk
 #   dsec.hostname=NAME     dsec.net=1 (configure eth0 for QEMU user-mode networking)
+#   dsec.pids=N            at most N processes for the agent and everything it starts
 # Disks, in order: the shared read-only root image, then the sandbox's writable disk.
 # Everything the guest changes lands in <writable disk>/upper in overlayfs upper format.
 /bin/busybox --install -s /bin
@@ -13,12 +14,13 @@ mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 exec 2>/dev/ttyS0
 
-root_fs=erofs hostname=sandbox net=0
+root_fs=erofs hostname=sandbox net=0 pids=
 for kv in $(cat /proc/cmdline); do
   case "$kv" in
     dsec.root=*) root_fs=${kv#*=} ;;
     dsec.hostname=*) hostname=${kv#*=} ;;
     dsec.net=*) net=${kv#*=} ;;
+    dsec.pids=*) pids=${kv#*=} ;;
   esac
 done
 
@@ -60,6 +62,15 @@ if [ "$net" = 1 ] && [ -e /sys/class/net/eth0 ]; then
     echo "nameserver 10.0.2.3" > /etc/resolv.conf
     mount --bind /etc/resolv.conf /newroot/etc/resolv.conf
   fi
+fi
+
+if [ -n "$pids" ]; then
+  # a pids cgroup around the agent: its execs inherit it, the init's own mounts do not matter
+  mount -t cgroup2 cgroup2 /sys/fs/cgroup || fail "cannot mount cgroup2"
+  echo +pids > /sys/fs/cgroup/cgroup.subtree_control
+  mkdir /sys/fs/cgroup/sandbox
+  echo "$pids" > /sys/fs/cgroup/sandbox/pids.max
+  echo $$ > /sys/fs/cgroup/sandbox/cgroup.procs || fail "cannot apply the pids limit"
 fi
 
 port=

@@ -33,6 +33,7 @@ from dsec_cli.core.errors import NotFoundError, UsageError
 pytestmark = pytest.mark.slow
 
 MEM = 384 << 20
+PIDS = 40
 
 
 def spec_for(sid: str, layers: tuple[Path, ...], state: Path, digest: str, **kw: object
@@ -40,7 +41,8 @@ def spec_for(sid: str, layers: tuple[Path, ...], state: Path, digest: str, **kw:
     sdir = state / "sandboxes" / sid
     return SandboxSpec(sandbox_id=sid, rootfs=RootfsSpec(layers, sdir / "upper", sdir / "work"),
                        state_dir=sdir, env={"GREETING": "hi"}, workdir="/root",
-                       limits=Limits(cpus=2, memory=MEM), image_digest=digest, **kw)  # type: ignore[arg-type]
+                       limits=Limits(cpus=2, memory=MEM, pids=PIDS), image_digest=digest,
+                       **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module", params=["microvm", "vm"])
@@ -87,6 +89,12 @@ def test_limits_visible_inside(vm: tuple[QemuBackend, SandboxHandle]) -> None:
     meminfo = run(vm, "cat", "/proc/meminfo").stdout.decode()
     total_kib = int(meminfo.split("MemTotal:")[1].split()[0])
     assert MEM // 1024 * 0.6 < total_kib <= MEM // 1024  # the kernel keeps some for itself
+
+
+def test_pids_limit_stops_forks(vm: tuple[QemuBackend, SandboxHandle]) -> None:
+    r = run(vm, "sh", "-c", f"for i in $(seq {PIDS + 10}); do sleep 1 & done; wait")
+    assert b"can't fork" in r.stderr or b"Resource temporarily unavailable" in r.stderr
+    assert run(vm, "true").exit_code == 0  # the limit frees up once they exit
 
 
 def test_network_is_off(vm: tuple[QemuBackend, SandboxHandle]) -> None:
@@ -180,7 +188,8 @@ def test_snapshot_as_layer_and_survival_of_kill9(base_layer: Path, node_dir: Pat
         r = fresh.exec(handle, ExecRequest(["ip", "-4", "addr", "show", "eth0"]))
         assert b"10.0.2.15/24" in r.stdout
     finally:
-        fresh.destroy(handle)
+        # as after a crash before the handle was saved: only the id and state dir are known
+        fresh.destroy(SandboxHandle(sid, "microvm", {"state_dir": state["state_dir"]}))
     pid = state["pid"]
     assert not fresh.is_alive(handle)
     assert not Path(f"/proc/{pid}").exists() or b"dsec-" not in Path(
