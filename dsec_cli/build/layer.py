@@ -160,6 +160,16 @@ class _Writer:
             self.pack.abort()
 
 
+def _read_all(fd: int, size: int) -> bytes:
+    data = os.read(fd, size)
+    if len(data) < size:  # short reads happen on some filesystems; keep reading
+        parts = [data]
+        while piece := os.read(fd, size - sum(map(len, parts))):
+            parts.append(piece)
+        data = b"".join(parts)
+    return data
+
+
 def canonical_entries(scanned: list[Scanned], mtime: int = 0) -> list[Scanned]:
     """Sorted, with the root and every parent directory present and each hardlink group
     named by its first path."""
@@ -229,13 +239,13 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
                 progress("files", 1)
             if e.type != "reg" or s.source is None:
                 continue
-            with open(s.source, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                e.size = size
+            fd = os.open(s.source, os.O_RDONLY)
+            try:
+                size = e.size = os.fstat(fd).st_size
                 if size == 0:
                     continue
                 if size < params.small_file:
-                    data = f.read()
+                    data = _read_all(fd, size)
                     batch_files.append((e, len(batch), len(data)))
                     batch.extend(data)
                     # content-defined batch boundaries keep a small change local
@@ -244,17 +254,19 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
                                                          and cut_here):
                         flush_batch()
                 elif size <= params.max_size:
-                    e.chunks = [(w.chunk(f.read()), 0, size)]
+                    e.chunks = [(w.chunk(_read_all(fd, size)), 0, size)]
                 else:
-                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
                         view = memoryview(mm)
                         try:
                             e.chunks = [(w.chunk(view[o:o + ln]), 0, ln)
                                         for o, ln in cut(view, params)]
                         finally:
                             view.release()
-                if progress:
-                    progress("bytes", size)
+            finally:
+                os.close(fd)
+            if progress:
+                progress("bytes", size)
         flush_batch()
         locs = w.finish()
     except BaseException:

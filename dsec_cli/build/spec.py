@@ -269,11 +269,15 @@ def load_spec(path: Path) -> Spec:
 
 
 def find_specs(paths: list[Path]) -> list[Path]:
-    """Spec files named directly, plus *.yaml / *.yml anywhere under named directories."""
+    """Spec files named directly, plus the *.yaml / *.yml files in a named directory and in
+    its immediate subdirectories (``layerspecs/<name>/<name>.yaml``). Deeper folders are
+    sources (trees to copy), never searched: they may hold YAML files of their own."""
     out: list[Path] = []
     for p in paths:
         if p.is_dir():
-            out += sorted(x for x in p.rglob("*") if x.suffix in (".yaml", ".yml") and x.is_file())
+            found = [*p.glob("*.yaml"), *p.glob("*.yml"), *p.glob("*/*.yaml"),
+                     *p.glob("*/*.yml")]
+            out += sorted(x for x in found if x.is_file())
         elif p.is_file():
             out.append(p)
         else:

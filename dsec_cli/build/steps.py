@@ -14,7 +14,6 @@ import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,20 +49,18 @@ def copy_entries(step: Step, sde: int) -> list[Scanned]:
         st = src.stat()
         scanned = [Scanned(Entry(".", "reg", st.st_mode & 0o7777, mtime=st.st_mtime_ns,
                                  size=st.st_size), str(src))]
-    out: list[Scanned] = []
-    for s in scanned:
+    prefix = f"{dst}/" if dst else ""
+    for s in scanned:  # fresh entries from the scan: rewritten in place
         e = s.entry
-        rel = e.path
-        path = (dst or ".") if rel == "." else (f"{dst}/{rel}" if dst else rel)
-        target = e.target
+        e.path = (dst or ".") if e.path == "." else prefix + e.path
         if e.type == "hard":
-            target = f"{dst}/{target}" if dst else target
-        xattrs = {k: v for k, v in e.xattrs.items() if not k.startswith("security.")}
-        e = replace(e, path=path, uid=uid, gid=gid, target=target, xattrs=xattrs)
+            e.target = prefix + e.target
+        e.uid, e.gid = uid, gid
+        if e.xattrs:
+            e.xattrs = {k: v for k, v in e.xattrs.items() if not k.startswith("security.")}
         if mode is not None and e.type != "sym":
             e.mode = mode
-        out.append(Scanned(e, s.source))
-    return out
+    return scanned
 
 
 def with_parents(scanned: list[Scanned], existing: Callable[[str], bool], sde: int

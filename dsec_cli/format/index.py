@@ -40,7 +40,7 @@ class Entry:
     opaque: bool = False  # directory hides the lower layers' contents (overlayfs opaque)
     chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (chunk#, offset, length)
 
-    def to_doc(self, chunk_ids: list[str] | None = None) -> dict[str, Any]:
+    def to_doc(self) -> dict[str, Any]:
         d: dict[str, Any] = {"p": self.path, "t": self.type}
         if self.type not in ("whiteout",):
             d.update(m=self.mode, u=self.uid, g=self.gid, mt=self.mtime)
@@ -55,10 +55,7 @@ class Entry:
         if self.opaque:
             d["o"] = True
         if self.chunks:
-            if chunk_ids is None:
-                d["c"] = [list(c) for c in self.chunks]
-            else:
-                d["c"] = [[chunk_ids[i], off, ln] for i, off, ln in self.chunks]
+            d["c"] = [list(c) for c in self.chunks]
         return d
 
     @classmethod
@@ -96,14 +93,31 @@ class LayerIndex:
     params: ChunkParams = field(default_factory=ChunkParams)
     prefetch: list[str] = field(default_factory=list)
     chunk_hash: str = "xxh3-128"
+    # computed once; an index is not modified after it is written
+    _stored: bytes | None = field(default=None, init=False, repr=False, compare=False)
+    _content_digest: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def content_digest(self) -> str:
-        ids = [c.chunk_id.hex() for c in self.chunks]
-        doc = {"format": INDEX_VERSION, "chunk_hash": self.chunk_hash,
-               "entries": [e.to_doc(ids) for e in self.entries]}
-        return hashlib.sha256(canonical.dumps(doc)).hexdigest()
+        if self._content_digest is None:
+            self.to_bytes()
+        assert self._content_digest is not None
+        return self._content_digest
 
     def to_bytes(self) -> bytes:
+        """The stored form; computes the content digest in the same pass."""
+        if self._stored is not None:
+            return self._stored
+        ids = [c.chunk_id.hex() for c in self.chunks]
+        stored_entries, content_entries = [], []
+        for e in self.entries:
+            d = e.to_doc()
+            stored_entries.append(d)
+            if e.chunks:
+                d = {**d, "c": [[ids[i], off, ln] for i, off, ln in e.chunks]}
+            content_entries.append(d)
+        content = {"format": INDEX_VERSION, "chunk_hash": self.chunk_hash,
+                   "entries": content_entries}
+        self._content_digest = hashlib.sha256(canonical.dumps(content)).hexdigest()
         has_sha = any(c.sha256 for c in self.chunks)
         doc = {
             "format": INDEX_VERSION,
@@ -116,10 +130,11 @@ class LayerIndex:
             "chunks": [[c.chunk_id.hex(), c.pack, c.offset, c.clen, c.ulen, c.codec]
                        + ([c.sha256.hex() if c.sha256 else ""] if has_sha else [])
                        for c in self.chunks],
-            "entries": [e.to_doc() for e in self.entries],
+            "entries": stored_entries,
             "prefetch": self.prefetch,
         }
-        return zstandard.ZstdCompressor(level=9).compress(canonical.dumps(doc))
+        self._stored = zstandard.ZstdCompressor(level=3).compress(canonical.dumps(doc))
+        return self._stored
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str = "index") -> LayerIndex:
