@@ -13,7 +13,7 @@ PKGS=(bubblewrap runc busybox-static zstd ca-certificates gcc libc6-dev)
 # VM backends: QEMU (microvm, q35), guest root images (erofs-utils, e2fsprogs).
 PKGS+=(qemu-system-x86 erofs-utils e2fsprogs)
 # Tests: the real servers and peers they start.
-DEV_PKGS=()
+DEV_PKGS=(docker-registry)
 
 want=("${PKGS[@]}")
 [ "$DEV" = 1 ] && want+=("${DEV_PKGS[@]}")

@@ -178,6 +178,20 @@ def build(paths: list[Path] | None = None, store: str | Store | None = None, *,
 
     ``chunk_sha256`` adds a sha256 per chunk to new layers, for stores shared across trust
     domains (docs/format.md)."""
+    from ..push.lease import WriterLease
+
+    st = store if isinstance(store, Store) else open_store(store)
+    # a build reuses chunks of packs the store holds: the lease keeps store gc from
+    # deleting them until its refs are written (docs/stores.md, "gc protocol")
+    with WriterLease(st, "build"):
+        return _build(paths, st, force=force, progress=progress, on_log=on_log,
+                      chunk_sha256=chunk_sha256)
+
+
+def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
+           force: bool = False, progress: Progress | None = None,
+           on_log: Callable[[str], None] | None = None,
+           chunk_sha256: bool = False) -> BuildReport:
     cfg = load_config()
     st = store if isinstance(store, Store) else open_store(store)
     specs = [load_spec(p) for p in find_specs(paths or [Path("layerspecs")])]

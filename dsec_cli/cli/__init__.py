@@ -15,6 +15,7 @@ from ..core.errors import DsecError
 from . import build as _build
 from . import gc as _gc
 from . import sandbox as _sandbox
+from . import store as _store
 
 app = typer.Typer(
     name="dsec",
@@ -29,7 +30,7 @@ def _root() -> None:
     """Content-addressed layers and sandboxes for agentic-RL environments."""
 
 
-for _module in (_build, _sandbox, _gc):
+for _module in (_build, _store, _sandbox, _gc):
     _module.register(app)
 
 
@@ -41,7 +42,9 @@ def main() -> None:
     try:
         app()  # click renders its own usage errors (exit 2)
     except DsecError as e:
-        err_console().print(f"[bold red]error:[/] {e.message}", highlight=False)
+        from rich.markup import escape  # messages quote URLs and input: never markup
+
+        err_console().print(f"[bold red]error:[/] {escape(e.message)}", highlight=False)
         if e.hint:
-            err_console().print(f"[dim]hint:[/] {e.hint}", highlight=False)
+            err_console().print(f"[dim]hint:[/] {escape(e.hint)}", highlight=False)
         sys.exit(e.exit_code)

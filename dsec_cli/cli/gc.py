@@ -1,50 +1,96 @@
-"""`dsec gc --node`: expired and dead sandboxes, then cached layers over the disk budget."""
+"""`dsec gc`: garbage-collect a store (default) and/or this node's sandboxes and cache
+(`--node`)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+from .render import human_bytes, print_json
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def gc(
-        node: Annotated[bool, typer.Option("--node",
-                                           help="collect this node's sandboxes and cache")
-                        ] = False,
-        budget: Annotated[str | None,  # noqa: UP007
-                          typer.Option("--budget",
-                                       help="layer cache budget, e.g. 20G (default: cache_budget)")
-                          ] = None,
+        store: Annotated[str | None, typer.Option("--store", help="store URL (default: local)")
+                         ] = None,
+        node: Annotated[bool, typer.Option(
+            "--node", help="collect this node's expired/dead sandboxes and cached layers")] = False,
+        grace: Annotated[str, typer.Option(
+            "--grace", help="how long garbage must stay unreachable before it goes")] = "1h",
+        budget: Annotated[str | None, typer.Option(
+            "--budget", help="layer cache budget with --node, e.g. 20G")] = None,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="show what would go")] = False,
-        json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
-        state_dir: Annotated[str | None,  # noqa: UP007
-                             typer.Option("--state-dir",
-                                          help="node state directory (default: DSEC_STATE_DIR)")
-                             ] = None,
+        endpoint_url: Annotated[str | None, typer.Option(
+            "--endpoint-url", help="S3 endpoint")] = None,
+        insecure: Annotated[bool, typer.Option("--insecure", help="plain HTTP for oci://")
+                            ] = False,
+        state_dir: Annotated[str | None, typer.Option(
+            "--state-dir", help="node state directory (default: DSEC_STATE_DIR)")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     ) -> None:
-        """Garbage-collect: with --node, expired/dead sandboxes and least recently used layers."""
-        from ..core.config import parse_size
-        from ..core.errors import UsageError
-        from ..run.node import local_node
-        from .render import human_bytes, print_json
+        """Delete what nothing references: store objects no ref or pin reaches (safe while
+        others push), and with --node this node's expired sandboxes and least recently used
+        layers."""
+        out: dict[str, Any] = {}
+        if node:
+            from ..core.config import parse_size
+            from ..run.node import local_node
 
-        if not node:
-            raise UsageError("say what to collect: --node (this node's sandboxes and cache)")
-        report = local_node(state_dir).gc(parse_size(budget, "--budget") if budget else None,
-                                          dry_run)
-        if json_out:
-            print_json(report)
+            out["node"] = local_node(state_dir).gc(
+                parse_size(budget, "--budget") if budget else None, dry_run)
+        if store is not None or not node:
+            from ..core.config import parse_duration
+            from ..push.api import _options
+            from ..push.gc import gc_store
+            from ..push.retry import open_retrying
+
+            seconds = parse_duration(grace, "--grace")
+            with open_retrying(store, **_options(endpoint_url, insecure)) as s:
+                out["store"] = gc_store(s, grace=seconds, dry_run=dry_run)
+        if as_json:
+            print_json({k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in out.items()})
             return
-        verb = "would remove" if dry_run else "removed"
-        for r in report["removed"]:
-            typer.echo(f"{verb} sandbox {r['id']} ({r['reason']})")
-        for sid in report.get("aborted", []):
-            typer.echo(f"cleaned up interrupted create {sid}")
-        for sid in report.get("orphans", []):
-            typer.echo(f"cleaned up orphaned resources of {sid}")
-        for d in report["evicted"]:
-            typer.echo(f"{'would evict' if dry_run else 'evicted'} layer {d[:12]}")
-        typer.echo(f"freed {human_bytes(report['freed_bytes'])}; "
-                   f"cache now {human_bytes(report['cache_bytes'])}")
+        if "node" in out:
+            _render_node(out["node"], dry_run)
+        if "store" in out:
+            _render_store(out["store"], dry_run, grace)
+
+
+def _render_node(report: dict[str, Any], dry_run: bool) -> None:
+    verb = "would remove" if dry_run else "removed"
+    for r in report["removed"]:
+        typer.echo(f"{verb} sandbox {r['id']} ({r['reason']})")
+    for sid in report.get("aborted", []):
+        typer.echo(f"cleaned up interrupted create {sid}")
+    for sid in report.get("orphans", []):
+        typer.echo(f"cleaned up orphaned resources of {sid}")
+    for d in report["evicted"]:
+        typer.echo(f"{'would evict' if dry_run else 'evicted'} layer {d[:12]}")
+    typer.echo(f"node: freed {human_bytes(report['freed_bytes'])}; "
+               f"cache now {human_bytes(report['cache_bytes'])}")
+
+
+def _render_store(report: Any, dry_run: bool, grace: str) -> None:
+    typer.echo(f"{report.store}: {report.refs} refs, {report.pins} pins reach "
+               f"{report.reachable} objects ({human_bytes(report.reachable_bytes)}): kept")
+    if dry_run:
+        typer.echo(f"would delete {len(report.would_delete)} objects "
+                   f"({human_bytes(report.freed_bytes)})")
+    else:
+        typer.echo(f"deleted {len(report.deleted)} objects "
+                   f"({human_bytes(report.freed_bytes)}) unreachable for over {grace}")
+    typer.echo(f"unreachable: {report.unreachable} ({len(report.marked)} newly marked, "
+               f"{report.waiting} waiting out the grace period, {report.recent} too recent "
+               f"to mark); {report.resurrected} candidates reachable again")
+    if report.repack_candidates:
+        typer.echo(f"{len(report.repack_candidates)} live packs are mostly dead "
+                   f"({human_bytes(report.dead_bytes_in_live_packs)} dead in live packs); "
+                   "repacking is not performed")
+    if report.leases_live:
+        typer.echo(f"{report.leases_live} writer lease(s) live")
+    for d in report.dangling:
+        typer.echo(f"dangling: {d}", err=True)
+    if report.deferred:
+        typer.echo(f"deferred: {report.deferred}")

@@ -1,0 +1,117 @@
+"""Retries of transient store failures, written once for every store.
+
+Only `TransientStoreError` (connection refused or reset, timeouts, 429, 5xx) is retried, a
+bounded number of times with exponential backoff and jitter; every other error (a missing
+object, a missing bucket, an authentication failure, corruption) is raised at once. A store
+that keeps failing transiently becomes a `StoreUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from ..core.errors import StoreUnavailableError, TransientStoreError
+from .stores.base import ObjectInfo, Store
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 5  # total tries, the first included
+    base_delay: float = 0.2  # seconds before the second try; doubles each time
+    max_delay: float = 5.0
+
+    @classmethod
+    def from_env(cls) -> RetryPolicy:
+        """`DSEC_STORE_RETRIES` overrides the number of attempts (>= 1)."""
+        raw = os.environ.get("DSEC_STORE_RETRIES")
+        if raw and raw.isdigit() and int(raw) >= 1:
+            return cls(attempts=int(raw))
+        return cls()
+
+    def delay(self, attempt: int) -> float:
+        """Full jitter (AWS architecture blog): spreads clients that failed together."""
+        return random.uniform(0, min(self.max_delay, self.base_delay * (2 ** attempt)))
+
+
+def call(fn: Callable[[], T], what: str, policy: RetryPolicy | None = None) -> T:
+    """Run ``fn``; retry it while it raises `TransientStoreError`."""
+    policy = policy or RetryPolicy.from_env()
+    for attempt in range(policy.attempts):
+        try:
+            return fn()
+        except TransientStoreError as e:
+            if attempt + 1 >= policy.attempts:
+                raise StoreUnavailableError(
+                    f"{e.message} (still failing after {policy.attempts} attempts)",
+                    hint=e.hint or "check that the store's server is up and reachable",
+                ) from e
+            pause = policy.delay(attempt)
+            log.info("%s: %s; retrying in %.2fs", what, e.message, pause)
+            time.sleep(pause)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class RetryingStore(Store):
+    """Wraps a store so that each primitive is retried under a `RetryPolicy`."""
+
+    def __init__(self, inner: Store, policy: RetryPolicy | None = None) -> None:
+        super().__init__(inner.url)
+        self.inner = inner
+        self.policy = policy or RetryPolicy.from_env()
+        self.preferred_read_size = inner.preferred_read_size  # type: ignore[misc]
+
+    @classmethod
+    def from_url(cls, url: str, **options: object) -> RetryingStore:
+        from .stores import open_store
+
+        return cls(open_store(url, **options))
+
+    def _call(self, fn: Callable[[], T], what: str) -> T:
+        return call(fn, f"{what} ({self.url})", self.policy)
+
+    def _get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
+        return self._call(lambda: self.inner.get(key, start, length), f"reading {key}")
+
+    def _put(self, key: str, data: bytes) -> None:
+        self._call(lambda: self.inner.put(key, data), f"writing {key}")
+
+    def put_file(self, key: str, path: Path) -> None:
+        self._call(lambda: self.inner.put_file(key, path), f"writing {key}")
+
+    def _stat(self, key: str) -> ObjectInfo | None:
+        return self._call(lambda: self.inner.stat(key), f"checking {key}")
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        # listings are materialised so that a retry restarts them from the beginning
+        return iter(self._call(lambda: list(self.inner.list(prefix)), f"listing {prefix!r}"))
+
+    def _delete(self, key: str) -> None:
+        self._call(lambda: self.inner.delete(key), f"deleting {key}")
+
+    def staging_dir(self) -> Path:
+        return self.inner.staging_dir()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> object:
+        # store-specific extras (staging_dir, bucket, ...) stay reachable through the wrapper
+        return getattr(self.inner, name)
+
+
+def open_retrying(url: str | None = None, **options: object) -> Store:
+    """`open_store` with retries, including the connection check some stores make on open."""
+    from .stores import open_store
+
+    store = call(lambda: open_store(url, **options), f"opening {url or 'the default store'}")
+    return store if isinstance(store, RetryingStore) else RetryingStore(store)

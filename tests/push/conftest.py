@@ -1,0 +1,76 @@
+"""Fixtures of the push tests: one moto S3 server and one docker-registry per session, on
+free loopback ports, and a fresh bucket, repository or directory per test."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec_cli.push import testing
+from dsec_cli.push.stores import open_store
+from dsec_cli.push.stores.base import Store
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    saved = {k: os.environ.get(k) for k in testing.S3_ENV}
+    os.environ.update(testing.S3_ENV)  # boto3's standard chain finds them, as a user's would
+    server = testing.start_moto()
+    yield server.url
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def registry() -> Iterator[str]:
+    server = testing.start_registry()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests never read the developer's config, data directory or docker credentials."""
+    monkeypatch.setenv("DSEC_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("DSEC_CONFIG", str(tmp_path / "config.yaml"))
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker"))
+    monkeypatch.setenv("DSEC_STORE_RETRIES", "3")
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("DSEC_STORE", raising=False)
+
+
+@pytest.fixture
+def make_url(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[str], str]:
+    """make_url("s3") -> a URL of a new, empty store of that kind, with its options in the
+    URL itself (endpoint, plain HTTP) so that subprocesses can use it as it is."""
+
+    def make(kind: str) -> str:
+        name = f"t{uuid.uuid4().hex[:12]}"
+        if kind == "file":
+            return (tmp_path / f"store-{name}").as_uri()
+        if kind == "s3":
+            endpoint = request.getfixturevalue("s3_server")
+            testing.create_bucket(endpoint, name)
+            return f"s3://{name}/pre?endpoint_url={endpoint}"
+        if kind == "oci":
+            host = request.getfixturevalue("registry")
+            return f"oci://{host}/dsec/{name}?insecure=1"
+        raise ValueError(kind)
+
+    return make
+
+
+@pytest.fixture(params=["file", "s3", "oci"])
+def any_store(request: pytest.FixtureRequest, make_url: Callable[[str], str]
+              ) -> Iterator[Store]:
+    store = open_store(make_url(request.param))
+    yield store
+    store.close()

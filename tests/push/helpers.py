@@ -1,0 +1,67 @@
+"""Objects and trees the push tests write: real layers built by `dsec build`, or raw objects."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from pathlib import Path
+
+from dsec_cli.core.digests import object_key
+from dsec_cli.format.manifest import Manifest, put_manifest
+from dsec_cli.format.refs import set_ref
+from dsec_cli.push.stores.base import Store
+
+
+def put_object(store: Store, kind: str, data: bytes) -> str:
+    digest = hashlib.sha256(data).hexdigest()
+    store.put(object_key(kind, digest), data)
+    return digest
+
+
+def raw_layer(store: Store, name: str, version: str, packs: list[bytes],
+              index: bytes | None = None) -> str:
+    """A layer made of opaque objects: transfer and gc never look inside packs or indexes."""
+    digests = [put_object(store, "packs", p) for p in packs]
+    ix = put_object(store, "indexes", index or os.urandom(64))
+    m = Manifest(kind="layer", name=name, version=version, index=ix, packs=digests)
+    digest = put_manifest(store, m)
+    set_ref(store, name, version, digest)
+    return digest
+
+
+def make_tree(root: Path, seed: int, files: int = 12) -> Path:
+    rnd = random.Random(seed)
+    for i in range(files):
+        sub = root / f"d{i % 3}"
+        sub.mkdir(parents=True, exist_ok=True)
+        size = rnd.choice([0, 100, 5000, 70_000, 300_000])
+        (sub / f"f{i}.bin").write_bytes(rnd.randbytes(size))
+    (root / "link").symlink_to("d0/f0.bin")
+    return root
+
+
+def write_spec(folder: Path, name: str, version: str) -> Path:
+    spec = folder / f"{name}.yaml"
+    spec.write_text(f'layer: {name}\nversion: "{version}"\nsteps:\n'
+                    f"  - copy: {{src: ./tree, dst: /data}}\n")
+    return spec
+
+
+def build_layer(store_url: str, folder: Path, name: str, version: str) -> str:
+    from dsec_cli.build.builder import build
+
+    report = build([write_spec(folder, name, version)], store_url)
+    return report.items[-1].manifest
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """path -> content digest (or link target) of every file below root."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            p = Path(dirpath, f)
+            rel = str(p.relative_to(root))
+            out[rel] = (f"-> {os.readlink(p)}" if p.is_symlink()
+                        else hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
