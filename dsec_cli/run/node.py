@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -285,14 +286,16 @@ class Node:
         return rec, b, h
 
     def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
-             cwd: str | None = None, stdin: bytes | None = None, timeout: float | None = None,
-             on_output: OutputCallback | None = None) -> ExecResult:
+             cwd: str | None = None, stdin: bytes | Iterable[bytes] | None = None,
+             timeout: float | None = None, on_output: OutputCallback | None = None
+             ) -> ExecResult:
         if not argv:
             raise UsageError("exec needs a command")
         if timeout is not None and timeout <= 0:
             raise UsageError(f"invalid timeout {timeout}: must be positive")
         _, b, h = self._live(sid)
-        return b.exec(h, ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout), on_output)
+        req = ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout)  # type: ignore[arg-type]
+        return b.exec(h, req, on_output)
 
     def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
         _, b, h = self._live(sid)
@@ -362,7 +365,7 @@ class Node:
                                "image_digest": image_digest, "layer": f"{name}-layer@{version}",
                                "layer_digest": layer_digest}
         if push:
-            out["pushed"] = _push(st, [f"{name}@{version}"], push)
+            out["pushed"] = _push(st, [f"{name}-layer@{version}", f"{name}@{version}"], push)
         return out
 
     # -- listing, reconcile, gc ----------------------------------------------------------------
@@ -477,12 +480,13 @@ def _parse_snapshot_ref(ref: str, parse_ref: Any) -> tuple[str, str]:
 
 
 def _push(store: Any, refs: list[str], url: str) -> Any:
-    try:
-        from ..push import transfer  # type: ignore[attr-defined]
-    except ImportError as e:
-        raise UsageError("pushing needs the push stage (dsec_cli.push.transfer), "
-                         "which this installation lacks") from e
-    return transfer.push(refs, store, url)
+    """Copy a snapshot's refs to another store (what `dsec snapshot --push URL` does)."""
+    from ..push.retry import open_retrying
+    from ..push.transfer import copy_refs
+
+    with open_retrying(url) as dst:
+        report = copy_refs(store, dst, refs)
+    return report.to_dict()
 
 
 _nodes: dict[str, Node] = {}
