@@ -135,7 +135,7 @@ def stats(mount: object) -> dict[str, float]:
     state: Path = mount.state  # type: ignore[attr-defined]
     deadline = time.monotonic() + 30
     last = None
-    while time.monotonic() < deadline:  # written every 0.5 s when they change: wait for rest
+    while time.monotonic() < deadline:  # written every 0.1 s when they change: wait for rest
         doc = json.loads((state / "stats.json").read_text())
         if doc == last:
             return doc  # type: ignore[no-any-return]

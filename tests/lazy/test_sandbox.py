@@ -104,7 +104,7 @@ def _stats_after_read(node_env: dict[str, str], sid: str, s3_image: Published) -
     assert out.split()[0] == hashlib.md5((s3_image.tree / "big/blob0.bin").read_bytes()
                                          ).hexdigest()
     deadline = time.monotonic() + 30
-    while True:  # statistics are flushed twice a second
+    while True:  # statistics are flushed ten times a second
         rec = next(r for r in json.loads(dsec(node_env, "ps", "--json").stdout)
                    if r["id"] == sid)
         if rec["fetch"]["bytes_served"] >= 3 << 20 or time.monotonic() > deadline:

@@ -94,7 +94,7 @@ def main(config_path: str) -> int:
 
     def flusher() -> None:
         last: dict[str, Any] = {}
-        while not stop.wait(0.5):
+        while not stop.wait(0.1):
             now = fetcher.stats.public()
             if now != last:
                 flush()
