@@ -193,6 +193,44 @@ def cached_throughput(url: str, files: list[str]) -> dict[str, Any]:
     return out
 
 
+def report(results: dict[str, Any]) -> str:
+    """Markdown tables of a results file (docs/benchmarks-lazy.md quotes them)."""
+    mb = 1e6
+    lines = []
+    for kind, r in results["stores"].items():
+        stored = r["image_stored_bytes"]
+        lines += [f"### {kind} store: image {r['image_bytes'] / mb:.0f} MB "
+                  f"({stored / mb:.0f} MB stored)", "",
+                  "| workload | mode | first exec | fetched by first exec | complete | "
+                  "vs eager | fetched in all | requests | stall |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for w in ("subset", "everything"):
+            eager = r[w]["eager"]["complete_s"]
+            for mode, row in r[w].items():
+                f1 = row["fetched_at_first_exec"]
+                first_b = (f"{stored / mb:.0f} MB (100%)" if mode == "eager" else
+                           f"{f1 / mb:.1f} MB ({100 * f1 / stored:.1f}%)")
+                fa = row["fetched"]
+                all_b = f"{stored / mb:.0f} MB" if mode == "eager" else f"{fa / mb:.0f} MB"
+                lines.append(
+                    f"| {w} | {mode} | {row['first_exec_s']:.2f} s | {first_b} | "
+                    f"{row['complete_s']:.2f} s | {row['complete_s'] / eager:.2f}x | {all_b} | "
+                    f"{row['requests'] if row['requests'] is not None else '-'} | "
+                    f"{row['stall_s'] if row['stall_s'] is not None else '-'} |")
+        lines.append("")
+    c = results.get("cached_read")
+    if c:
+        lines += ["| cached read of the 40 largest .so files | time | vs eager sandbox |",
+                  "| --- | --- | --- |",
+                  f"| eager sandbox (local disk, page cache dropped) | {c['eager']:.3f} s | 1.00x |",
+                  f"| lazy, warm chunk cache (page cache dropped) | {c['lazy']:.3f} s | "
+                  f"{c['eager'] / c['lazy']:.2f}x throughput |",
+                  f"| lazy, read again (kernel page cache of the mount) | "
+                  f"{c['lazy_page_cache']:.3f} s | {c['eager'] / c['lazy_page_cache']:.2f}x "
+                  "throughput |", ""]
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="bench_lazy")
     ap.add_argument("--python", default="/root/.pyenv/versions/3.11.7")
@@ -200,7 +238,11 @@ def main(argv: list[str]) -> None:
                     help="a second Python tree in its own layer ('' for none)")
     ap.add_argument("--stores", default="file,s3")
     ap.add_argument("--no-throughput", action="store_true")
+    ap.add_argument("--report", action="store_true", help="print results/lazy.json as tables")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(json.loads((RESULTS / "lazy.json").read_text())))
+        return
     pyroot = Path(args.python)
     WORK.mkdir(parents=True, exist_ok=True)
     os.environ["XDG_DATA_HOME"] = str(WORK / "xdg")

@@ -181,6 +181,19 @@ class LazyFS:
     # costs the daemon one lookup and its reads, not five round trips into Python.
 
 
+class LazyFSNoXattrs(LazyFS):
+    """For layers without xattrs or opaque dirs (most): no xattr callbacks, so the kernel
+    gets ENOSYS once and stops asking. Overlayfs probes several trusted.overlay.* names on
+    every lower lookup; answering each from Python cost more than the reads themselves."""
+
+    getxattr = None  # type: ignore[assignment]
+    listxattr = None  # type: ignore[assignment]
+
+
+def needs_xattrs(indexes: list[LayerIndex]) -> bool:
+    return any(e.xattrs or e.opaque for ix in indexes for e in ix.entries)
+
+
 def _attrs(e: Entry, ino: int, nlink: int) -> dict[str, Any]:
     kind = _KIND[e.type if e.type != "hard" else "reg"]
     mode = kind | (0 if e.type == "whiteout" else e.mode & 0o7777)

@@ -46,7 +46,7 @@ def main(config_path: str) -> int:
     from ...push.materialize import store_fetch
     from ...push.stores import open_store
     from .cache import ChunkCache
-    from .fs import LazyFS, Recorder
+    from .fs import LazyFS, LazyFSNoXattrs, Recorder, needs_xattrs
     from .source import Fetcher, LayerSource
 
     store = open_store(cfg["store"])
@@ -103,7 +103,8 @@ def main(config_path: str) -> int:
     # no Python SIGTERM handler: the main thread sits in libfuse's loop and would never run
     # it; libfuse's own handler ends the loop, unmounts, and the finally below flushes
     threading.Thread(target=flusher, name="flush", daemon=True).start()
-    fs = LazyFS(indexes, sources, recorder, on_init)
+    kind = LazyFS if needs_xattrs(indexes) else LazyFSNoXattrs
+    fs = kind(indexes, sources, recorder, on_init)
     flush()
     try:
         mfusepy.FUSE(fs, cfg["mountpoint"], foreground=True, fsname="dsec-lazy",
