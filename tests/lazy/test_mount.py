@@ -108,3 +108,19 @@ def test_corrupt_cache_file_is_fetched_again(s3_image: Published, mounter: Any,
     m2 = mounter(s3_image.url, s3_image.layer, cache=cache)
     assert read_all(m2.lower_dirs[0] / "data/medium.bin") == want
     assert stats(m2)["requests"] >= 1
+
+
+def test_layer_without_xattrs_is_served_without_xattr_callbacks(
+        s3_image: Published, mounter: Any, tmp_path: Path) -> None:
+    import errno
+
+    import pytest
+
+    m = mounter(s3_image.url, "busybox@1.35-1")
+    with open_store(s3_image.url) as st:
+        img = resolve_image(st, "busybox@1.35-1")
+        eager = LayerCache(tmp_path / "eager").ensure(st, img.layers[0][1])
+    assert describe(m.lower_dirs[0], root_meta=False) == describe(eager, root_meta=False)
+    with pytest.raises(OSError) as e:  # the kernel answers: the daemon has no xattr callback
+        os.getxattr(m.lower_dirs[0] / "bin/busybox", "user.x")
+    assert e.value.errno in (errno.EOPNOTSUPP, errno.ENODATA)
