@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..core.config import load_config
 from ..core.digests import object_key
@@ -31,9 +32,11 @@ from ..push.materialize import LayerCache
 from ..push.stores import open_store
 from ..push.stores.base import Store
 from .image import base_warnings, write_image
-from .layer import Progress, WriteStats, layer_manifest, write_layer
 from .spec import Spec, find_specs, load_spec
 from .steps import build_tree
+
+if TYPE_CHECKING:  # the writer loads the compiled chunker: only when something is built
+    from .layer import Progress, WriteStats
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +260,8 @@ def _point_ref(st: Store, spec: Spec, digest: str, report: BuildReport) -> None:
 def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, data_dir: Path,
                  progress: Progress | None, on_log: Callable[[str], None] | None,
                  chunk_sha256: bool) -> tuple[str, Manifest, WriteStats]:
+    from .layer import layer_manifest, write_layer
+
     bases = [load_manifest(st, d) for d in deps]
     base_env: dict[str, str] = {}
     for b in bases:

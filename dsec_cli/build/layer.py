@@ -24,8 +24,9 @@ import xxhash
 
 from ..core.digests import chunk_id, object_key, sha256_hex
 from ..core.errors import BuildError
-from ..format.chunker import ChunkParams, cut, encode
-from ..format.index import ChunkLoc, Entry, LayerIndex
+from ..format.chunker import cut
+from ..format.codec import encode
+from ..format.index import ChunkLoc, ChunkParams, Entry, LayerIndex
 from ..format.manifest import Manifest, put_manifest
 from ..format.pack import FinishedPack, PackWriter
 from ..format.tree import Scanned, parent_of

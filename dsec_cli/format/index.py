@@ -17,9 +17,24 @@ import zstandard
 
 from ..core.errors import FormatError
 from . import canonical
-from .chunker import ChunkParams
 
 INDEX_VERSION = 1
+# no import of the chunker here: reading indexes must not load the compiled chunker
+
+
+@dataclass(frozen=True)
+class ChunkParams:
+    """FastCDC parameters; stored in each layer index so a reader knows how it was cut."""
+
+    min_size: int = 16 << 10
+    avg_size: int = 64 << 10
+    max_size: int = 256 << 10
+    #: files below this size are grouped into batch chunks instead of being cut alone
+    small_file: int = 16 << 10
+    #: zstd level for chunk data
+    level: int = 3
+
+
 ENTRY_TYPES = ("reg", "dir", "sym", "hard", "chr", "blk", "fifo", "whiteout")
 
 
