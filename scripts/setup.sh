@@ -11,7 +11,7 @@ DEV=0
 # Runtime: sandboxes (bubblewrap, runc), the example base layer (busybox-static), zstd.
 PKGS=(bubblewrap runc busybox-static zstd ca-certificates gcc libc6-dev)
 # Tests: the real servers and peers they start.
-DEV_PKGS=(docker-registry)
+DEV_PKGS=(docker-registry openssh-server openssh-client)
 
 want=("${PKGS[@]}")
 [ "$DEV" = 1 ] && want+=("${DEV_PKGS[@]}")

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -13,27 +13,49 @@ from .render import human_bytes, print_json
 def register(app: typer.Typer) -> None:
     @app.command()
     def gc(
-        store: Annotated[Optional[str], typer.Option("--store", help="store URL (default: local)")  # noqa: UP007
+        store: Annotated[str | None, typer.Option("--store", help="store URL (default: local)")  # noqa: UP007
                          ] = None,
         node: Annotated[bool, typer.Option(
             "--node", help="collect this node's expired/dead sandboxes and cached layers")] = False,
         grace: Annotated[str, typer.Option(
             "--grace", help="how long garbage must stay unreachable before it goes")] = "1h",
-        budget: Annotated[Optional[str], typer.Option(  # noqa: UP007
+        budget: Annotated[str | None, typer.Option(  # noqa: UP007
             "--budget", help="layer cache budget with --node, e.g. 20G")] = None,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="show what would go")] = False,
-        endpoint_url: Annotated[Optional[str], typer.Option(  # noqa: UP007
+        endpoint_url: Annotated[str | None, typer.Option(  # noqa: UP007
             "--endpoint-url", help="S3 endpoint")] = None,
         insecure: Annotated[bool, typer.Option("--insecure", help="plain HTTP for oci://")
                             ] = False,
-        state_dir: Annotated[Optional[str], typer.Option(  # noqa: UP007
+        state_dir: Annotated[str | None, typer.Option(  # noqa: UP007
             "--state-dir", help="node state directory (default: DSEC_STATE_DIR)")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+        all_nodes: Annotated[bool, typer.Option(
+            "--all-nodes", help="collect every cluster node (in parallel; as --node there)")
+                             ] = False,
     ) -> None:
         """Delete what nothing references: store objects no ref or pin reaches (safe while
         others push), and with --node this node's expired sandboxes and least recently used
         layers."""
         out: dict[str, Any] = {}
+        if all_nodes:
+            from ..core.config import parse_size
+            from ..run.cluster.api import gc_all
+
+            results = [r.to_dict() for r in gc_all(
+                parse_size(budget, "--budget") if budget else None, dry_run)]
+            failed = [r for r in results if not r["ok"]]
+            if as_json:
+                print_json({"nodes": results})
+            else:
+                for r in results:
+                    if r["ok"]:
+                        typer.echo(f"== {r['node']}")
+                        _render_node(r["result"], dry_run)
+            from .node import render_fanout
+
+            render_fanout(failed)
+            if store is None:
+                return
         if node:
             from ..core.config import parse_size
             from ..run.node import local_node
