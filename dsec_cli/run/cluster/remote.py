@@ -58,7 +58,7 @@ class Channel:
 
     def __init__(self, entry: NodeEntry, timeout: float) -> None:
         self.name = entry.name
-        entry.target.ensure_master()
+        entry.target.ensure_master(entry.name)
         self.proc = subprocess.Popen(entry.target.command_argv(entry.remote_command()),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE)

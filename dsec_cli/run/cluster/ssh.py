@@ -118,7 +118,7 @@ class SshTarget:
                            capture_output=True, timeout=_timeout())
         return p.returncode == 0
 
-    def ensure_master(self) -> None:
+    def ensure_master(self, name: str | None = None) -> None:
         """Start the shared connection unless it runs; maps failures to typed errors.
 
         The master is started with ``-f`` (it forks once authenticated) and its stderr goes
@@ -127,6 +127,7 @@ class SshTarget:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one master per node, however many callers
             if self.control_path.exists() and self._check():
                 return
+            who = f"{name} ({self.address})" if name else str(self.address)
             persist = os.environ.get("DSEC_SSH_PERSIST", "600")
             with tempfile.TemporaryFile() as err:
                 try:
@@ -135,7 +136,7 @@ class SshTarget:
                          self.address.host], stdin=subprocess.DEVNULL,
                         stdout=subprocess.DEVNULL, stderr=err, timeout=_timeout() + 5)
                 except subprocess.TimeoutExpired as e:
-                    raise NodeUnreachableError(f"{self.address}: no answer within "
+                    raise NodeUnreachableError(f"{who}: unreachable: no answer within "
                                                f"{_timeout()}s") from e
                 except FileNotFoundError as e:
                     raise UsageError("the OpenSSH client (ssh) is not installed",
@@ -143,7 +144,7 @@ class SshTarget:
                 err.seek(0)
                 text = err.read().decode(errors="replace").strip()
             if p.returncode != 0:
-                raise classify(str(self.address), text)
+                raise classify(who, text)
 
     def close_master(self) -> None:
         if self.control_path.exists():
