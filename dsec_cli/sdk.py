@@ -53,7 +53,12 @@ def list_images(kind: str = "all", store: str | Store | None = None) -> list[Ima
 
 def inspect(ref: str, store: str | Store | None = None, *, files: bool = False
             ) -> dict[str, Any]:
-    """The manifest of a layer or image, with index statistics (and the file list)."""
+    """The manifest of a layer or image, with index statistics (and the file list); or, for
+    a sandbox id, the sandbox's state as its node reports it."""
+    if "@" not in ref and len(ref.removeprefix("sha256:")) != 64:
+        from .run.node import local_node
+
+        return local_node(None).describe(ref)
     st = _store(store)
     digest = resolve(st, ref)
     m: Manifest = load_manifest(st, digest)

@@ -71,12 +71,13 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def inspect(
-        ref: Annotated[str, typer.Argument(help="NAME@VERSION or manifest digest")],
+        ref: Annotated[str, typer.Argument(help="NAME@VERSION, a manifest digest, or a "
+                                           "sandbox id")],
         store: StoreOpt = None,
         files: Annotated[bool, typer.Option("--files", help="list the layer's files")] = False,
         json_: JsonOpt = False,
     ) -> None:
-        """Show a layer's or image's manifest and index."""
+        """Show a layer's or image's manifest and index, or a sandbox's state."""
         from .. import sdk
 
         doc = sdk.inspect(ref, store, files=files)

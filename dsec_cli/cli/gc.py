@@ -13,20 +13,20 @@ from .render import human_bytes, print_json
 def register(app: typer.Typer) -> None:
     @app.command()
     def gc(
-        store: Annotated[str | None, typer.Option("--store", help="store URL (default: local)")  # noqa: UP007
+        store: Annotated[str | None, typer.Option("--store", help="store URL (default: local)")
                          ] = None,
         node: Annotated[bool, typer.Option(
             "--node", help="collect this node's expired/dead sandboxes and cached layers")] = False,
         grace: Annotated[str, typer.Option(
             "--grace", help="how long garbage must stay unreachable before it goes")] = "1h",
-        budget: Annotated[str | None, typer.Option(  # noqa: UP007
+        budget: Annotated[str | None, typer.Option(
             "--budget", help="layer cache budget with --node, e.g. 20G")] = None,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="show what would go")] = False,
-        endpoint_url: Annotated[str | None, typer.Option(  # noqa: UP007
+        endpoint_url: Annotated[str | None, typer.Option(
             "--endpoint-url", help="S3 endpoint")] = None,
         insecure: Annotated[bool, typer.Option("--insecure", help="plain HTTP for oci://")
                             ] = False,
-        state_dir: Annotated[str | None, typer.Option(  # noqa: UP007
+        state_dir: Annotated[str | None, typer.Option(
             "--state-dir", help="node state directory (default: DSEC_STATE_DIR)")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
         all_nodes: Annotated[bool, typer.Option(

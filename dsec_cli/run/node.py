@@ -303,7 +303,7 @@ class Node:
                                "image_digest": image_digest, "layer": f"{name}-layer@{version}",
                                "layer_digest": layer_digest}
         if push:
-            out["pushed"] = _push(st, [f"{name}@{version}"], push)
+            out["pushed"] = _push(st, [f"{name}-layer@{version}", f"{name}@{version}"], push)
         return out
 
     # -- listing, reconcile, gc ----------------------------------------------------------------
@@ -414,12 +414,13 @@ def _parse_snapshot_ref(ref: str, parse_ref: Any) -> tuple[str, str]:
 
 
 def _push(store: Any, refs: list[str], url: str) -> Any:
-    try:
-        from ..push import transfer  # type: ignore[attr-defined]
-    except ImportError as e:
-        raise UsageError("pushing needs the push stage (dsec_cli.push.transfer), "
-                         "which this installation lacks") from e
-    return transfer.push(refs, store, url)
+    """Copy a snapshot's refs to another store (what `dsec snapshot --push URL` does)."""
+    from ..push.retry import open_retrying
+    from ..push.transfer import copy_refs
+
+    with open_retrying(url) as dst:
+        report = copy_refs(store, dst, refs)
+    return report.to_dict()
 
 
 _nodes: dict[str, Node] = {}

@@ -131,7 +131,7 @@ def test_gc_cli(make_url: Callable[[str], str]) -> None:
     out = subprocess.run([dsec, "gc", "--store", url, "--grace", "0", "--dry-run", "--json"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert len(json.loads(out.stdout)["would_delete"]) == 3
+    assert len(json.loads(out.stdout)["store"]["would_delete"]) == 3
     out = subprocess.run([dsec, "gc", "--store", url, "--grace", "0"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "deleted 3 objects" in out.stdout

@@ -78,7 +78,7 @@ def test_bad_input_exits_2(node_env: dict[str, str], tmp_path: Path) -> None:
         (["rm", "deadbeef0000"], b"deadbeef0000"),
         (["pause", "deadbeef0000"], b"deadbeef0000"),
         (["cp", str(tmp_path / "a"), str(tmp_path / "b")], b"SANDBOX:PATH"),
-        (["gc"], b"--node"),
+        (["gc", "--node", "--budget", "lots"], b"--budget"),
     ]
     for args, needle in cases:
         p = dsec(node_env, *args, check=2)
@@ -101,19 +101,19 @@ def test_ttl_expiry_and_node_gc(node_env: dict[str, str]) -> None:
     keep = dsec(node_env, "run", "-d", IMAGE, "--ttl", "1h").stdout.decode().strip()
     gone = dsec(node_env, "run", "-d", IMAGE, "--ttl", "0.01s").stdout.decode().strip()
     # the TTL has passed by the time the next command runs (creates take far longer)
-    dry = json.loads(dsec(node_env, "gc", "--node", "--dry-run", "--json").stdout)
+    dry = json.loads(dsec(node_env, "gc", "--node", "--dry-run", "--json").stdout)["node"]
     assert [r["id"] for r in dry["removed"]] == [gone]
     assert {r["id"] for r in json.loads(dsec(node_env, "ps", "--json").stdout)} == {keep, gone}
-    rep = json.loads(dsec(node_env, "gc", "--node", "--json").stdout)
+    rep = json.loads(dsec(node_env, "gc", "--node", "--json").stdout)["node"]
     assert rep["removed"] == [{"id": gone, "reason": "expired"}]
     assert [r["id"] for r in json.loads(dsec(node_env, "ps", "--json").stdout)] == [keep]
     # the layer in use is leased: a zero budget cannot evict it while `keep` runs
     from dsec_cli.run.node import Node
 
     leased = {Path(p).name for p in Node(node_env["DSEC_STATE_DIR"]).db.leased_layers()}
-    rep = json.loads(dsec(node_env, "gc", "--node", "--budget", "0", "--json").stdout)
+    rep = json.loads(dsec(node_env, "gc", "--node", "--budget", "0", "--json").stdout)["node"]
     assert leased and not leased & set(rep["evicted"]) and rep["cache_bytes"] > 0
     dsec(node_env, "rm", keep)
-    rep = json.loads(dsec(node_env, "gc", "--node", "--budget", "0", "--json").stdout)
+    rep = json.loads(dsec(node_env, "gc", "--node", "--budget", "0", "--json").stdout)["node"]
     assert leased <= set(rep["evicted"]) and rep["cache_bytes"] == 0
     dsec(node_env, "run", IMAGE, "--", "true")  # re-materialized on demand
