@@ -30,6 +30,9 @@ def add(
     bootstrap: Annotated[bool, typer.Option(
         "--bootstrap", help="install this dsec on the node first (nothing from the network)")
                          ] = False,
+    install_dir: Annotated[str | None, typer.Option(  # noqa: UP007
+        "--install-dir", help="where --bootstrap installs on the node "
+                              "(default ~/.local/share/dsec/bootstrap/VERSION)")] = None,
     check: Annotated[bool, typer.Option("--check/--no-check",
                                         help="reach the node before saving it")] = True,
     json_out: JsonOpt = False,
@@ -38,7 +41,7 @@ def add(
     from ..run.cluster.registry import add_node
 
     out = add_node(name, address, identity=identity, known_hosts=known_hosts, labels=labels,
-                   dsec=dsec, bootstrap=bootstrap, check=check)
+                   dsec=dsec, bootstrap=bootstrap, check=check, install_dir=install_dir)
     if json_out:
         print_json(out)
     else:

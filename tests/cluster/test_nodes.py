@@ -96,3 +96,17 @@ def test_node_without_dsec_is_reported(cluster: SshCluster, run_dsec) -> None:  
                  str(cluster.identity), "--known-hosts", str(cluster.known_hosts),
                  "--dsec", "/nonexistent/dsec", check=1, env=cluster.client_env())
     assert "not installed" in p.stderr, p.stderr
+
+
+def test_bootstrap_installs_dsec_without_network(cluster: SshCluster, run_dsec,  # type: ignore[no-untyped-def]
+                                                 dsec_home: Path, tmp_path: Path) -> None:
+    inst = tmp_path / "node-install"
+    out = json.loads(run_dsec(
+        "node", "add", "fresh", cluster.nodes[0].address, "--identity", str(cluster.identity),
+        "--known-hosts", str(cluster.known_hosts), "--bootstrap", "--install-dir", str(inst),
+        "--json", env=cluster.client_env()).stdout)
+    assert out["dsec"] == f"{inst}/bin/dsec" and out["info"]["protocol"] == 1
+    assert (inst / "site" / "dsec_cli" / "run" / "cluster" / "agentd.py").is_file()
+    p = run_dsec("run", "--node", "fresh", "-b", "fncall", "busybox@1.35-1", "--", "echo", "hi",
+                 env=cluster.client_env())
+    assert p.stdout == "hi\n"

@@ -97,7 +97,8 @@ def _file(path: str | None, what: str) -> str | None:
 
 def add_node(name: str, address: str, *, identity: str | None = None,
              known_hosts: str | None = None, labels: str | None = None, dsec: str = "dsec",
-             bootstrap: bool = False, check: bool = True) -> dict[str, Any]:
+             bootstrap: bool = False, check: bool = True,
+             install_dir: str | None = None) -> dict[str, Any]:
     """Validate, reach the node (optionally installing dsec there first), then save it."""
     check_name(name)
     entry = NodeEntry(name, SshTarget(parse_address(address), _file(identity, "identity key"),
@@ -108,9 +109,10 @@ def add_node(name: str, address: str, *, identity: str | None = None,
         raise UsageError(f"node {name!r} already exists", hint=f"dsec node rm {name} first")
     info: dict[str, Any] = {}
     if bootstrap:
+        from .bootstrap import DEFAULT_DIR
         from .bootstrap import bootstrap as _bootstrap
 
-        entry = _bootstrap(entry)
+        entry = _bootstrap(entry, install_dir or DEFAULT_DIR)
     if check or bootstrap:
         info = RemoteNode(entry).info()
     nodes = dict(cfg.nodes)
