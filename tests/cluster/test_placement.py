@@ -124,3 +124,24 @@ def test_two_clients_do_not_oversubscribe(client: SshCluster, tmp_path: Path,
         for sid in [x for o in outs for x in o if not x.startswith("refused")]:
             Sandbox.attach(sid).remove()
     assert _usage("node1") == 0
+
+
+def test_fast_placer_decides_as_the_scan_does() -> None:
+    import random
+
+    from dsec_cli.run.cluster.placement import FastPlacer
+
+    def views() -> list[NodeView]:
+        r = random.Random(7)
+        vs = [NodeView(f"n{i:02}", r.choice([5, 10, 40]), 8, 1 << 34) for i in range(24)]
+        for v in vs:
+            for j in r.sample(range(30), 5):
+                v.images[f"i{j}"] = (100, r.choice([100, 100, 40]))
+        return vs
+
+    slow, fast = Placer(views()), FastPlacer(views())
+    r = random.Random(3)
+    for _ in range(500):
+        image = f"i{r.randrange(40)}"
+        assert slow.place(image) == fast.place(image)
+    assert slow.place("i1") is None and fast.place("i1") is None  # full

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from ...core.errors import DsecError, NodeUnreachableError, UsageError
 from ..node import CreateOptions, Node, local_node
 from .errors import CapacityError
-from .placement import NodeView, Placer
+from .placement import FastPlacer, NodeView, Placer
 from .registry import get_node, load_nodes
 from .remote import RemoteNode
 
@@ -177,7 +177,7 @@ def create_many(n: int, image: str, opts: CreateOptions,
     if not remote:
         raise UsageError("create_many needs nodes", hint="dsec node add NAME USER@HOST")
     views, skipped = _views(image, remote)
-    placer = Placer(views)
+    placer = FastPlacer(views)
     by_name = {r.name: r for r in remote}
     lock = threading.Lock()
     results: list[CreateResult] = [CreateResult(i, None) for i in range(n)]
@@ -198,7 +198,7 @@ def create_many(n: int, image: str, opts: CreateOptions,
             except DsecError as e:
                 last, results[i].node = e, name
                 with lock:
-                    placer.views[name].release(opts.cpus, opts.memory)
+                    placer.release_on(name, opts.cpus, opts.memory)
                 if not isinstance(e, CapacityError | NodeUnreachableError):
                     results[i].error = e  # the create itself failed: not a placement matter
                     return

@@ -16,6 +16,7 @@ simulated nodes.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,3 +109,85 @@ class Placer:
         if best is not None:
             self.views[best].take(image, cpus, memory)
         return best
+
+    def release_on(self, name: str, cpus: float | None = None,
+                   memory: int | None = None) -> None:
+        """A placed sandbox failed to start: give its room back."""
+        self.views[name].release(cpus, memory)
+
+
+
+class FastPlacer(Placer):
+    """`Placer`'s decisions at a fraction of its cost, for large clusters and batches.
+
+    Each node's free fraction lives in a flat list updated in place after each decision,
+    and for each image the nodes caching it are listed; the best node is then the larger of
+    the freest node overall and the freest caching node plus its bonus, both found by
+    builtin ``max`` over a list (a C loop) instead of a Python method call per node.
+    Requests with CPU or memory limits, or with excluded nodes, take the full scan.
+    """
+
+    def __init__(self, views: list[NodeView]) -> None:
+        super().__init__(views)
+        self._names = list(self.views)
+        self._index = {name: i for i, name in enumerate(self._names)}
+        self._free = [self._free_of(self.views[n]) for n in self._names]
+        #: image -> (indices of nodes caching all of it, {index: bonus} for partial caches)
+        self._cached: dict[str, tuple[list[int], dict[int, float]]] = {}
+        for i, name in enumerate(self._names):
+            for image in self.views[name].images:
+                self._note(i, image)
+
+    @staticmethod
+    def _free_of(v: NodeView) -> float:
+        if v.cap_sandboxes <= v.used_sandboxes:
+            return -1e18
+        return 1.0 - (v.used_sandboxes + 1) / v.cap_sandboxes
+
+    def _note(self, i: int, image: str) -> None:
+        total, cached = self.views[self._names[i]].images.get(image, (0, 0))
+        full, partial = self._cached.setdefault(image, ([], {}))
+        partial.pop(i, None)
+        if total and cached >= total:
+            if i not in full:
+                bisect.insort(full, i)
+        elif total and cached:
+            partial[i] = CACHE_WEIGHT * cached / total
+
+    def place(self, image: str | None = None, cpus: float | None = None,
+              memory: int | None = None, exclude: set[str] | frozenset[str] = frozenset()
+              ) -> str | None:
+        if cpus or memory or exclude:
+            name = super().place(image, cpus, memory, exclude)
+            if name is not None:
+                self._update(self._index[name], image)
+            return name
+        free = self._free
+        best = max(range(len(free)), key=free.__getitem__)
+        key = (free[best], -best)  # ties go to the first node, as in the scan
+        if image is not None and image in self._cached:
+            full, partial = self._cached[image]
+            if full:
+                c = max(full, key=free.__getitem__)  # full is sorted: first of equals
+                if free[c] > -1e17 and (free[c] + CACHE_WEIGHT, -c) > key:
+                    best, key = c, (free[c] + CACHE_WEIGHT, -c)
+            for c, bonus in partial.items():
+                if free[c] > -1e17 and (free[c] + bonus, -c) > key:
+                    best, key = c, (free[c] + bonus, -c)
+        if free[best] < -1e17:
+            return None
+        name = self._names[best]
+        self.views[name].take(image, cpus, memory)
+        self._update(best, image)
+        return name
+
+    def _update(self, i: int, image: str | None) -> None:
+        self._free[i] = self._free_of(self.views[self._names[i]])
+        if image is not None:
+            self._note(i, image)
+
+    def release_on(self, name: str, cpus: float | None = None,
+                   memory: int | None = None) -> None:
+        """A placed sandbox failed to start: give its room back."""
+        self.views[name].release(cpus, memory)
+        self._update(self._index[name], None)
