@@ -173,7 +173,7 @@ def create_many(n: int, image: str | Path, backend: str = "container", *,
     results = _create_many(n, str(image), opts, nodes, parallel)
     entries = load_nodes()
     for r in results:
-        if r.ok:
+        if r.ok and r.node is not None:
             r.sandbox = Sandbox(r.sandbox, RemoteNode(entries[r.node]))
     return results
 

@@ -45,7 +45,8 @@ def _requirements(dist: str, seen: set[str]) -> None:
             try:
                 from pip._vendor.packaging.requirements import Requirement
 
-                marker_ok = Requirement(r).marker is None or Requirement(r).marker.evaluate()
+                marker = Requirement(r).marker
+                marker_ok = marker is None or marker.evaluate()
             except Exception:  # no pip here: keep the requirement (extra files are harmless)
                 marker_ok = True
         m = re.match(r"[A-Za-z0-9][A-Za-z0-9_.-]*", r)
