@@ -38,7 +38,7 @@ def test_placer_spreads_by_capacity_and_prefers_cache() -> None:
     assert got == {"a": 5, "b": 10, "c": 15}
     assert p.place("img", cpus=5) is None  # fits nowhere: 4 cpus per node
     q = Placer([NodeView("big", 100, 4, 1 << 30),
-                NodeView("small", 10, 4, 1 << 30, images={"img": (100, 100)})])
+                NodeView("small", 20, 4, 1 << 30, images={"img": (100, 100)})])
     assert q.place("img") == "small"  # the cached image outweighs the free slots
     full = Placer([NodeView("f", 1, 4, 1 << 30, used_sandboxes=1)])
     assert full.place("img") is None

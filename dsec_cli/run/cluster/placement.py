@@ -20,7 +20,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
-CACHE_WEIGHT = 0.25
+CACHE_WEIGHT = 0.1
 
 
 @dataclass
