@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -56,24 +57,32 @@ def fanout(fn: Callable[[RemoteNode], T], nodes: list[RemoteNode] | None = None,
     if not nodes:
         return []
     results: dict[str, NodeResult] = {}
-    # own threads, not a pool: a hung node's thread must not keep the process alive
-    pool = ThreadPoolExecutor(max_workers=min(64, len(nodes)), thread_name_prefix="dsec-fan")
-    futs = {pool.submit(fn, n): n for n in nodes}
-    done, _ = wait(futs, timeout=timeout)
-    for f, n in futs.items():
-        if f in done:
-            exc = f.exception()
-            if exc is None:
-                results[n.name] = NodeResult(n.name, True, f.result())
-            elif isinstance(exc, DsecError):
-                results[n.name] = NodeResult(n.name, False, error=exc)
-            else:
-                results[n.name] = NodeResult(n.name, False, error=DsecError(
-                    f"{n.name}: {type(exc).__name__}: {exc}"))
-        else:
-            results[n.name] = NodeResult(n.name, False, error=NodeUnreachableError(
-                f"{n.name}: no answer within {timeout:g}s"))
-    pool.shutdown(wait=False, cancel_futures=True)
+    lock = threading.Lock()
+    finished = threading.Semaphore(0)
+
+    def one(n: RemoteNode) -> None:
+        try:
+            r = NodeResult(n.name, True, fn(n))
+        except DsecError as e:
+            r = NodeResult(n.name, False, error=e)
+        except Exception as e:  # a bug on one node's path must not hide the others' results
+            r = NodeResult(n.name, False, error=DsecError(f"{n.name}: {type(e).__name__}: {e}"))
+        with lock:
+            results.setdefault(n.name, r)
+        finished.release()
+
+    # daemon threads, not an executor: a node that never answers must not keep the process
+    # alive after the bounded wait (executor threads are joined at exit)
+    for n in nodes:
+        threading.Thread(target=one, args=(n,), daemon=True, name=f"dsec-fan-{n.name}").start()
+    deadline = time.monotonic() + timeout
+    for _ in nodes:
+        if not finished.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            break
+    with lock:
+        for n in nodes:
+            results.setdefault(n.name, NodeResult(n.name, False, error=NodeUnreachableError(
+                f"{n.name}: no answer within {timeout:g}s")))
     return [results[n.name] for n in nodes]
 
 

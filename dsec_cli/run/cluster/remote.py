@@ -70,7 +70,11 @@ class Channel:
         self.closed = False
         threading.Thread(target=self._read, daemon=True, name=f"dsec-ch-{self.name}").start()
         threading.Thread(target=self._drain_err, daemon=True).start()
-        self.hello = self.call("hello", {"version": PROTOCOL_VERSION}, timeout=timeout)
+        try:
+            self.hello = self.call("hello", {"version": PROTOCOL_VERSION}, timeout=timeout)
+        except BaseException:
+            self.close()  # no session left behind by a node that never greeted
+            raise
 
     def _drain_err(self) -> None:
         assert self.proc.stderr is not None
@@ -153,7 +157,7 @@ class Channel:
         if self.proc.poll() is None:
             try:
                 assert self.proc.stdin is not None
-                self.proc.stdin.close()
+                self.proc.stdin.close()  # the agent finishes what is in flight and exits
                 self.proc.wait(timeout=5)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
