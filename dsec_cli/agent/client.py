@@ -108,6 +108,15 @@ class ExecHandle:
             self._client._done(self.rid)
 
 
+def _feed(h: ExecHandle, blocks: Iterable[bytes]) -> None:
+    try:
+        for block in blocks:
+            h.write_stdin(block)
+        h.close_stdin()
+    except (AgentError, OSError):
+        pass  # the exec (or the connection) is gone: nothing left to feed
+
+
 def _result(payload: bytes) -> tuple[int, str]:
     (code,) = struct.unpack(">i", payload[:4])
     return code, payload[4:].decode(errors="replace")
@@ -263,14 +272,14 @@ class AgentClient:
              stdin: bytes | Iterable[bytes] | None = None, timeout: float | None = None,
              on_output: OutputCallback | None = None) -> ExecResult:
         h = self.start_exec(argv, env, cwd, timeout, stdin=stdin is not None, on_output=on_output)
-        if stdin is not None:
-            if isinstance(stdin, bytes | bytearray):
-                if stdin:
-                    h.write_stdin(bytes(stdin))
-            else:
-                for block in stdin:
-                    h.write_stdin(block)
+        if isinstance(stdin, bytes | bytearray):
+            if stdin:
+                h.write_stdin(bytes(stdin))
             h.close_stdin()
+        elif stdin is not None:
+            # a stream (e.g. the CLI's own stdin) is fed from a thread, so the result comes
+            # back when the process exits even if the stream never ends
+            threading.Thread(target=_feed, args=(h, stdin), daemon=True).start()
         return h.wait()
 
     def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:

@@ -79,7 +79,7 @@ class FncallBackend(Backend):
             cg = _cgroups.Cgroup(cgroup)
             lim = spec.limits
             cg.create(memory=lim.memory, pids=lim.pids, cpus=lim.cpus)
-            pid = self._spawn(spec, rootfs, run_dir)
+            pid = self._spawn(spec, rootfs, run_dir, cg)
             handle.state["pid"] = pid
             handle.state["start_time"] = _rootfs.proc_start_time(pid)
             for p in descendants(pid):  # bwrap, its pid-1 and the agent: children inherit
@@ -89,7 +89,7 @@ class FncallBackend(Backend):
             raise
         return handle
 
-    def _spawn(self, spec: SandboxSpec, rootfs: Path, run_dir: Path) -> int:
+    def _spawn(self, spec: SandboxSpec, rootfs: Path, run_dir: Path, cg: _cgroups.Cgroup) -> int:
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}
         argv = [bwrap_binary(), "--bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev",
                 "--tmpfs", "/tmp", "--bind", str(run_dir), "/.dsec/run",
@@ -115,6 +115,9 @@ class FncallBackend(Backend):
         finally:
             os.close(w)
         try:
+            # join the cgroup at once, so a crash from here on leaves nothing outside it
+            # (what bwrap forked before this is added again once it is ready)
+            cg.add(pid)
             _rootfs.wait_ready(r, 30, f"sandbox {spec.sandbox_id}")
         except BackendError as e:
             msg = log_path.read_text(errors="replace").strip()

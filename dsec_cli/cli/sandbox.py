@@ -3,6 +3,7 @@ node API in dsec_cli.run, render)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Annotated, Any
@@ -35,9 +36,10 @@ def _stdin_source() -> Any:
         return None
 
     def chunks() -> Any:
+        # raw reads of fd 0 (no buffered reader whose lock a still-blocked feeder thread
+        # would hold at interpreter shutdown)
         while True:
-            b = sys.stdin.buffer.read1(1 << 20) if hasattr(sys.stdin.buffer, "read1") \
-                else sys.stdin.buffer.read(1 << 20)
+            b = os.read(0, 1 << 20)
             if not b:
                 return
             yield b

@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -226,14 +227,16 @@ class Node:
         return rec, b, h
 
     def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
-             cwd: str | None = None, stdin: bytes | None = None, timeout: float | None = None,
-             on_output: OutputCallback | None = None) -> ExecResult:
+             cwd: str | None = None, stdin: bytes | Iterable[bytes] | None = None,
+             timeout: float | None = None, on_output: OutputCallback | None = None
+             ) -> ExecResult:
         if not argv:
             raise UsageError("exec needs a command")
         if timeout is not None and timeout <= 0:
             raise UsageError(f"invalid timeout {timeout}: must be positive")
         _, b, h = self._live(sid)
-        return b.exec(h, ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout), on_output)
+        req = ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout)  # type: ignore[arg-type]
+        return b.exec(h, req, on_output)
 
     def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
         _, b, h = self._live(sid)

@@ -61,6 +61,8 @@ def test_no_network_by_default(sb: Sandbox, node_env: dict[str, str]) -> None:
 def test_memory_hog_and_fork_bomb_are_contained(sb: Sandbox) -> None:
     r = sb.exec(["dd", "if=/dev/zero", "of=/dev/null", "bs=200M", "count=1"])
     assert r.exit_code == 137 and r.oom_killed
+    adj = sb.exec("cat /proc/self/oom_score_adj /proc/1/oom_score_adj").stdout.split()
+    assert int(adj[0]) == 300 and int(adj[1]) < 300  # the OOM killer prefers execs to init
     r = sb.exec("bomb() { bomb | bomb & }; bomb; sleep 60", timeout=3)
     assert r.timed_out
     info = sb.info()
