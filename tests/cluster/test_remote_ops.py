@@ -12,6 +12,14 @@ from .conftest import IMAGE
 from .sshnodes import SshCluster
 
 
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # a session that ended meanwhile
+            pass
+
+
 def test_exec_cp_snapshot_rm_through_the_right_node(client: SshCluster, run_dsec,  # type: ignore[no-untyped-def]
                                                     tmp_path: Path) -> None:
     sid = run_dsec("run", "--node", "node2", "-d", IMAGE).stdout.strip()
@@ -28,6 +36,8 @@ def test_exec_cp_snapshot_rm_through_the_right_node(client: SshCluster, run_dsec
         run_dsec("exec", sid, "--", "sh", "-c", "echo made-on-node2 > /srv/made.txt")
         run_dsec("cp", f"{sid}:/srv/made.txt", str(tmp_path))
         assert (tmp_path / "made.txt").read_text() == "made-on-node2\n"
+        doc = json.loads(run_dsec("inspect", sid, "--json").stdout)
+        assert doc["id"] == sid and doc["node"] == "node2" and doc["status"] == "running"
         ps = json.loads(run_dsec("ps", "--node", "node2", "--json").stdout)
         assert sid in [r["id"] for r in ps]
         assert sid not in [r["id"] for r in
@@ -78,12 +88,10 @@ def test_stopped_node_is_reported_and_others_keep_working(client: SshCluster, ru
         from .sshnodes import descendants
 
         frozen = [node4.proc.pid, *descendants(node4.proc.pid)]  # type: ignore[union-attr]
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
+        _signal(frozen, signal.SIGSTOP)
         p = run_dsec("ps", "--all-nodes", check=1, env=env)
         assert "node node4 unreachable, skipped" in p.stderr
-        for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
+        _signal(frozen, signal.SIGCONT)
     finally:
         node4.stop()
         client.cleanup_node(node4)
