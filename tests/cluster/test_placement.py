@@ -145,3 +145,27 @@ def test_fast_placer_decides_as_the_scan_does() -> None:
         image = f"i{r.randrange(40)}"
         assert slow.place(image) == fast.place(image)
     assert slow.place("i1") is None and fast.place("i1") is None  # full
+
+
+def test_create_many_returns_failures_per_sandbox(client: SshCluster) -> None:
+    from dsec_cli.core.errors import NotFoundError, UsageError
+    from dsec_cli.run.cluster.errors import CapacityError
+    from dsec_cli.run.sdk import create_many
+
+    node1 = client.nodes[0]
+    node1.set_capacity(sandboxes=2)
+    try:
+        results = create_many(5, IMAGE, "fncall", nodes=["node1"], parallel=5)
+        ok = [r for r in results if r.ok]
+        assert len(ok) == 2 and [r.index for r in results] == [0, 1, 2, 3, 4]
+        assert all(isinstance(r.error, CapacityError) for r in results if not r.ok)
+        assert _usage("node1") == 2
+    finally:
+        node1.set_capacity(sandboxes=20)
+        _remove_all(results)
+    missing = create_many(2, "no-such-image@1", "fncall")
+    assert [r.ok for r in missing] == [False, False]
+    assert "no-such-image@1" in str(missing[0].error)
+    assert isinstance(missing[0].error, NotFoundError)  # exit 2: bad input, not capacity
+    with pytest.raises(UsageError, match="unknown node"):
+        create_many(1, IMAGE, "fncall", nodes=["nope"])

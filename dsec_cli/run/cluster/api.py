@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ...core.errors import DsecError, NodeUnreachableError, UsageError
+from ...core.errors import DsecError, NodeUnreachableError, NotFoundError, UsageError
 from ..node import CreateOptions, Node, local_node
 from .errors import CapacityError
 from .placement import FastPlacer, NodeView, Placer
@@ -120,9 +120,13 @@ def _views(image: str | None, nodes: list[RemoteNode] | None = None
         if r.ok and "image_error" not in r.value:
             views.append(NodeView.from_info(r.node, r.value, image))
         else:
-            if r.ok:
-                r = NodeResult(r.node, False, error=DsecError(
-                    f"{r.node}: cannot use {image}: {r.value['image_error']['message']}"))
+            if r.ok:  # the node cannot resolve the image in its store: keep the error's class
+                from .protocol import error_from_wire
+
+                err = error_from_wire(r.value["image_error"], r.node)
+                err.message = f"{r.node}: cannot use {image}: " + \
+                    str(r.value["image_error"].get("message"))
+                r = NodeResult(r.node, False, error=err)
             log.warning("skipping node %s: %s", r.node, r.error)
             skipped.append(r)
     return views, skipped
@@ -132,6 +136,8 @@ def _no_node(image: str, skipped: list[NodeResult]) -> DsecError:
     why = "; ".join(str(r.error) for r in skipped) or "no node has room"
     if not load_nodes():
         return UsageError("--node auto needs nodes", hint="dsec node add NAME USER@HOST")
+    if skipped and all(isinstance(r.error, NotFoundError) for r in skipped):
+        return NotFoundError(f"no node finds {image} in its store: {why}")
     return CapacityError(f"no node can take a sandbox of {image}: {why}")
 
 

@@ -163,6 +163,8 @@ class FastPlacer(Placer):
                 self._update(self._index[name], image)
             return name
         free = self._free
+        if not free:
+            return None
         best = max(range(len(free)), key=free.__getitem__)
         key = (free[best], -best)  # ties go to the first node, as in the scan
         if image is not None and image in self._cached:
