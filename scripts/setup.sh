@@ -12,8 +12,10 @@ DEV=0
 PKGS=(bubblewrap runc busybox-static zstd ca-certificates gcc libc6-dev)
 # VM backends: QEMU (microvm, q35), guest root images (erofs-utils, e2fsprogs).
 PKGS+=(qemu-system-x86 erofs-utils e2fsprogs)
+# Cluster: the ssh client reaches nodes (docs/cluster.md); test nodes run openssh-server.
+PKGS+=(openssh-client)
 # Tests: the real servers and peers they start.
-DEV_PKGS=(docker-registry)
+DEV_PKGS=(docker-registry openssh-server)
 
 want=("${PKGS[@]}")
 [ "$DEV" = 1 ] && want+=("${DEV_PKGS[@]}")

@@ -14,6 +14,7 @@ import typer
 from ..core.errors import DsecError
 from . import build as _build
 from . import gc as _gc
+from . import node as _node
 from . import sandbox as _sandbox
 from . import store as _store
 
@@ -30,7 +31,7 @@ def _root() -> None:
     """Content-addressed layers and sandboxes for agentic-RL environments."""
 
 
-for _module in (_build, _store, _sandbox, _gc):
+for _module in (_build, _store, _sandbox, _gc, _node):
     _module.register(app)
 
 

@@ -29,11 +29,33 @@ def register(app: typer.Typer) -> None:
         state_dir: Annotated[str | None, typer.Option(
             "--state-dir", help="node state directory (default: DSEC_STATE_DIR)")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+        all_nodes: Annotated[bool, typer.Option(
+            "--all-nodes", help="collect every cluster node (in parallel; as --node there)")
+                             ] = False,
     ) -> None:
         """Delete what nothing references: store objects no ref or pin reaches (safe while
         others push), and with --node this node's expired sandboxes and least recently used
         layers."""
         out: dict[str, Any] = {}
+        if all_nodes:
+            from ..core.config import parse_size
+            from ..run.cluster.api import gc_all
+
+            results = [r.to_dict() for r in gc_all(
+                parse_size(budget, "--budget") if budget else None, dry_run)]
+            failed = [r for r in results if not r["ok"]]
+            if as_json:
+                print_json({"nodes": results})
+            else:
+                for r in results:
+                    if r["ok"]:
+                        typer.echo(f"== {r['node']}")
+                        _render_node(r["result"], dry_run)
+            from .node import render_fanout
+
+            render_fanout(failed)
+            if store is None:
+                return
         if node:
             from ..core.config import parse_size
             from ..run.node import local_node
