@@ -176,6 +176,8 @@ class Node:
             layers=[str(p) for p in img.lower_dirs])
         self.db.insert(rec, [img.digest] if img.from_store else [])
         sdir = self.sandboxes_dir / sid
+        if img.from_store:
+            self._pin(sid, img.digest)
         spec = SandboxSpec(sandbox_id=sid, rootfs=RootfsSpec(tuple(img.lower_dirs),
                            sdir / "upper", sdir / "work"), state_dir=sdir, env=env,
                            workdir=workdir, limits=limits, network=opts.network,
@@ -186,6 +188,7 @@ class Node:
             self.db.update(sid, status="running", handle=handle.state)
         except BaseException:
             self._teardown(SandboxHandle(sid, opts.backend, {}), sdir)
+            self._unpin(sid)
             self.db.delete(sid)
             raise
         rec.status, rec.handle = "running", handle.state
@@ -208,8 +211,31 @@ class Node:
     def remove(self, sid: str) -> SandboxRecord:
         rec = self.lookup(sid)
         self._teardown(self._handle(rec), self.sandboxes_dir / rec.id)
+        if rec.spec.get("from_store"):
+            self._unpin(rec.id)
         self.db.delete(rec.id)
         return rec
+
+    # -- store pins: store gc keeps what running sandboxes use (push/gc.py reads pins/) ------
+    def _pin_key(self, sid: str) -> str:
+        return f"pins/{self.cgroup_parent}-{sid}"
+
+    def _pin(self, sid: str, digest: str) -> None:
+        import json
+        import socket
+
+        doc = {"manifest": digest, "sandbox": sid, "node": socket.gethostname(),
+               "state_dir": str(self.root), "created": now()}
+        try:
+            self.store().put(self._pin_key(sid), json.dumps(doc).encode())
+        except Exception as e:  # the store may be read-only or away: running matters more
+            log.warning("could not pin %s for sandbox %s: %s", digest[:12], sid, e)
+
+    def _unpin(self, sid: str) -> None:
+        try:
+            self.store().delete(self._pin_key(sid))
+        except Exception as e:
+            log.warning("could not release the pin of sandbox %s: %s", sid, e)
 
     # -- work inside ---------------------------------------------------------------------------
     def _live(self, sid: str) -> tuple[SandboxRecord, Backend, SandboxHandle]:
@@ -306,7 +332,8 @@ class Node:
                                "image_digest": image_digest, "layer": f"{name}-layer@{version}",
                                "layer_digest": layer_digest}
         if push:
-            out["pushed"] = _push(st, [f"{name}@{version}"], push)
+            out["pushed"] = _push(self.store_url, [f"{name}@{version}", f"{name}-layer@{version}"],
+                                  push)
         return out
 
     # -- listing, reconcile, gc ----------------------------------------------------------------
@@ -330,6 +357,8 @@ class Node:
                 if not _rootfs.alive(r.owner_pid, r.owner_start):
                     self._teardown(SandboxHandle(r.id, r.backend, dict(r.handle or {})),
                                    self.sandboxes_dir / r.id)
+                    if r.spec.get("from_store"):
+                        self._unpin(r.id)
                     self.db.delete(r.id)
                     report["aborted"].append(r.id)
             elif r.status in ("running", "paused"):
@@ -416,13 +445,11 @@ def _parse_snapshot_ref(ref: str, parse_ref: Any) -> tuple[str, str]:
     return name, version
 
 
-def _push(store: Any, refs: list[str], url: str) -> Any:
-    try:
-        from ..push import transfer  # type: ignore[attr-defined]
-    except ImportError as e:
-        raise UsageError("pushing needs the push stage (dsec_cli.push.transfer), "
-                         "which this installation lacks") from e
-    return transfer.push(refs, store, url)
+def _push(store_url: str, refs: list[str], url: str) -> Any:
+    from ..push.api import push
+
+    report = push(refs, url, store=store_url)
+    return report.to_dict() if hasattr(report, "to_dict") else str(report)
 
 
 _nodes: dict[str, Node] = {}
