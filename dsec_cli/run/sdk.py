@@ -33,11 +33,27 @@ def _secs(v: float | str | None, what: str) -> float | None:
 
 
 class Sandbox:
-    """A sandbox on this node. Use as a context manager to remove it on exit."""
+    """A sandbox on this node. ``Sandbox(image, ...)`` creates one (as `create` does); use
+    it as a context manager to remove it on exit."""
 
-    def __init__(self, record: SandboxRecord, node: Node) -> None:
-        self._rec = record
+    def __init__(self, image: str | Path, backend: str = "container", *,
+                 cpus: float | None = None, memory: int | str | None = None,
+                 pids: int | None = None, ttl: float | str | None = None,
+                 network: Literal["none", "host"] = "none", env: dict[str, str] | None = None,
+                 workdir: str | None = None, state_dir: str | Path | None = None,
+                 store: str | None = None) -> None:
+        node = local_node(state_dir, store)
+        opts = CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, "memory"),
+                             pids=pids, ttl=_secs(ttl, "ttl"), network=network,
+                             env=dict(env or {}), workdir=workdir)
+        self._rec = node.create(str(image), opts)
         self.node = node
+
+    @classmethod
+    def _wrap(cls, record: SandboxRecord, node: Node) -> Sandbox:
+        sb = cls.__new__(cls)
+        sb._rec, sb.node = record, node
+        return sb
 
     @property
     def id(self) -> str:
@@ -55,22 +71,14 @@ class Sandbox:
         return f"Sandbox({self.id!r}, image={self.image!r}, backend={self.backend!r})"
 
     @classmethod
-    def create(cls, image: str | Path, backend: str = "container", *,
-               cpus: float | None = None, memory: int | str | None = None,
-               pids: int | None = None, ttl: float | str | None = None,
-               network: Literal["none", "host"] = "none", env: dict[str, str] | None = None,
-               workdir: str | None = None, state_dir: str | Path | None = None,
-               store: str | None = None) -> Sandbox:
-        node = local_node(state_dir, store)
-        opts = CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, "memory"),
-                             pids=pids, ttl=_secs(ttl, "ttl"), network=network,
-                             env=dict(env or {}), workdir=workdir)
-        return cls(node.create(str(image), opts), node)
+    def create(cls, image: str | Path, backend: str = "container", **options: Any) -> Sandbox:
+        """Same as ``Sandbox(image, backend, **options)``."""
+        return cls(image, backend, **options)
 
     @classmethod
     def attach(cls, sandbox_id: str, *, state_dir: str | Path | None = None) -> Sandbox:
         node = local_node(state_dir)
-        return cls(node.lookup(sandbox_id), node)
+        return cls._wrap(node.lookup(sandbox_id), node)
 
     def exec(self, cmd: str | list[str], *, stdin: bytes | str | None = None,
              env: dict[str, str] | None = None, cwd: str | None = None,
