@@ -214,6 +214,10 @@ class Node:
         if rec.spec.get("from_store"):
             self._unpin(rec.id)
         self.db.delete(rec.id)
+        if not self.db.all():
+            # the node's parent groups go with its last sandbox (a concurrent create that
+            # needs them again recreates them; rmdir fails while any child exists)
+            _cgroups.Cgroup(self.cgroup_parent).remove_if_empty()
         return rec
 
     # -- store pins: store gc keeps what running sandboxes use (push/gc.py reads pins/) ------

@@ -68,6 +68,8 @@ def test_snapshot_round_trip(node_env: dict[str, str], tmp_path: Path) -> None:
     other = {**node_env, "DSEC_STORE": remote, "DSEC_STATE_DIR": str(tmp_path / "node2")}
     p = dsec(other, "run", "snaptest@1", "--", "cat", "/root/new.txt")
     assert p.stdout == b"new\n"
+    dsec(other, "gc", "--node", "--budget", "0")
+    assert leaks(other["DSEC_STATE_DIR"]) == {"mounts": [], "cgroups": [], "dirs": []}
     dsec(node_env, "rm", sid)
 
 
