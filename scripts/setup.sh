@@ -10,6 +10,8 @@ DEV=0
 
 # Runtime: sandboxes (bubblewrap, runc), the example base layer (busybox-static), zstd.
 PKGS=(bubblewrap runc busybox-static zstd ca-certificates gcc libc6-dev)
+# VM backends: QEMU (microvm, q35), guest root images (erofs-utils, e2fsprogs).
+PKGS+=(qemu-system-x86 erofs-utils e2fsprogs)
 # Tests: the real servers and peers they start.
 DEV_PKGS=(docker-registry)
 
@@ -42,5 +44,29 @@ if [ ! -x dsec_cli/agent/dsec-agent ] || [ "$(cat dsec_cli/agent/.dsec-agent.tag
   gcc -static -O2 -o dsec_cli/agent/dsec-agent "$agent_src"
   echo "$agent_tag" > dsec_cli/agent/.dsec-agent.tag
 fi
+
+# Guest kernel for the microvm/vm backends: Debian's linux-image-amd64, downloaded and
+# unpacked into the user cache (never installed as the host kernel).
+KCACHE="${XDG_CACHE_HOME:-$HOME/.cache}/dsec/kernel"
+if [ "${DSEC_SKIP_KERNEL:-0}" != 1 ] && [ ! -e "$KCACHE/current/lib/modules" ]; then
+  kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+  if [ -z "$kpkg" ]; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    kpkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+  fi
+  echo "fetching guest kernel $kpkg into $KCACHE"
+  tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download -q "$kpkg" >/dev/null 2>&1 || apt-get download "$kpkg")
+  mkdir -p "$KCACHE"
+  rm -rf "$KCACHE/$kpkg.tmp" && mkdir "$KCACHE/$kpkg.tmp"
+  dpkg-deb -x "$tmp"/*.deb "$KCACHE/$kpkg.tmp"
+  mv "$KCACHE/$kpkg.tmp/boot/"vmlinuz-* "$KCACHE/$kpkg.tmp/vmlinuz"
+  mv "$KCACHE/$kpkg.tmp/boot/"config-* "$KCACHE/$kpkg.tmp/config"
+  rm -rf "$KCACHE/$kpkg.tmp/boot" "$KCACHE/$kpkg.tmp/usr" "$KCACHE/$kpkg" "$tmp"
+  mv "$KCACHE/$kpkg.tmp" "$KCACHE/$kpkg"
+  ln -sfn "$kpkg" "$KCACHE/current"
+fi
+
 # The example base layer's root filesystem, made from the installed busybox-static.
 layerspecs/busybox/make-rootfs.sh

@@ -30,7 +30,7 @@ from ..push.dedup import KnownChunks
 from ..push.materialize import LayerCache
 from ..push.stores import open_store
 from ..push.stores.base import Store
-from .image import write_image
+from .image import base_warnings, write_image
 from .layer import Progress, WriteStats, layer_manifest, write_layer
 from .spec import Spec, find_specs, load_spec
 from .steps import build_tree
@@ -220,7 +220,8 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
                                       m.stored_size, spec=str(spec.path)))
             continue
         if spec.kind == "image":
-            digest, m = _build_image(st, spec, deps)
+            digest, m, warnings = _build_image(st, spec, deps)
+            report.warnings += [f"{spec.ref}: {w}" for w in warnings]
             item = Built(spec.ref, "image", digest, "", False, m.size, m.stored_size)
         else:
             if known is None:
@@ -280,7 +281,8 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
     return digest, m, stats
 
 
-def _build_image(st: Store, spec: Spec, layers: list[str]) -> tuple[str, Manifest]:
+def _build_image(st: Store, spec: Spec, layers: list[str]) -> tuple[str, Manifest, list[str]]:
     ms = [load_manifest(st, d) for d in layers]
-    return write_image(st, spec.name, spec.version, layers, env=spec.env,
-                       workdir=spec.workdir, spec_digest=spec.digest(), manifests=ms)
+    digest, m = write_image(st, spec.name, spec.version, layers, env=spec.env,
+                            workdir=spec.workdir, spec_digest=spec.digest(), manifests=ms)
+    return digest, m, base_warnings(layers, ms)

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-import logging
-
 from ..core.errors import SpecError
 from ..format.manifest import Manifest, load_manifest, put_manifest
 from ..format.refs import set_ref
 from ..push.stores.base import Store
 
-log = logging.getLogger(__name__)
+
+def base_warnings(layers: list[str], manifests: list[Manifest]) -> list[str]:
+    """A layer built by `run` steps over some base, stacked without that base below it, is
+    allowed (the user may know better) but worth a warning."""
+    out = []
+    for n, lm in enumerate(manifests):
+        missing = set(lm.base) - set(layers[:n])
+        if missing:
+            out.append(f"{lm.ref} was built on {', '.join(m[:12] for m in sorted(missing))}, "
+                       "which this image does not stack below it")
+    return out
 
 
 def write_image(st: Store, name: str, version: str, layers: list[str], *,
@@ -21,10 +29,6 @@ def write_image(st: Store, name: str, version: str, layers: list[str], *,
     for d, lm in zip(layers, ms, strict=True):
         if lm.kind != "layer":
             raise SpecError(f"{lm.ref} ({d[:12]}) is not a layer")
-        missing = set(lm.base) - set(layers[: layers.index(d)])
-        if missing:
-            log.warning("%s was built on %s, which this image does not stack below it",
-                        lm.ref, ", ".join(m[:12] for m in sorted(missing)))
     m = Manifest(kind="image", name=name, version=version, layers=list(layers),
                  env=env or {}, workdir=workdir, spec_digest=spec_digest,
                  size=sum(x.size for x in ms), stored_size=sum(x.stored_size for x in ms),

@@ -51,6 +51,8 @@ def register(app: typer.Typer) -> None:
                 for i in report.items]
         table(f"built into {report.store}", ["ref", "kind", "digest", "time", "size", "stored",
                                              "new"], rows)
+        for w in report.warnings:
+            err_console().print(f"[yellow]warning:[/] {w}", highlight=False)
 
     @app.command("ls")
     def ls(

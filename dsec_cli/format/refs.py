@@ -69,5 +69,9 @@ def list_refs(store: Any) -> list[Ref]:
         parts = info.key.split("/")
         if len(parts) != 3:
             continue
-        out.append(_decode(store.get(info.key), parts[1], parts[2]))
+        try:
+            data = store.get(info.key)
+        except NotFoundError:
+            continue  # removed between the listing and the read
+        out.append(_decode(data, parts[1], parts[2]))
     return sorted(out, key=lambda r: (r.name, r.version))

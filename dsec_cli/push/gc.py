@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 PENDING = "gc/pending"
 PINS = "pins/"
 OBJECT_PREFIXES = ("packs/", "indexes/", "manifests/")
+#: S3 reports LastModified in whole seconds, so an object may look up to 1 s older than it is
+MTIME_SLACK = 1.0
 
 
 @dataclass
@@ -200,7 +202,7 @@ def gc_store(store: Store, grace: float = 3600.0, dry_run: bool = False, jobs: i
         report.unreachable += 1
         if key in pending:
             new_pending[key] = pending[key]
-        elif now - info.mtime >= grace:
+        elif now - info.mtime >= grace + (MTIME_SLACK if grace > 0 else 0.0):
             new_pending[key] = now
             report.marked.append(key)
         else:

@@ -336,8 +336,7 @@ class Node:
                                "image_digest": image_digest, "layer": f"{name}-layer@{version}",
                                "layer_digest": layer_digest}
         if push:
-            out["pushed"] = _push(self.store_url, [f"{name}@{version}", f"{name}-layer@{version}"],
-                                  push)
+            out["pushed"] = _push(st, [f"{name}-layer@{version}", f"{name}@{version}"], push)
         return out
 
     # -- listing, reconcile, gc ----------------------------------------------------------------
@@ -449,11 +448,14 @@ def _parse_snapshot_ref(ref: str, parse_ref: Any) -> tuple[str, str]:
     return name, version
 
 
-def _push(store_url: str, refs: list[str], url: str) -> Any:
-    from ..push.api import push
+def _push(store: Any, refs: list[str], url: str) -> Any:
+    """Copy a snapshot's refs to another store (what `dsec snapshot --push URL` does)."""
+    from ..push.retry import open_retrying
+    from ..push.transfer import copy_refs
 
-    report = push(refs, url, store=store_url)
-    return report.to_dict() if hasattr(report, "to_dict") else str(report)
+    with open_retrying(url) as dst:
+        report = copy_refs(store, dst, refs)
+    return report.to_dict()
 
 
 _nodes: dict[str, Node] = {}

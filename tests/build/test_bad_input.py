@@ -4,6 +4,7 @@ change to the store."""
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import tarfile
 from pathlib import Path
@@ -136,3 +137,25 @@ def test_unknown_ref_and_bad_store(tmp_path: Path, run_dsec) -> None:
     assert "unknown store URL scheme" in p.stderr
     p = run_dsec("build", str(tmp_path / "missing-dir"), check=2)
     assert "no such spec file or directory" in p.stderr
+
+
+def test_run_layer_over_another_base_is_allowed_with_a_warning(tmp_path: Path, run_dsec,
+                                                               busybox_tar) -> None:
+
+
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    shutil.copy(busybox_tar, folder / "rootfs.tar")
+    write_spec(folder, "base", 'layer: base\nversion: "1"\nsteps:\n'
+               "  - extract: {src: ./rootfs.tar, dst: /}\n")
+    write_spec(folder, "other", 'layer: other\nversion: "1"\nsteps:\n'
+               "  - extract: {src: ./rootfs.tar, dst: /}\n  - copy: {src: ./base.yaml, dst: /x}\n")
+    write_spec(folder, "app", 'layer: app\nversion: "1"\nfrom: [base@1]\nsteps:\n'
+               "  - run: echo hi > /hi\n")
+    write_spec(folder, "img", 'image: img\nversion: "1"\nlayers: [other@1, app@1]\n')
+    out = json.loads(run_dsec("build", str(folder), "--store", str(tmp_path / "store"),
+                              "--json").stdout)
+    assert len(out["warnings"]) == 1 and "app@1 was built on" in out["warnings"][0]
+    p = run_dsec("build", str(folder / "img.yaml"), "--store", str(tmp_path / "store"),
+                 "--force")
+    assert "warning:" in p.stderr and "does not stack below it" in p.stderr

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dsec_cli.core.digests import object_key
-from dsec_cli.core.errors import IntegrityError, NotFoundError
+from dsec_cli.core.errors import IntegrityError, NotFoundError, UsageError
 from dsec_cli.format.closure import closure
 from dsec_cli.format.refs import get_ref
 from dsec_cli.push import api
@@ -153,10 +153,12 @@ def test_bad_urls_and_missing_bucket_are_usage_errors(make_url: Callable[[str], 
         "ftp://somewhere/x": "unknown store URL scheme",
         f"s3://no-such-bucket-here?endpoint_url={s3_server}": "does not exist",
     }
-    for url, message in cases.items():
+    for url, message in cases.items():  # the SDK raises the usage error...
+        with pytest.raises(UsageError, match=message):
+            api.push(["x@1"], url, store=local)
+    for url in ("s3://", f"s3://no-such-bucket-here?endpoint_url={s3_server}"):  # ...exit 2
         out = dsec("push", "x@1", "--to", url, "--store", local)
-        assert out.returncode == 2, (url, out.stderr)
-        assert message in out.stderr, (url, out.stderr)
+        assert out.returncode == 2 and cases[url] in out.stderr, (url, out.stderr)
     out = dsec("push", "nope@1", "--to", make_url("s3"), "--store", local)
     assert out.returncode == 2 and "no layer or image nope@1" in out.stderr
 

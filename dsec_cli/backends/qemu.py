@@ -1,0 +1,446 @@
+"""The `microvm` and `vm` backends: a QEMU guest per sandbox, reached through dsec-agent.
+
+Create = build (or reuse) the image's read-only root disk, make the sandbox's sparse
+writable disk, and start QEMU detached (`-daemonize`: it outlives any dsec process and
+dsec finds it again through the handle's state). The guest kernel boots an initramfs
+whose init mounts root image + writable disk under overlayfs and runs dsec-agent chrooted
+in it on the `dsec.agent` virtio-serial port, whose host end is a unix socket. Exec, put
+and get go over that socket; pause and resume are QMP stop/cont; snapshot syncs the guest,
+stops it and reads the writable disk's ``upper/`` from the host; destroy is QMP quit,
+then SIGKILL, never leaving a QEMU process or a mount behind.
+
+`microvm` is QEMU's `-M microvm` (virtio-mmio, qboot, no PCI); `vm` is a q35 PC with
+SeaBIOS and virtio-pci. Both use KVM when it really runs guests (see qemu_accel), TCG
+otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..agent import agent_binary
+from ..agent.client import AgentClient, AgentError
+from ..core.config import load_config
+from ..core.errors import BackendError, SandboxError, UsageError
+from . import qemu_accel, vmimage
+from .base import Backend, ExecRequest, ExecResult, OutputCallback, SandboxHandle, SandboxSpec
+from .qemu_qmp import QMPError, qmp
+from .vmkernel import Kernel, boot_image, build_initramfs, find_kernel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MEMORY = 512 << 20
+MIN_MEMORY = 128 << 20
+BOOT_TIMEOUT = 180.0  # TCG on a loaded 2-core host boots in tens of seconds
+CONNECT_TIMEOUT = 60.0  # waiting for another process to release the agent connection
+
+
+def _host_tsc_khz() -> int | None:
+    """Under TCG the guest reads the host's TSC; telling the guest kernel its rate skips
+    a calibration that hangs on microvm (no PIT or HPET to calibrate against)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return int(float(line.split(":")[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _proc_start(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+class QemuBackend(Backend):
+    """Shared driver; subclasses choose the machine type and its device models."""
+
+    machine: ClassVar[str] = ""
+    blk_dev: ClassVar[str] = ""
+    serial_dev: ClassVar[str] = ""
+    net_dev: ClassVar[str] = ""
+
+    def __init__(self, state_dir: str | os.PathLike[str] | None = None,
+                 kernel: str | os.PathLike[str] | None = None,
+                 qemu: str = "qemu-system-x86_64", accel: str = "auto",
+                 boot_timeout: float = BOOT_TIMEOUT) -> None:
+        if accel not in ("auto", "kvm", "tcg"):
+            raise UsageError(f"unknown accelerator {accel!r}: choose auto, kvm or tcg")
+        root = Path(state_dir) if state_dir else Path(load_config().state_dir)
+        self.vm_dir = root / "vm"  # node-level: accel probe, initramfs, root images
+        self.kernel_path = kernel
+        self.qemu = qemu
+        self.accel = accel
+        self.boot_timeout = boot_timeout
+        self._clients: dict[str, AgentClient] = {}
+        self._lock = threading.Lock()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _kernel(self) -> Kernel:
+        return find_kernel(self.kernel_path)
+
+    def _qemu_binary(self) -> str:
+        path = shutil.which(self.qemu)
+        if path is None:
+            raise BackendError(f"{self.qemu} is not installed",
+                               hint="run scripts/setup.sh (apt: qemu-system-x86)")
+        return path
+
+    def acceleration(self, kernel: Kernel | None = None) -> dict[str, str]:
+        if self.accel != "auto":
+            return {"accel": self.accel, "reason": "chosen by configuration"}
+        return qemu_accel.accelerator(self._qemu_binary(), kernel or self._kernel(),
+                                      self.vm_dir, self.vm_dir / "initramfs")
+
+    def _cmdline(self, spec: SandboxSpec, accel: str) -> str:
+        args = ["console=ttyS0", "panic=-1", "rdinit=/init", "dsec.root=erofs",
+                f"dsec.hostname={_safe_hostname(spec.hostname)}"]
+        if not os.environ.get("DSEC_VM_VERBOSE"):  # the full kernel log, for boot problems
+            args.append("quiet")
+        if accel == "tcg":
+            khz = _host_tsc_khz()
+            if khz:
+                args += [f"tsc_early_khz={khz}", "tsc=reliable"]
+        if spec.network == "host":
+            args.append("dsec.net=1")
+        if spec.limits.pids:
+            args.append(f"dsec.pids={int(spec.limits.pids)}")
+        return " ".join(args)
+
+    def _validate(self, spec: SandboxSpec) -> None:
+        """Reject bad input before anything is created."""
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", spec.sandbox_id):
+            raise UsageError(f"invalid sandbox id {spec.sandbox_id!r}: use letters, digits, "
+                             "'.', '_' and '-' (at most 64)")
+        if spec.network not in ("none", "host"):
+            raise UsageError(f"unknown network policy {spec.network!r}: choose none or host")
+        lim = spec.limits
+        if lim.memory is not None and lim.memory < MIN_MEMORY:
+            raise UsageError(f"memory limit {lim.memory} bytes is too small for a VM "
+                             "(minimum 128 MiB)")
+        if lim.pids is not None and lim.pids < 8:
+            raise UsageError(f"pids limit {lim.pids} is too small (minimum 8)")
+        if lim.cpus is not None and lim.cpus <= 0:
+            raise UsageError(f"cpu limit {lim.cpus} must be positive")
+        if lim.disk is not None and lim.disk < vmimage.MIN_DISK:
+            raise UsageError(f"disk limit {lim.disk} bytes is too small for a VM (minimum 16 MiB)")
+        for d in spec.rootfs.lower_dirs:
+            if not Path(d).is_dir():
+                raise UsageError(f"rootfs layer directory {str(d)!r} does not exist")
+        self._qemu_binary()
+
+    def _argv(self, spec: SandboxSpec, st: dict[str, Any], kernel: Kernel, initramfs: Path,
+              root: Path, disk: Path) -> list[str]:
+        lim = spec.limits
+        cpus = max(1, math.ceil(lim.cpus)) if lim.cpus else 1
+        mem = lim.memory or DEFAULT_MEMORY
+        accel = st["accel"]
+        # the -name argument is also how is_alive tells our QEMU from a reused pid
+        argv = [self._qemu_binary(), "-name", _qemu_name(spec.sandbox_id).decode(),
+                "-M", self.machine, "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
+                "-smp", str(cpus), "-m", f"{mem >> 20}M",
+                "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+                "-daemonize", "-pidfile", st["pidfile"],
+                "-kernel", str(boot_image(kernel, self.vm_dir / "kernel")),
+                "-initrd", str(initramfs),
+                "-append", self._cmdline(spec, accel),
+                "-serial", f"file:{st['console']}",
+                "-qmp", f"unix:{st['qmp']},server=on,wait=off",
+                "-drive", f"if=none,id=root,file={root},format=raw,readonly=on",
+                "-device", f"{self.blk_dev},drive=root",
+                "-drive", f"if=none,id=disk,file={disk},format=raw",
+                "-device", f"{self.blk_dev},drive=disk",
+                "-chardev", f"socket,id=agent,path={st['agent_sock']},server=on,wait=off",
+                "-device", self.serial_dev,
+                "-device", "virtserialport,chardev=agent,name=dsec.agent"]
+        if spec.network == "host":
+            argv += ["-netdev", "user,id=net0", "-device", f"{self.net_dev},netdev=net0"]
+        return argv
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def create(self, spec: SandboxSpec) -> SandboxHandle:
+        self._validate(spec)
+        kernel = self._kernel()
+        sdir = spec.state_dir
+        st: dict[str, Any] = {
+            **_default_state(spec.sandbox_id, str(sdir)), "machine": self.name,
+            "env": dict(spec.env), "workdir": spec.workdir, "network": spec.network,
+        }
+        handle = SandboxHandle(spec.sandbox_id, self.name, st)
+        try:
+            sdir.mkdir(parents=True, exist_ok=True)
+            Path(st["run_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
+            initramfs = build_initramfs(kernel, self.vm_dir / "initramfs", agent=agent_binary())
+            root = vmimage.root_image(spec.rootfs.lower_dirs, spec.image_digest,
+                                      self.vm_dir / "images")
+            disk = vmimage.writable_disk(Path(st["disk"]), spec.limits.disk)
+            acc = self.acceleration(kernel)
+            st["accel"], st["root_image"] = acc["accel"], str(root)
+            argv = self._argv(spec, st, kernel, initramfs, root, disk)
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            if proc.returncode != 0:
+                raise BackendError(f"QEMU could not start sandbox {spec.sandbox_id}: "
+                                   f"{proc.stderr.strip()[-1000:]}")
+            pid = int(Path(st["pidfile"]).read_text().strip())
+            st["pid"], st["start_time"] = pid, _proc_start(pid)
+            self._wait_ready(handle)
+        except BaseException:
+            self.destroy(handle)
+            raise
+        return handle
+
+    def _connect(self, handle: SandboxHandle, timeout: float) -> AgentClient:
+        """A client whose agent answered a ping within `timeout` (QEMU accepts one
+        connection on the port's socket at a time: a second process waits its turn, and a
+        guest still booting has not opened the port yet). Fails early if QEMU exits."""
+        deadline = time.monotonic() + timeout
+        try:
+            client = AgentClient.connect_unix(handle.state["agent_sock"])
+        except AgentError as e:
+            raise SandboxError(f"cannot reach the agent of sandbox {handle.sandbox_id}: {e}") \
+                from e
+        done = threading.Event()
+        error: list[BaseException] = []
+
+        def ping() -> None:
+            try:
+                client.ping()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                error.append(e)
+            done.set()
+
+        threading.Thread(target=ping, daemon=True).start()
+        while not done.wait(0.1):
+            if not self.is_alive(handle) or time.monotonic() > deadline:
+                client.close()
+                done.wait(5)
+                raise SandboxError("QEMU exited" if not self.is_alive(handle) else
+                                   f"the guest agent did not answer within {timeout:.0f}s "
+                                   "(still booting, or another process holds its connection)")
+        if error:
+            client.close()
+            raise SandboxError(f"the guest agent failed: {error[0]}")
+        return client
+
+    def _wait_ready(self, handle: SandboxHandle) -> None:
+        try:
+            client = self._connect(handle, self.boot_timeout)
+        except SandboxError as e:
+            raise BackendError(f"sandbox {handle.sandbox_id} did not boot: {e.message}; "
+                               f"console: {self._console_tail(handle)}") from e
+        with self._lock:
+            self._clients[handle.sandbox_id] = client
+
+    def _console_tail(self, handle: SandboxHandle, lines: int = 8) -> str:
+        try:
+            text = Path(handle.state["console"]).read_text(errors="replace")
+        except (OSError, KeyError):
+            return "(no console output)"
+        return " | ".join(text.strip().splitlines()[-lines:]) or "(no console output)"
+
+    def destroy(self, handle: SandboxHandle) -> None:
+        st = {**_default_state(handle.sandbox_id, handle.state.get("state_dir")), **handle.state}
+        self._drop_client(handle.sandbox_id)
+        pid = st.get("pid")
+        if pid is None:  # QEMU may have started before the handle was saved
+            try:
+                pid = int(Path(st["pidfile"]).read_text().strip())
+            except (OSError, ValueError):
+                pid = _find_qemu(handle.sandbox_id)
+        if pid and self._is_our_qemu(handle, pid):
+            try:
+                qmp(st["qmp"], "quit", timeout=2)
+            except QMPError:
+                pass
+            if not _wait_gone(pid, 3.0):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                _wait_gone(pid, 10.0)
+        mnt = st.get("snap_mount")
+        if mnt and os.path.ismount(mnt):
+            subprocess.run(["umount", "-l", mnt], capture_output=True)
+        shutil.rmtree(st["run_dir"], ignore_errors=True)
+        if st.get("disk"):
+            Path(st["disk"]).unlink(missing_ok=True)
+
+    def _is_our_qemu(self, handle: SandboxHandle, pid: int) -> bool:
+        """True if `pid` is still this sandbox's QEMU (not a reused pid)."""
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+        argv0 = b"\0" + cmdline
+        return (b"\0" + _qemu_name(handle.sandbox_id) + b"\0" in argv0
+                and _proc_start(pid) is not None)
+
+    def is_alive(self, handle: SandboxHandle) -> bool:
+        pid = handle.state.get("pid")
+        return isinstance(pid, int) and self._is_our_qemu(handle, pid)
+
+    def is_paused(self, handle: SandboxHandle) -> bool:
+        try:
+            status = qmp(handle.state["qmp"], "query-status", timeout=5)
+        except QMPError:
+            return False
+        return bool(status) and not status.get("running", True)
+
+    def pause(self, handle: SandboxHandle) -> None:
+        self._require_alive(handle)
+        qmp(handle.state["qmp"], "stop")
+
+    def resume(self, handle: SandboxHandle) -> None:
+        self._require_alive(handle)
+        qmp(handle.state["qmp"], "cont")
+
+    def snapshot_diff(self, handle: SandboxHandle) -> Path:
+        """Flush the guest's writes, stop it, copy ``upper/`` off its disk, let it run on."""
+        self._require_alive(handle)
+        was_paused = self.is_paused(handle)
+        if was_paused:
+            qmp(handle.state["qmp"], "cont")
+        res = self.client(handle).exec(["sync"], timeout=120)
+        if res.exit_code != 0:
+            raise SandboxError(f"sync in sandbox {handle.sandbox_id} failed: "
+                               f"{res.stderr.decode(errors='replace').strip()}")
+        qmp(handle.state["qmp"], "stop")
+        try:
+            sdir = Path(handle.state["state_dir"])
+            dest = sdir / f"diff-{time.time_ns()}"
+            vmimage.read_upper(Path(handle.state["disk"]), dest, Path(handle.state["snap_mount"]))
+        finally:
+            if not was_paused:
+                qmp(handle.state["qmp"], "cont")
+        return dest
+
+    def describe(self, handle: SandboxHandle) -> dict[str, Any]:
+        st = handle.state
+        return {"pid": st.get("pid"), "machine": self.machine.split(",")[0],
+                "accel": st.get("accel"), "network": st.get("network"),
+                "root_image": st.get("root_image"), "console": st.get("console"),
+                "paused": self.is_paused(handle) if self.is_alive(handle) else False}
+
+    def _require_alive(self, handle: SandboxHandle) -> None:
+        if not self.is_alive(handle):
+            raise SandboxError(f"sandbox {handle.sandbox_id} is not running (its QEMU is gone)",
+                               hint=f"see its console log: {handle.state.get('console')}")
+
+    # -- work inside ---------------------------------------------------------------------------
+    def client(self, handle: SandboxHandle) -> AgentClient:
+        with self._lock:
+            c = self._clients.get(handle.sandbox_id)
+            if c is not None and c._closed is None:
+                return c
+        self._require_alive(handle)
+        c = self._connect(handle, CONNECT_TIMEOUT)
+        with self._lock:
+            old = self._clients.get(handle.sandbox_id)
+            if old is not None and old._closed is None:
+                c.close()
+                return old
+            self._clients[handle.sandbox_id] = c
+        return c
+
+    def _drop_client(self, sid: str) -> None:
+        with self._lock:
+            c = self._clients.pop(sid, None)
+        if c is not None:
+            c.close()
+
+    def exec(self, handle: SandboxHandle, request: ExecRequest,
+             on_output: OutputCallback | None = None) -> ExecResult:
+        env = {**handle.state.get("env", {}), **request.env}
+        cwd = request.cwd or handle.state.get("workdir") or "/"
+        return self.client(handle).exec(request.argv, env, cwd, request.stdin, request.timeout,
+                                        on_output)
+
+    def put_file(self, handle: SandboxHandle, path: str, data: bytes, mode: int = 0o644) -> None:
+        self.client(handle).put_file(path, data, mode)
+
+    def get_file(self, handle: SandboxHandle, path: str) -> bytes:
+        return self.client(handle).get_file(path)
+
+
+class MicroVMBackend(QemuBackend):
+    """QEMU `-M microvm`: virtio-mmio devices described by ACPI, qboot firmware."""
+
+    name: ClassVar[str] = "microvm"
+    # no option ROMs to run; the RTC stays: without it the guest kernel spends ~2 s under
+    # TCG failing to read the time
+    machine: ClassVar[str] = "microvm,x-option-roms=off"
+    blk_dev: ClassVar[str] = "virtio-blk-device"
+    serial_dev: ClassVar[str] = "virtio-serial-device"
+    net_dev: ClassVar[str] = "virtio-net-device"
+
+
+class VMBackend(QemuBackend):
+    """QEMU q35: a full PC (SeaBIOS, PCIe, ACPI) with virtio-pci devices."""
+
+    name: ClassVar[str] = "vm"
+    machine: ClassVar[str] = "q35"
+    blk_dev: ClassVar[str] = "virtio-blk-pci"
+    serial_dev: ClassVar[str] = "virtio-serial-pci"
+    net_dev: ClassVar[str] = "virtio-net-pci"
+
+
+def _default_state(sid: str, state_dir: str | None) -> dict[str, Any]:
+    """Where a sandbox's files are, derived from its id and state dir alone: what destroy
+    needs when a crash left no saved handle."""
+    # unix socket paths are limited to 108 bytes: keep them short, in a private dir
+    run = Path("/tmp") / f"dsec-vm-{sid}"
+    st: dict[str, Any] = {"run_dir": str(run), "pidfile": str(run / "qemu.pid"),
+                          "qmp": str(run / "qmp.sock"), "agent_sock": str(run / "agent.sock")}
+    if state_dir:
+        sdir = Path(state_dir)
+        st.update(state_dir=str(sdir), console=str(sdir / "console.log"),
+                  disk=str(sdir / "disk.ext4"), snap_mount=str(sdir / "snap-mnt"))
+    return st
+
+
+def _qemu_name(sid: str) -> bytes:
+    return f"dsec-{sid},process=dsec-{sid}".encode()
+
+
+def _find_qemu(sid: str) -> int | None:
+    """The pid of this sandbox's QEMU found by its -name, when no pid was recorded."""
+    name = _qemu_name(sid)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"\0" + name + b"\0" in b"\0" + (entry / "cmdline").read_bytes():
+                    return int(entry.name)
+            except OSError:
+                continue
+    return None
+
+
+def _safe_hostname(name: str) -> str:
+    cleaned = "".join(ch for ch in name if ch.isalnum() or ch in "-.")[:63]
+    return cleaned or "sandbox"
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _proc_start(pid) is None:
+            return True
+        time.sleep(0.05)
+    return _proc_start(pid) is None
+
+
+__all__ = ["MicroVMBackend", "VMBackend", "QemuBackend"]
