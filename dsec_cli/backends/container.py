@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -191,12 +192,7 @@ class ContainerBackend(Backend):
         cg = _cgroups.Cgroup(st.get("cgroup") or f"{self.cgroup_parent}/{handle.sandbox_id}")
         pid = st.get("pid")
         if pid and _rootfs.alive(pid, st.get("start_time")):
-            if cg.frozen():
-                cg.kill_all()  # queues SIGKILL, then thaws
-            try:
-                os.kill(pid, signal.SIGKILL)  # init dies: the kernel kills its pid namespace
-            except ProcessLookupError:
-                pass
+            _kill_init(pid, cg)
         try:
             cg.remove()
         except BackendError:
@@ -263,6 +259,25 @@ class ContainerBackend(Backend):
         if check and proc.returncode != 0:
             raise BackendError(f"runc {args[0]} failed: {_runc_message(proc.stderr)}")
         return proc.stdout
+
+
+def _kill_init(pid: int, cg: _cgroups.Cgroup) -> None:
+    """SIGKILL a sandbox's init and wait for it: the kernel kills the rest of its pid
+    namespace and reaps it before the init is gone, so the cgroup is empty afterwards."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return  # already gone
+    try:
+        if cg.frozen():
+            cg.kill_all()  # queues SIGKILL, then thaws
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        select.select([pidfd], [], [], 10)
+    finally:
+        os.close(pidfd)
 
 
 def exec_with_accounting(client: AgentClient, handle: SandboxHandle, request: ExecRequest,

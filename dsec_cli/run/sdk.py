@@ -33,12 +33,39 @@ def _secs(v: float | str | None, what: str) -> float | None:
 
 
 class Sandbox:
-    """A sandbox on this node or a cluster node (``node=``; its id is then ``NODE/ID``).
-    Use as a context manager to remove it on exit."""
+    """A sandbox on this node or on a cluster node (``node=``; its id is then ``NODE/ID``).
+    ``Sandbox(image, ...)`` creates one (as `create` does); use it as a context manager to
+    remove it on exit."""
 
-    def __init__(self, record: SandboxRecord | Any, node: Node | Any) -> None:
-        self._rec = record
-        self.node = node
+    _rec: SandboxRecord | Any  # a remote node's records are plain objects of the same shape
+    node: Node | Any  # the local Node or a cluster RemoteNode, with the same methods
+
+    def __init__(self, image: str | Path, backend: str = "container", *,
+                 cpus: float | None = None, memory: int | str | None = None,
+                 pids: int | None = None, ttl: float | str | None = None,
+                 network: Literal["none", "host"] = "none", env: dict[str, str] | None = None,
+                 workdir: str | None = None, state_dir: str | Path | None = None,
+                 store: str | None = None, node: str | None = None) -> None:
+        """``node``: a configured cluster node's name, ``"auto"`` (placed by free capacity
+        and cached image bytes) or ``None``/``"local"`` for this machine."""
+        opts = CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, "memory"),
+                             pids=pids, ttl=_secs(ttl, "ttl"), network=network,
+                             env=dict(env or {}), workdir=workdir)
+        if node and node != "local":
+            from .cluster.api import create
+
+            target, rec = create(str(image), opts, node, state_dir)
+            self._rec, self.node = rec, target
+            return
+        local = local_node(state_dir, store)
+        self._rec = local.create(str(image), opts)
+        self.node = local
+
+    @classmethod
+    def _wrap(cls, record: SandboxRecord | Any, node: Node | Any) -> Sandbox:
+        sb = cls.__new__(cls)
+        sb._rec, sb.node = record, node
+        return sb
 
     @property
     def id(self) -> str:
@@ -56,24 +83,9 @@ class Sandbox:
         return f"Sandbox({self.id!r}, image={self.image!r}, backend={self.backend!r})"
 
     @classmethod
-    def create(cls, image: str | Path, backend: str = "container", *,
-               cpus: float | None = None, memory: int | str | None = None,
-               pids: int | None = None, ttl: float | str | None = None,
-               network: Literal["none", "host"] = "none", env: dict[str, str] | None = None,
-               workdir: str | None = None, state_dir: str | Path | None = None,
-               store: str | None = None, node: str | None = None) -> Sandbox:
-        """``node``: a configured cluster node's name, ``"auto"`` (placed by free capacity
-        and cached image bytes) or ``None``/``"local"`` for this machine."""
-        opts = CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, "memory"),
-                             pids=pids, ttl=_secs(ttl, "ttl"), network=network,
-                             env=dict(env or {}), workdir=workdir)
-        if node and node != "local":
-            from .cluster.api import create
-
-            target, rec = create(str(image), opts, node, state_dir)
-            return cls(rec, target)
-        local = local_node(state_dir, store)
-        return cls(local.create(str(image), opts), local)
+    def create(cls, image: str | Path, backend: str = "container", **options: Any) -> Sandbox:
+        """Same as ``Sandbox(image, backend, **options)``."""
+        return cls(image, backend, **options)
 
     @classmethod
     def attach(cls, sandbox_id: str, *, state_dir: str | Path | None = None) -> Sandbox:
@@ -81,9 +93,9 @@ class Sandbox:
             from .cluster.api import node_for
 
             remote = node_for(sandbox_id)
-            return cls(remote.lookup(sandbox_id), remote)
+            return cls._wrap(remote.lookup(sandbox_id), remote)
         node = local_node(state_dir)
-        return cls(node.lookup(sandbox_id), node)
+        return cls._wrap(node.lookup(sandbox_id), node)
 
     def exec(self, cmd: str | list[str], *, stdin: bytes | str | None = None,
              env: dict[str, str] | None = None, cwd: str | None = None,
@@ -174,7 +186,7 @@ def create_many(n: int, image: str | Path, backend: str = "container", *,
     entries = load_nodes()
     for r in results:
         if r.ok and r.node is not None:
-            r.sandbox = Sandbox(r.sandbox, RemoteNode(entries[r.node]))
+            r.sandbox = Sandbox._wrap(r.sandbox, RemoteNode(entries[r.node]))
     return results
 
 
