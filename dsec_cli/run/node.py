@@ -117,6 +117,11 @@ class Node:
                     opts["shared_dir"] = str(self.root)
                 if name == "container":
                     opts["runc_root"] = str(self.runc_root)
+                if name in ("microvm", "vm"):
+                    from ..core.config import load_config
+
+                    opts["state_dir"] = str(self.root)  # root images and the probe per node
+                    opts["kernel"] = load_config().kernel or None
                 b = self._backends[name] = get_backend(name, **opts)
             return b
 
