@@ -16,6 +16,8 @@ PKGS+=(qemu-system-x86 erofs-utils e2fsprogs)
 PKGS+=(openssh-client)
 # Tests: the real servers and peers they start.
 DEV_PKGS=(docker-registry openssh-server)
+# Benchmarks: peers measured side by side with dsec.
+DEV_PKGS+=(casync)
 
 want=("${PKGS[@]}")
 [ "$DEV" = 1 ] && want+=("${DEV_PKGS[@]}")
