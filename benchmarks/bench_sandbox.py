@@ -50,11 +50,11 @@ def mem_available() -> int:
     return 0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks sandbox")
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--idle", type=int, default=100)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-"))
     os.environ.update({"DSEC_STATE_DIR": str(tmp / "node"), "DSEC_STORE": (tmp / "store").as_uri(),
                        "XDG_DATA_HOME": str(tmp / "data")})
@@ -134,18 +134,18 @@ def main() -> None:
     node.remove(rec.id)
 
     # fncall pool
-    import bench_fnfuncs
+    import sandbox_fnfuncs
 
     from dsec_cli.backends.fnpool import FunctionPool
 
     with FunctionPool(2) as pool:
-        pool.call(bench_fnfuncs.add, 1, 2)
-        xs = timed(lambda: pool.call(bench_fnfuncs.add, 1, 2), 300)
+        pool.call(sandbox_fnfuncs.add, 1, 2)
+        xs = timed(lambda: pool.call(sandbox_fnfuncs.add, 1, 2), 300)
         res["fncall_call"] = {"p50_ms": pct(xs, 50) * 1e3, "p99_ms": pct(xs, 99) * 1e3,
                               "sequential_calls_per_s": len(xs) / sum(xs)}
         t0 = time.perf_counter()
         with ThreadPoolExecutor(2) as ex:
-            list(ex.map(lambda k: pool.call(bench_fnfuncs.add, k, 1), range(600)))
+            list(ex.map(lambda k: pool.call(sandbox_fnfuncs.add, k, 1), range(600)))
         res["fncall_calls_per_s"] = 600 / (time.perf_counter() - t0)
         xs = timed(lambda: pool.run(["true"]), 100)
         res["fncall_command"] = {"p50_ms": pct(xs, 50) * 1e3}
