@@ -9,7 +9,6 @@ leaves at most unreferenced objects for gc.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import shutil
 import subprocess
@@ -38,7 +37,6 @@ from .steps import build_tree
 if TYPE_CHECKING:  # the writer loads the compiled chunker: only when something is built
     from .layer import Progress, WriteStats
 
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -252,7 +250,6 @@ def _point_ref(st: Store, spec: Spec, digest: str, report: BuildReport) -> None:
     if current is not None:
         msg = (f"{spec.ref} already pointed at {current[:12]}; it now points at {digest[:12]} "
                "(bump `version:` to keep both)")
-        log.warning(msg)
         report.warnings.append(msg)
     set_ref(st, spec.name, spec.version, digest)
 
