@@ -21,6 +21,9 @@ def register(app: typer.Typer) -> None:
             "--grace", help="how long garbage must stay unreachable before it goes")] = "1h",
         budget: Annotated[str | None, typer.Option(
             "--budget", help="layer cache budget with --node, e.g. 20G")] = None,
+        repack_threshold: Annotated[float, typer.Option(
+            "--repack-threshold", min=0.0, max=1.0,
+            help="repack live packs whose dead fraction is above this (1 = never)")] = 0.5,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="show what would go")] = False,
         endpoint_url: Annotated[str | None, typer.Option(
             "--endpoint-url", help="S3 endpoint")] = None,
@@ -70,7 +73,9 @@ def register(app: typer.Typer) -> None:
 
             seconds = parse_duration(grace, "--grace")
             with open_retrying(store, **_options(endpoint_url, insecure)) as s:
-                out["store"] = gc_store(s, grace=seconds, dry_run=dry_run)
+                out["store"] = gc_store(s, grace=seconds, dry_run=dry_run,
+                                        repack_threshold=repack_threshold,
+                                        repack=repack_threshold < 1.0)
         if as_json:
             print_json({k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in out.items()})
             return
@@ -106,10 +111,16 @@ def _render_store(report: Any, dry_run: bool, grace: str) -> None:
     typer.echo(f"unreachable: {report.unreachable} ({len(report.marked)} newly marked, "
                f"{report.waiting} waiting out the grace period, {report.recent} too recent "
                f"to mark); {report.resurrected} candidates reachable again")
-    if report.repack_candidates:
+    if report.repack_candidates and not report.repacked:
         typer.echo(f"{len(report.repack_candidates)} live packs are mostly dead "
-                   f"({human_bytes(report.dead_bytes_in_live_packs)} dead in live packs); "
-                   "repacking is not performed")
+                   f"({human_bytes(report.dead_bytes_in_live_packs)} dead in live packs)"
+                   + ("; would repack them" if dry_run else ""))
+    if report.repacked:
+        r = report.repacked
+        typer.echo(f"repacked {len(r['packs_rewritten'])} packs into {len(r['packs_written'])} "
+                   f"({human_bytes(r['bytes_copied'])} copied); moved {len(r['refs_moved'])} refs"
+                   + (f", skipped {len(r['refs_skipped'])} moved meanwhile"
+                      if r["refs_skipped"] else ""))
     if report.leases_live:
         typer.echo(f"{report.leases_live} writer lease(s) live")
     for d in report.dangling:

@@ -173,3 +173,15 @@ class LayerIndex:
             packs=doc["packs"], prefetch=doc.get("prefetch", []),
             params=ChunkParams(p["min"], p["avg"], p["max"], p["small"], p["level"]),
         )
+
+
+def put_index(store: Any, index: LayerIndex) -> str:
+    """Store an index under the sha256 of its stored bytes; return the digest."""
+    from ..core.digests import object_key, sha256_hex
+
+    data = index.to_bytes()
+    digest = sha256_hex(data)
+    key = object_key("indexes", digest)
+    if not store.has(key):
+        store.put(key, data)
+    return digest
