@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 DEV=0
 [ "${1:-}" = "--dev" ] && DEV=1
 
-# Runtime: sandboxes (bubblewrap, runc), the example base layer (busybox-static), zstd.
-PKGS=(bubblewrap runc busybox-static zstd ca-certificates gcc libc6-dev)
+# Runtime: sandboxes (bubblewrap, runc), the example base layer (busybox-static), zstd,
+# lazy layer mounts (fuse3: libfuse3 and fusermount3).
+PKGS=(bubblewrap runc busybox-static zstd ca-certificates gcc libc6-dev fuse3)
 # VM backends: QEMU (microvm, q35), guest root images (erofs-utils, e2fsprogs).
 PKGS+=(qemu-system-x86 erofs-utils e2fsprogs)
 # Cluster: the ssh client reaches nodes (docs/cluster.md); test nodes run openssh-server.

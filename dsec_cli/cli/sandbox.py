@@ -115,6 +115,10 @@ def register(app: typer.Typer) -> None:
         detach: Annotated[bool, typer.Option("--detach", "-d",
                                              help="print the id and leave it running")
                           ] = False,
+        fetch: Annotated[str, typer.Option(
+            "--fetch", help="eager (fetch every layer first) | lazy (mount now, fetch files on "
+                            "first read) | background (lazy, plus a full fetch behind it)")
+                         ] = "eager",
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
         node_name: Annotated[str | None, typer.Option(  # noqa: UP007
@@ -132,7 +136,8 @@ def register(app: typer.Typer) -> None:
         opts = CreateOptions(
             backend=backend, cpus=cpus, memory=parse_size(memory, "--memory") if memory else None,
             pids=pids, ttl=parse_duration(ttl, "--ttl") if ttl else None,
-            network=network, env=_parse_env(env), workdir=workdir)  # type: ignore[arg-type]
+            network=network, env=_parse_env(env), workdir=workdir,  # type: ignore[arg-type]
+            fetch=fetch)
         if node_name:
             from ..run.cluster.api import create
 
@@ -218,8 +223,14 @@ def register(app: typer.Typer) -> None:
                 _ps_table(recs)
             render_fanout(failed)  # exits 1 when a node did not answer
             return
-        else:
-            recs = [r.public() for r in _node(state_dir, None, node).sandboxes()]
+        target = _node(state_dir, None, node)
+        recs = []
+        for r in target.sandboxes():
+            doc = r.public()
+            stats = target.fetch_stats(r) if hasattr(target, "fetch_stats") else None
+            if stats is not None:
+                doc["fetch"] = stats  # bytes fetched / from cache, stall time (lazy mounts)
+            recs.append(doc)
         if json_out:
             print_json(recs)
             return

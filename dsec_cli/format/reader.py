@@ -65,8 +65,9 @@ class ChunkReader:
 
     def chunks(self, idxs: list[int]) -> Iterator[tuple[int, bytes]]:
         """Decoded chunks in the order asked, fetching uncached ones in coalesced runs."""
-        pending = [i for i in dict.fromkeys(idxs) if i not in self._cache]
-        fetched: dict[int, bytes] = {}
+        # taken now: remembering fetched chunks below may evict these from the small cache
+        fetched: dict[int, bytes] = {i: self._cache[i] for i in idxs if i in self._cache}
+        pending = [i for i in dict.fromkeys(idxs) if i not in fetched]
         for run in self._runs(pending):
             first = self.index.chunks[run[0]]
             last = self.index.chunks[run[-1]]
@@ -81,10 +82,8 @@ class ChunkReader:
                 rel = loc.offset - first.offset
                 fetched[i] = self._decode(i, loc, view[rel:rel + loc.clen])
         for i in idxs:
-            data = self._cache.get(i)
-            if data is None:
-                data = fetched[i]
-                self._remember(i, data)
+            data = fetched[i]
+            self._remember(i, data)
             yield i, data
 
     def read_file(self, entry: Entry) -> Iterator[bytes]:

@@ -55,6 +55,8 @@ class CreateOptions:
     network: Literal["none", "host"] = "none"
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
+    fetch: str = "eager"  # eager | lazy | background (docs/lazy.md)
+    record_seconds: float | None = None  # lazy: profile reads this long (default 30 s)
 
     def validate(self) -> None:
         if self.backend not in BACKEND_CHOICES:
@@ -74,6 +76,8 @@ class CreateOptions:
             raise UsageError(f"invalid --network {self.network!r}: choose none or host")
         if self.workdir is not None and not self.workdir.startswith("/"):
             raise UsageError(f"invalid workdir {self.workdir!r}: must be an absolute path")
+        if self.fetch not in ("eager", "lazy", "background"):
+            raise UsageError(f"invalid --fetch {self.fetch!r}: choose eager, lazy or background")
 
 
 @dataclass
@@ -85,6 +89,7 @@ class Image:
     workdir: str
     layer_digests: list[str]  # manifest digests of the layers (empty for a directory image)
     from_store: bool
+    lazy_layers: list[dict[str, str]] = field(default_factory=list)  # index, content digest
 
 
 class Node:
@@ -166,8 +171,9 @@ class Node:
         opts = opts or CreateOptions()
         opts.validate()
         backend = self.backend(opts.backend)
-        img = self.resolve_image(image)
         sid = secrets.token_hex(6)
+        fetch = self._fetch_mode(opts.fetch, image)
+        img = self.resolve_image(image) if fetch == "eager" else self._lazy_image(image, sid)
         limits = Limits(cpus=opts.cpus, memory=opts.memory, pids=opts.pids)
         env = {**img.env, **opts.env}
         workdir = opts.workdir or img.workdir or "/"
@@ -176,7 +182,8 @@ class Node:
             handle=None, created=now(), expires=now() + opts.ttl if opts.ttl else None,
             spec={"limits": {"cpus": opts.cpus, "memory": opts.memory, "pids": opts.pids},
                   "network": opts.network, "env": env, "workdir": workdir,
-                  "layer_digests": img.layer_digests, "from_store": img.from_store},
+                  "layer_digests": img.layer_digests, "from_store": img.from_store,
+                  "fetch": fetch},
             owner_pid=os.getpid(), owner_start=_rootfs.proc_start_time(os.getpid()),
             layers=[str(p) for p in img.lower_dirs])
         self.db.insert(rec, [img.digest] if img.from_store else [])
@@ -189,6 +196,8 @@ class Node:
                            image_digest=img.digest)
         try:
             sdir.mkdir(parents=True)
+            if fetch != "eager":
+                self._mount_lazy(sdir, img, fetch, opts.record_seconds)
             handle = backend.create(spec)
             self.db.update(sid, status="running", handle=handle.state)
         except BaseException:
@@ -211,7 +220,57 @@ class Node:
         try:
             self.backend(handle.backend).destroy(handle)
         finally:
+            self._unmount_lazy(sdir)
             _rootfs.remove_tree(sdir)
+
+    # -- lazy mounts (docs/lazy.md) ------------------------------------------------------------
+    def _fetch_mode(self, fetch: str, image: str) -> str:
+        if fetch == "eager" or image.startswith(("/", "./", "../")) or Path(image).is_dir():
+            return "eager"
+        from .lazy import available
+
+        why = available()
+        if why is not None:
+            log.warning("--fetch %s is not possible here (%s): fetching eagerly", fetch, why)
+            return "eager"
+        return fetch
+
+    def _lazy_image(self, image: str, sid: str) -> Image:
+        from ..push.materialize import resolve_image
+
+        img = resolve_image(self.store(), image)
+        mnt = self.sandboxes_dir / sid / "lazy" / "mnt"
+        return Image(image, img.digest, [mnt / str(n) for n in range(len(img.layers))],
+                     dict(img.env), img.workdir or "/", [d for d, _ in img.layers], True,
+                     [{"index": m.index or "", "content_digest": m.content_digest}
+                      for _, m in img.layers])
+
+    def _mount_lazy(self, sdir: Path, img: Image, fetch: str, record: float | None) -> None:
+        from ..core.config import parse_size
+        from .lazy import mount_layers
+
+        mount_layers(sdir / "lazy", self.store_url, img.lazy_layers,
+                     cache=self.cache_root / "chunks",
+                     budget=parse_size(self.cache_budget, "cache budget"), mode=fetch,
+                     record_seconds=record if record is not None else 30.0)
+
+    def _unmount_lazy(self, sdir: Path) -> None:
+        state = sdir / "lazy"
+        if not state.is_dir():
+            return
+        from .lazy.mount import cleanup, save_profile
+
+        cleanup(state)
+        save_profile(state, self.cache_root / "profiles", sdir.name)
+
+    def fetch_stats(self, rec: SandboxRecord) -> dict[str, Any] | None:
+        """Bytes fetched and served from cache, stall time: a lazily fetched sandbox's
+        figures (None for eager ones)."""
+        if rec.spec.get("fetch", "eager") == "eager":
+            return None
+        from .lazy import read_stats
+
+        return read_stats(self.sandboxes_dir / rec.id / "lazy")
 
     def remove(self, sid: str) -> SandboxRecord:
         rec = self.lookup(sid)
@@ -378,6 +437,7 @@ class Node:
                 continue
             _cgroups.Cgroup(f"{self.cgroup_parent}/{sid}").remove()
             shutil.rmtree(self.runc_root / sid, ignore_errors=True)
+            self._unmount_lazy(self.sandboxes_dir / sid)
             _rootfs.remove_tree(self.sandboxes_dir / sid)
             report["orphans"].append(sid)
         return report
@@ -432,6 +492,9 @@ class Node:
         out = rec.public()
         if rec.status in ("running", "paused"):
             out.update(self.backend(rec.backend).describe(self._handle(rec)))
+        stats = self.fetch_stats(rec)
+        if stats is not None:
+            out["fetch"] = stats
         return out
 
 

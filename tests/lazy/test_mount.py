@@ -1,0 +1,126 @@
+"""Lazy mounts against a real S3 server (moto on loopback), mounted for real with FUSE: the
+tree, what one read fetches, the chunk cache, eviction, verification."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from dsec_cli.push.dedup import load_index
+from dsec_cli.push.materialize import LayerCache, resolve_image
+from dsec_cli.push.stores import open_store
+from tests.treecmp import describe
+
+from .conftest import Published, read_all, stats
+
+
+def assert_same_layer(a: Path, b: Path) -> None:
+    """Trees equal byte for byte and in metadata, except what a layer does not keep: the
+    root's own metadata (the eager cache dir's mtime records its last use) and a whiteout's
+    mtime (none is stored; writers leave their own)."""
+    want, got = describe(a, root_meta=False), describe(b, root_meta=False)
+    for d in (want, got):
+        d["data/gone"].pop("mtime")
+    assert got == want
+
+
+def _index(url: str, ref: str) -> Any:
+    with open_store(url) as st:
+        img = resolve_image(st, ref)
+        return load_index(st, img.layers[-1][1].index or "")
+
+
+def test_mounted_tree_equals_materialized_layer(s3_image: Published, mounter: Any,
+                                                tmp_path: Path) -> None:
+    m = mounter(s3_image.url, s3_image.layer)
+    with open_store(s3_image.url) as st:
+        img = resolve_image(st, s3_image.layer)
+        eager = LayerCache(tmp_path / "eager").ensure(st, img.layers[0][1])
+    lower = m.lower_dirs[0]
+    assert_same_layer(eager, lower)
+    assert_same_layer(s3_image.tree, lower)
+    st_ = os.lstat(lower / "data/gone")  # overlay lower form: whiteout, opaque dir
+    assert stat.S_ISCHR(st_.st_mode) and st_.st_rdev == 0
+    assert os.getxattr(lower / "opaque", "trusted.overlay.opaque") == b"y"
+    assert os.lstat(lower / "data/hard-a").st_ino == os.lstat(lower / "etc/hard-b").st_ino
+    assert read_all(lower / "big/blob1.bin") == (s3_image.tree / "big/blob1.bin").read_bytes()
+
+
+def test_one_file_fetches_only_its_chunks_then_hits_cache(s3_image: Published, mounter: Any,
+                                                          tmp_path: Path) -> None:
+    index = _index(s3_image.url, s3_image.layer)
+    entry = next(e for e in index.entries if e.path == "big/blob2.bin")
+    own = {ci for ci, _, _ in entry.chunks}
+    own_bytes = sum(index.chunks[ci].clen for ci in own)
+    assert len(own) > 4
+
+    m = mounter(s3_image.url, s3_image.layer)
+    assert stats(m)["requests"] == 0  # mounting reads the index only
+    data = read_all(m.lower_dirs[0] / "big/blob2.bin")
+    assert data == (s3_image.tree / "big/blob2.bin").read_bytes()
+    first = stats(m)
+    assert first["bytes_fetched"] == own_bytes  # exactly its chunks, nothing else
+    # neighbouring chunks were coalesced: far fewer requests than chunks
+    assert 1 <= first["requests"] < len(own) / 2
+    assert first["bytes_from_cache"] == 0
+
+    # a second read is served by the kernel's page cache: nothing reaches the daemon
+    assert read_all(m.lower_dirs[0] / "big/blob2.bin") == data
+    assert stats(m) == first
+
+    # a new mount over the same node cache: every byte from the cache, no request
+    m2 = mounter(s3_image.url, s3_image.layer)
+    assert read_all(m2.lower_dirs[0] / "big/blob2.bin") == data
+    again = stats(m2)
+    assert again["requests"] == 0 and again["bytes_fetched"] == 0
+    # (parallel kernel reads may both load a chunk they share from disk)
+    assert again["bytes_from_cache"] >= len(data) and again["bytes_served"] == len(data)
+
+
+def test_small_budget_evicts_and_keeps_serving(s3_image: Published, mounter: Any,
+                                               tmp_path: Path) -> None:
+    from dsec_cli.run.lazy.cache import ChunkCache
+
+    budget = 1 << 20
+    cache = tmp_path / "small-cache"
+    m = mounter(s3_image.url, s3_image.layer, cache=cache, budget=budget)
+    for _ in range(2):  # the second pass re-fetches what the first evicted
+        for n in range(3):
+            got = read_all(m.lower_dirs[0] / f"big/blob{n}.bin")
+            assert got == (s3_image.tree / f"big/blob{n}.bin").read_bytes()
+    assert_same_layer(s3_image.tree, m.lower_dirs[0])
+    # one chunk (at most 256 KiB) may land before the pass that makes room for it
+    assert ChunkCache(cache, budget).usage() <= budget + (256 << 10)
+    assert stats(m)["bytes_fetched"] > budget
+
+
+def test_corrupt_cache_file_is_fetched_again(s3_image: Published, mounter: Any,
+                                             tmp_path: Path) -> None:
+    cache = tmp_path / "c"
+    m = mounter(s3_image.url, s3_image.layer, cache=cache)
+    want = read_all(m.lower_dirs[0] / "data/medium.bin")
+    files = [p for p in cache.glob("??/*") if p.is_file()]
+    assert files
+    for p in files:
+        p.write_bytes(b"x" * p.stat().st_size)  # same length, wrong bytes
+    m2 = mounter(s3_image.url, s3_image.layer, cache=cache)
+    assert read_all(m2.lower_dirs[0] / "data/medium.bin") == want
+    assert stats(m2)["requests"] >= 1
+
+
+def test_layer_without_xattrs_is_served_without_xattr_callbacks(
+        s3_image: Published, mounter: Any, tmp_path: Path) -> None:
+    import errno
+
+    import pytest
+
+    m = mounter(s3_image.url, "busybox@1.35-1")
+    with open_store(s3_image.url) as st:
+        img = resolve_image(st, "busybox@1.35-1")
+        eager = LayerCache(tmp_path / "eager").ensure(st, img.layers[0][1])
+    assert describe(m.lower_dirs[0], root_meta=False) == describe(eager, root_meta=False)
+    with pytest.raises(OSError) as e:  # the kernel answers: the daemon has no xattr callback
+        os.getxattr(m.lower_dirs[0] / "bin/busybox", "user.x")
+    assert e.value.errno in (errno.EOPNOTSUPP, errno.ENODATA)

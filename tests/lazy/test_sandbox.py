@@ -1,0 +1,224 @@
+"""`dsec run --fetch lazy|background` with the container backend on lazy lower dirs, the
+statistics `dsec ps --json` reports, cleanup with the sandbox and after `kill -9`, profiled
+prefetch with `dsec optimize`, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from .conftest import Published
+
+
+@pytest.fixture(scope="module")
+def node_env(s3_image: Published, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[dict[str, str]]:
+    state = tmp_path_factory.mktemp("lazynode")
+    env = {"DSEC_STATE_DIR": str(state), "DSEC_STORE": s3_image.url,
+           "XDG_DATA_HOME": str(tmp_path_factory.mktemp("xdg"))}
+    yield env
+    from dsec_cli.run.node import Node
+
+    n = Node(state, s3_image.url)
+    for r in n.db.all():
+        n.remove(r.id)
+    n.reconcile()
+
+
+def dsec(env: dict[str, str], *args: str, check: int | None = 0
+         ) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("dsec")
+    p = subprocess.run([str(exe), *args], capture_output=True, text=True,
+                       env={**os.environ, **env}, timeout=300)
+    if check is not None:
+        assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
+    return p
+
+
+@contextmanager
+def sandbox(env: dict[str, str], *args: str) -> Iterator[str]:
+    """A detached sandbox, removed however the test ends."""
+    sid = dsec(env, "run", "-d", *args).stdout.strip()
+    try:
+        yield sid
+    finally:
+        dsec(env, "rm", sid, check=None)
+
+
+def lazy_mounts(state: str) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f
+                if line.split()[4].startswith(state) and " fuse.dsec " in line]
+
+
+def daemons(state: str) -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"dsec_cli.run.lazy.mountd" in cmd and any(state.encode() in c for c in cmd):
+                out.append(int(p.name))
+    return out
+
+
+def test_container_runs_on_lazy_lower_dirs(node_env: dict[str, str],
+                                           s3_image: Published) -> None:
+    p = dsec(node_env, "run", "--fetch", "lazy", s3_image.image, "--",
+             "sh", "-c", "hello; cat /etc/small.conf; cat /data/rel-link; ls /opaque; "
+             "test -e /data/gone || echo whiteout-hides")
+    want = (s3_image.tree / "etc/small.conf").read_text()
+    assert p.stdout == "hello from a lazy layer\n" + want * 2 + "kept\nwhiteout-hides\n"
+    state = node_env["DSEC_STATE_DIR"]
+    assert lazy_mounts(state) == [] and daemons(state) == []
+
+
+def test_detached_lazy_sandbox_reports_fetch_stats(node_env: dict[str, str],
+                                                   s3_image: Published) -> None:
+    state = node_env["DSEC_STATE_DIR"]
+    with sandbox(node_env, "--fetch", "lazy", s3_image.image) as sid:
+        fetch = _stats_after_read(node_env, sid, s3_image)
+    assert fetch["mode"] == "lazy"
+    assert fetch["bytes_served"] >= 3 << 20
+    assert fetch["bytes_fetched"] + fetch["bytes_from_cache"] > 0
+    assert fetch["stall_seconds"] >= 0
+    assert lazy_mounts(state) == [] and daemons(state) == []
+
+
+def _stats_after_read(node_env: dict[str, str], sid: str, s3_image: Published) -> dict:
+    assert len(lazy_mounts(node_env["DSEC_STATE_DIR"])) == 1
+    out = dsec(node_env, "exec", sid, "--", "md5sum", "/big/blob0.bin").stdout
+    import hashlib
+
+    assert out.split()[0] == hashlib.md5((s3_image.tree / "big/blob0.bin").read_bytes()
+                                         ).hexdigest()
+    deadline = time.monotonic() + 30
+    while True:  # statistics are flushed ten times a second
+        rec = next(r for r in json.loads(dsec(node_env, "ps", "--json").stdout)
+                   if r["id"] == sid)
+        if rec["fetch"]["bytes_served"] >= 3 << 20 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    return rec["fetch"]  # type: ignore[no-any-return]
+
+
+def test_mount_cleaned_after_kill9_of_dsec(node_env: dict[str, str],
+                                           s3_image: Published) -> None:
+    state = node_env["DSEC_STATE_DIR"]
+    exe = Path(sys.executable).with_name("dsec")
+    proc = subprocess.Popen([str(exe), "run", "--fetch", "lazy", s3_image.image, "--",
+                             "sleep", "600"], env={**os.environ, **node_env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not lazy_mounts(state) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert lazy_mounts(state)
+    proc.send_signal(signal.SIGKILL)  # during create or while the command runs
+    proc.wait()
+    # whatever the kill interrupted, reconcile and removing what is left leave nothing
+    for r in json.loads(dsec(node_env, "ps", "--json").stdout):
+        dsec(node_env, "rm", r["id"])
+    assert lazy_mounts(state) == [] and daemons(state) == []
+
+
+def test_daemon_killed_mount_is_removed_without_hanging(node_env: dict[str, str],
+                                                        s3_image: Published) -> None:
+    state = node_env["DSEC_STATE_DIR"]
+    with sandbox(node_env, "--fetch", "lazy", s3_image.image) as sid:
+        for pid in daemons(state):
+            os.kill(pid, signal.SIGKILL)
+        p = dsec(node_env, "exec", sid, "--", "cat", "/big/blob1.bin", check=None)
+        assert p.returncode != 0  # the layer is gone: an error, not a hang
+    assert lazy_mounts(state) == [] and daemons(state) == []
+
+
+def test_background_fetches_every_chunk(node_env: dict[str, str], s3_image: Published,
+                                        tmp_path: Path) -> None:
+    env = {**node_env, "DSEC_STATE_DIR": str(tmp_path / "bgnode")}  # an empty chunk cache
+    with sandbox(env, "--fetch", "background", s3_image.image) as sid:
+        _background(env, sid, s3_image)
+
+
+def _background(env: dict[str, str], sid: str, s3_image: Published) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        rec = json.loads(dsec(env, "ps", "--json").stdout)[0]
+        if rec["fetch"]["background_done"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert rec["fetch"]["background_done"]
+    from dsec_cli.push.materialize import resolve_image
+    from dsec_cli.push.stores import open_store
+
+    with open_store(s3_image.url) as st:
+        stored = sum(m.stored_size for _, m in resolve_image(st, s3_image.image).layers)
+    assert rec["fetch"]["bytes_fetched"] >= stored
+    # everything is local now: the whole tree reads with no further request
+    dsec(env, "exec", sid, "--", "sh", "-c", "cat /big/* /data/*.bin /data/*.txt >/dev/null")
+    before = rec["fetch"]["requests"]
+    for _ in range(50):
+        after = json.loads(dsec(env, "ps", "--json").stdout)[0]["fetch"]
+        if after["bytes_served"] >= 9 << 20:  # the reads above, flushed
+            break
+        time.sleep(0.2)
+    assert after["requests"] == before
+
+
+def test_optimize_writes_prefetch_list_that_mounts_honour(node_env: dict[str, str],
+                                                          s3_image: Published,
+                                                          tmp_path: Path) -> None:
+    env = {**node_env, "DSEC_STATE_DIR": str(tmp_path / "optnode")}
+    out = json.loads(dsec(env, "optimize", "--json", s3_image.image, "--",
+                          "sh", "-c", "cat /big/blob1.bin /etc/small.conf >/dev/null").stdout)
+    assert out["image"] == "lazyimg@1-opt"
+    top = out["layers"][-1]
+    assert top["layer"] == "lazytest@1-opt" and top["prefetch"] >= 2
+    listed = sum(layer["prefetch"] for layer in out["layers"])  # busybox's sh is listed too
+    from dsec_cli.push.dedup import load_index
+    from dsec_cli.push.materialize import resolve_image
+    from dsec_cli.push.stores import open_store
+
+    with open_store(s3_image.url) as st:
+        img = resolve_image(st, "lazyimg@1-opt")
+        old = resolve_image(st, s3_image.image)
+        index = load_index(st, img.layers[-1][1].index or "")
+        assert img.layers[-1][1].content_digest == old.layers[-1][1].content_digest
+    assert "big/blob1.bin" in index.prefetch and "etc/small.conf" in index.prefetch
+    assert "big/blob0.bin" not in index.prefetch
+
+    # a fresh node: the mount prefetches the list before anyone reads
+    env2 = {**node_env, "DSEC_STATE_DIR": str(tmp_path / "fresh")}
+    with sandbox(env2, "--fetch", "lazy", "lazyimg@1-opt") as sid:
+        deadline = time.monotonic() + 60
+        while True:
+            f = json.loads(dsec(env2, "ps", "--json").stdout)[0]["fetch"]
+            if f["prefetched_files"] >= listed or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert f["prefetched_files"] == listed
+        time.sleep(1)  # let the last statistics land (compared below, not timed)
+        requests = json.loads(dsec(env2, "ps", "--json").stdout)[0]["fetch"]["requests"]
+        dsec(env2, "exec", sid, "--", "sh", "-c", "cat /big/blob1.bin /etc/small.conf >/dev/null")
+        f = json.loads(dsec(env2, "ps", "--json").stdout)[0]["fetch"]
+        assert f["requests"] == requests
+
+
+def test_bad_input(node_env: dict[str, str], s3_image: Published, tmp_path: Path) -> None:
+    p = dsec(node_env, "run", "--fetch", "sometimes", s3_image.image, "--", "true", check=2)
+    assert "--fetch" in p.stderr
+    env = {**node_env, "DSEC_STATE_DIR": str(tmp_path / "empty")}
+    p = dsec(env, "optimize", s3_image.image, check=2)
+    assert "no access profile" in p.stderr
+    p = dsec(env, "optimize", s3_image.image, "--as", "bad name", check=2)
+    p = dsec(env, "optimize", "nosuch@1", check=2)
