@@ -153,13 +153,16 @@ def test_create_many_returns_failures_per_sandbox(client: SshCluster) -> None:
     from dsec_cli.run.sdk import create_many
 
     node1 = client.nodes[0]
-    node1.set_capacity(sandboxes=2)
+    base = _usage("node1")  # sandboxes other tests still hold there
+    node1.set_capacity(sandboxes=base + 2)
+    results = []
     try:
         results = create_many(5, IMAGE, "fncall", nodes=["node1"], parallel=5)
         ok = [r for r in results if r.ok]
-        assert len(ok) == 2 and [r.index for r in results] == [0, 1, 2, 3, 4]
-        assert all(isinstance(r.error, CapacityError) for r in results if not r.ok)
-        assert _usage("node1") == 2
+        errors = [r.error for r in results if not r.ok]
+        assert len(ok) == 2 and [r.index for r in results] == [0, 1, 2, 3, 4], errors
+        assert all(isinstance(e, CapacityError) for e in errors), errors
+        assert _usage("node1") == base + 2
     finally:
         node1.set_capacity(sandboxes=20)
         _remove_all(results)
