@@ -41,15 +41,17 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks build")
     ap.add_argument("--tree", default=next((t for t in DEFAULT_TREES if Path(t).is_dir()), None))
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--label", default="",
+                    help="results go to benchmarks/results/build[-LABEL].json")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="dsec-bench-build-", dir="/var/tmp"))
     try:
-        run(Path(args.tree), args.runs, work)
+        run(Path(args.tree), args.runs, work, args.label)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run(src: Path, runs: int, work: Path) -> None:
+def run(src: Path, runs: int, work: Path, label: str = "") -> None:
     spec = work / "spec"
     spec.mkdir()
     sh(f"cp -a {src} {spec}/tree")
@@ -110,7 +112,7 @@ def run(src: Path, runs: int, work: Path) -> None:
     }
     for k, v in ratios.items():
         print(f"  {k}: {v:.3f}")
-    out = save("build", {
+    out = save(f"build-{label}" if label else "build", {
         "tree": str(src), "tree_bytes": size, "files": nfiles, "runs": runs,
         "seconds": {"tar_zstd": t_tar, "casync": t_cas, "dsec": t_dsec, "noop": t_noop,
                     "noop_runs": noop_runs},

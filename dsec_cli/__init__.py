@@ -31,7 +31,7 @@ _SOURCES: dict[str, dict[str, str]] = {
     "dsec_cli.run.sdk": {
         "Sandbox": "Sandbox", "ExecResult": "ExecResult", "FunctionPool": "FunctionPool",
         "FunctionCallError": "FunctionCallError", "run_sandbox": "run",
-        "list_sandboxes": "list_sandboxes", "gc_node": "gc_node",
+        "list_sandboxes": "list_sandboxes", "gc_node": "gc_node", "create_many": "create_many",
     },
     "dsec_cli.core.errors": {"DsecError": "DsecError", "UsageError": "UsageError"},
 }

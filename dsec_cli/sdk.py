@@ -56,6 +56,10 @@ def inspect(ref: str, store: str | Store | None = None, *, files: bool = False
     """The manifest of a layer or image, with index statistics (and the file list); or, for
     a sandbox id, the sandbox's state as its node reports it."""
     if "@" not in ref and len(ref.removeprefix("sha256:")) != 64:
+        if "/" in ref:  # NODE/ID: a cluster node's sandbox
+            from .run.cluster.api import node_for
+
+            return node_for(ref).describe(ref)
         from .run.node import local_node
 
         return local_node(None).describe(ref)

@@ -13,8 +13,12 @@ DEV=0
 PKGS=(bubblewrap runc busybox-static zstd ca-certificates gcc libc6-dev fuse3)
 # VM backends: QEMU (microvm, q35), guest root images (erofs-utils, e2fsprogs).
 PKGS+=(qemu-system-x86 erofs-utils e2fsprogs)
+# Cluster: the ssh client reaches nodes (docs/cluster.md); test nodes run openssh-server.
+PKGS+=(openssh-client)
 # Tests: the real servers and peers they start.
-DEV_PKGS=(docker-registry)
+DEV_PKGS=(docker-registry openssh-server)
+# Benchmarks: peers measured side by side with dsec.
+DEV_PKGS+=(casync)
 
 want=("${PKGS[@]}")
 [ "$DEV" = 1 ] && want+=("${DEV_PKGS[@]}")

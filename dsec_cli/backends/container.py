@@ -15,23 +15,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
-import threading
-import time
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ..agent import agent_binary
-from ..agent.client import AgentClient
 from ..core.errors import BackendError
 from . import _cgroups, _rootfs
+from .agented import CgroupAgentBackend
 from .base import (
-    Backend,
-    ExecRequest,
-    ExecResult,
-    OutputCallback,
     SandboxHandle,
     SandboxSpec,
 )
@@ -116,7 +111,7 @@ def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup
     }
 
 
-class ContainerBackend(Backend):
+class ContainerBackend(CgroupAgentBackend):
     name: ClassVar[str] = "container"
 
     def __init__(self, cgroup_parent: str = "dsec", runc_root: str | None = None,
@@ -124,8 +119,7 @@ class ContainerBackend(Backend):
         self.cgroup_parent = cgroup_parent
         self.runc_root = runc_root
         self.shared_dir = shared_dir  # node-wide files (the skeleton layer); else per sandbox
-        self._clients: dict[str, AgentClient] = {}
-        self._lock = threading.Lock()
+        super().__init__()
 
     # -- lifecycle -----------------------------------------------------------------------------
     def create(self, spec: SandboxSpec) -> SandboxHandle:
@@ -191,12 +185,7 @@ class ContainerBackend(Backend):
         cg = _cgroups.Cgroup(st.get("cgroup") or f"{self.cgroup_parent}/{handle.sandbox_id}")
         pid = st.get("pid")
         if pid and _rootfs.alive(pid, st.get("start_time")):
-            if cg.frozen():
-                cg.kill_all()  # queues SIGKILL, then thaws
-            try:
-                os.kill(pid, signal.SIGKILL)  # init dies: the kernel kills its pid namespace
-            except ProcessLookupError:
-                pass
+            _kill_init(pid, cg)
         try:
             cg.remove()
         except BackendError:
@@ -209,53 +198,14 @@ class ContainerBackend(Backend):
         if st.get("rootfs"):
             _rootfs.umount(Path(st["rootfs"]))
 
-    def pause(self, handle: SandboxHandle) -> None:
-        _cgroups.Cgroup(handle.state["cgroup"]).freeze()
-
-    def resume(self, handle: SandboxHandle) -> None:
-        _cgroups.Cgroup(handle.state["cgroup"]).thaw()
-
     def snapshot_diff(self, handle: SandboxHandle) -> Path:
         return Path(handle.state["upper"])
-
-    def is_alive(self, handle: SandboxHandle) -> bool:
-        return _rootfs.alive(handle.state.get("pid"), handle.state.get("start_time"))
-
-    def is_paused(self, handle: SandboxHandle) -> bool:
-        return _cgroups.Cgroup(handle.state["cgroup"]).frozen()
 
     def describe(self, handle: SandboxHandle) -> dict[str, Any]:
         cg = _cgroups.Cgroup(handle.state["cgroup"])
         return {"pid": handle.state.get("pid"), "cgroup": handle.state["cgroup"],
                 "runtime": "runc", "network": handle.state.get("network"),
                 "paused": cg.frozen(), **cg.counters()}
-
-    # -- work inside ---------------------------------------------------------------------------
-    def client(self, handle: SandboxHandle) -> AgentClient:
-        with self._lock:
-            c = self._clients.get(handle.sandbox_id)
-            if c is not None and c._closed is None:
-                return c
-        c = AgentClient.connect_unix(Path(handle.state["run_dir"]) / "agent.sock")
-        with self._lock:
-            self._clients[handle.sandbox_id] = c
-        return c
-
-    def _drop_client(self, sid: str) -> None:
-        with self._lock:
-            c = self._clients.pop(sid, None)
-        if c is not None:
-            c.close()
-
-    def exec(self, handle: SandboxHandle, request: ExecRequest,
-             on_output: OutputCallback | None = None) -> ExecResult:
-        return exec_with_accounting(self.client(handle), handle, request, on_output)
-
-    def put_file(self, handle: SandboxHandle, path: str, data: bytes, mode: int = 0o644) -> None:
-        self.client(handle).put_file(path, data, mode)
-
-    def get_file(self, handle: SandboxHandle, path: str) -> bytes:
-        return self.client(handle).get_file(path)
 
     def _runc(self, st: dict[str, Any], *args: str, check: bool = True) -> str:
         argv = [runc_binary(), "--root", st["runc_root"], *args]
@@ -265,26 +215,23 @@ class ContainerBackend(Backend):
         return proc.stdout
 
 
-def exec_with_accounting(client: AgentClient, handle: SandboxHandle, request: ExecRequest,
-                         on_output: OutputCallback | None) -> ExecResult:
-    """Exec through the agent and tell the caller when the sandbox's memory or pids limit
-    was what ended the command (cgroup counters read before and after)."""
-    limited = handle.state.get("limited", True) and handle.state.get("cgroup")
-    cg = _cgroups.Cgroup(handle.state["cgroup"]) if limited else None
-    before = cg.limit_events() if cg else (0, 0)
-    t0 = time.monotonic()
-    res = client.exec(request.argv, request.env, request.cwd, request.stdin, request.timeout,
-                      on_output)
-    if cg is None:
-        return res
-    after = cg.limit_events()
-    oom, pids_hit = after[0] > before[0], after[1] > before[1]
-    if not (oom or pids_hit):
-        return res
-    return ExecResult(res.exit_code, res.stdout, res.stderr, time.monotonic() - t0,
-                      res.timed_out, oom_killed=oom, pids_limited=pids_hit)
-
-
+def _kill_init(pid: int, cg: _cgroups.Cgroup) -> None:
+    """SIGKILL a sandbox's init and wait for it: the kernel kills the rest of its pid
+    namespace and reaps it before the init is gone, so the cgroup is empty afterwards."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return  # already gone
+    try:
+        if cg.frozen():
+            cg.kill_all()  # queues SIGKILL, then thaws
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        select.select([pidfd], [], [], 10)
+    finally:
+        os.close(pidfd)
 def _runc_message(text: str) -> str:
     """The useful part of runc's logfmt error lines."""
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]

@@ -17,16 +17,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ..agent import agent_binary
-from ..agent.client import AgentClient
 from ..core.errors import BackendError, UsageError
 from . import _cgroups, _rootfs
-from .base import Backend, ExecRequest, ExecResult, OutputCallback, SandboxHandle, SandboxSpec
-from .container import DEFAULT_PATH, exec_with_accounting
+from .agented import CgroupAgentBackend
+from .base import SandboxHandle, SandboxSpec
+from .container import DEFAULT_PATH
 
 
 def bwrap_binary() -> str:
@@ -52,14 +51,13 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-class FncallBackend(Backend):
+class FncallBackend(CgroupAgentBackend):
     name: ClassVar[str] = "fncall"
 
     def __init__(self, cgroup_parent: str = "dsec", shared_dir: str | None = None) -> None:
         self.cgroup_parent = cgroup_parent
         self.shared_dir = shared_dir  # node-wide files (the skeleton layer); else per sandbox
-        self._clients: dict[str, AgentClient] = {}
-        self._lock = threading.Lock()
+        super().__init__()
 
     def create(self, spec: SandboxSpec) -> SandboxHandle:
         sdir = spec.state_dir
@@ -126,10 +124,7 @@ class FncallBackend(Backend):
 
     def destroy(self, handle: SandboxHandle) -> None:
         st = handle.state
-        with self._lock:
-            c = self._clients.pop(handle.sandbox_id, None)
-        if c is not None:
-            c.close()
+        self._drop_client(handle.sandbox_id)
         pid = st.get("pid")
         if pid and _rootfs.alive(pid, st.get("start_time")):
             try:
@@ -145,40 +140,11 @@ class FncallBackend(Backend):
         if st.get("rootfs"):
             _rootfs.umount(Path(st["rootfs"]))
 
-    def pause(self, handle: SandboxHandle) -> None:
-        _cgroups.Cgroup(handle.state["cgroup"]).freeze()
-
-    def resume(self, handle: SandboxHandle) -> None:
-        _cgroups.Cgroup(handle.state["cgroup"]).thaw()
-
     def snapshot_diff(self, handle: SandboxHandle) -> Path:
         raise UsageError("fncall sandboxes are read-only (only /tmp is writable, in memory): "
                          "use the container backend to snapshot")
-
-    def is_alive(self, handle: SandboxHandle) -> bool:
-        return _rootfs.alive(handle.state.get("pid"), handle.state.get("start_time"))
 
     def describe(self, handle: SandboxHandle) -> dict[str, Any]:
         cg = _cgroups.Cgroup(handle.state["cgroup"])
         return {"pid": handle.state.get("pid"), "runtime": "bwrap", "paused": cg.frozen(),
                 "network": handle.state.get("network"), **cg.counters()}
-
-    def client(self, handle: SandboxHandle) -> AgentClient:
-        with self._lock:
-            c = self._clients.get(handle.sandbox_id)
-            if c is not None and c._closed is None:
-                return c
-        c = AgentClient.connect_unix(Path(handle.state["run_dir"]) / "agent.sock")
-        with self._lock:
-            self._clients[handle.sandbox_id] = c
-        return c
-
-    def exec(self, handle: SandboxHandle, request: ExecRequest,
-             on_output: OutputCallback | None = None) -> ExecResult:
-        return exec_with_accounting(self.client(handle), handle, request, on_output)
-
-    def put_file(self, handle: SandboxHandle, path: str, data: bytes, mode: int = 0o644) -> None:
-        self.client(handle).put_file(path, data, mode)
-
-    def get_file(self, handle: SandboxHandle, path: str) -> bytes:
-        return self.client(handle).get_file(path)

@@ -33,7 +33,8 @@ from ..agent.client import AgentClient, AgentError
 from ..core.config import load_config
 from ..core.errors import BackendError, SandboxError, UsageError
 from . import qemu_accel, vmimage
-from .base import Backend, ExecRequest, ExecResult, OutputCallback, SandboxHandle, SandboxSpec
+from .agented import AgentBackend
+from .base import ExecRequest, ExecResult, OutputCallback, SandboxHandle, SandboxSpec
 from .qemu_qmp import QMPError, qmp
 from .vmkernel import Kernel, boot_image, build_initramfs, find_kernel
 
@@ -66,7 +67,7 @@ def _proc_start(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
-class QemuBackend(Backend):
+class QemuBackend(AgentBackend):
     """Shared driver; subclasses choose the machine type and its device models."""
 
     machine: ClassVar[str] = ""
@@ -86,8 +87,7 @@ class QemuBackend(Backend):
         self.qemu = qemu
         self.accel = accel
         self.boot_timeout = boot_timeout
-        self._clients: dict[str, AgentClient] = {}
-        self._lock = threading.Lock()
+        super().__init__()
 
     # -- helpers -------------------------------------------------------------------------------
     def _kernel(self) -> Kernel:
@@ -203,7 +203,7 @@ class QemuBackend(Backend):
             raise
         return handle
 
-    def _connect(self, handle: SandboxHandle, timeout: float) -> AgentClient:
+    def _open_agent(self, handle: SandboxHandle, timeout: float) -> AgentClient:
         """A client whose agent answered a ping within `timeout` (QEMU accepts one
         connection on the port's socket at a time: a second process waits its turn, and a
         guest still booting has not opened the port yet). Fails early if QEMU exits."""
@@ -238,12 +238,11 @@ class QemuBackend(Backend):
 
     def _wait_ready(self, handle: SandboxHandle) -> None:
         try:
-            client = self._connect(handle, self.boot_timeout)
+            client = self._open_agent(handle, self.boot_timeout)
         except SandboxError as e:
             raise BackendError(f"sandbox {handle.sandbox_id} did not boot: {e.message}; "
                                f"console: {self._console_tail(handle)}") from e
-        with self._lock:
-            self._clients[handle.sandbox_id] = client
+        self._keep_client(handle, client)
 
     def _console_tail(self, handle: SandboxHandle, lines: int = 8) -> str:
         try:
@@ -341,26 +340,9 @@ class QemuBackend(Backend):
                                hint=f"see its console log: {handle.state.get('console')}")
 
     # -- work inside ---------------------------------------------------------------------------
-    def client(self, handle: SandboxHandle) -> AgentClient:
-        with self._lock:
-            c = self._clients.get(handle.sandbox_id)
-            if c is not None and c._closed is None:
-                return c
+    def _connect(self, handle: SandboxHandle) -> AgentClient:
         self._require_alive(handle)
-        c = self._connect(handle, CONNECT_TIMEOUT)
-        with self._lock:
-            old = self._clients.get(handle.sandbox_id)
-            if old is not None and old._closed is None:
-                c.close()
-                return old
-            self._clients[handle.sandbox_id] = c
-        return c
-
-    def _drop_client(self, sid: str) -> None:
-        with self._lock:
-            c = self._clients.pop(sid, None)
-        if c is not None:
-            c.close()
+        return self._open_agent(handle, CONNECT_TIMEOUT)
 
     def exec(self, handle: SandboxHandle, request: ExecRequest,
              on_output: OutputCallback | None = None) -> ExecResult:
@@ -369,11 +351,6 @@ class QemuBackend(Backend):
         return self.client(handle).exec(request.argv, env, cwd, request.stdin, request.timeout,
                                         on_output)
 
-    def put_file(self, handle: SandboxHandle, path: str, data: bytes, mode: int = 0o644) -> None:
-        self.client(handle).put_file(path, data, mode)
-
-    def get_file(self, handle: SandboxHandle, path: str) -> bytes:
-        return self.client(handle).get_file(path)
 
 
 class MicroVMBackend(QemuBackend):

@@ -5,7 +5,7 @@ The default kernel is Debian's `linux-image-amd64`, unpacked (never installed) b
 Debian builds virtio, ext4, erofs and overlayfs as modules, so the initramfs carries the
 few ``.ko`` files the guest needs (dependencies read from each module's ``.modinfo``;
 the unpacked package has no ``modules.dep``), busybox-static and the guest init.
-A kernel given by ``--kernel`` / ``DSEC_KERNEL`` may be a bare image with those drivers
+A kernel given by ``kernel:`` in the config / ``DSEC_KERNEL`` may be a bare image with those drivers
 built in, or a directory laid out like the cache entry.
 """
 
@@ -57,7 +57,8 @@ class Kernel:
 
 
 def find_kernel(path: str | os.PathLike[str] | None = None) -> Kernel:
-    """Resolve ``--kernel`` / ``DSEC_KERNEL`` / the setup cache into a `Kernel`."""
+    """Resolve the configured kernel (``kernel:`` / ``DSEC_KERNEL``) or the setup cache into
+    a `Kernel`."""
     given = path or os.environ.get("DSEC_KERNEL")
     root = Path(given) if given else default_kernel_dir()
     where = f"kernel {str(root)!r}" + ("" if given else " (the default, from scripts/setup.sh)")
@@ -66,8 +67,9 @@ def find_kernel(path: str | os.PathLike[str] | None = None) -> Kernel:
         return Kernel(root.resolve(), mods)
     if not root.is_dir():
         raise UsageError(f"{where} does not exist",
-                         hint="run scripts/setup.sh to fetch Debian's kernel, or pass "
-                              "--kernel / DSEC_KERNEL pointing at a vmlinuz or kernel directory")
+                         hint="run scripts/setup.sh to fetch Debian's kernel, or point "
+                              "`kernel:` in the config or DSEC_KERNEL at a vmlinuz or a "
+                              "kernel directory")
     images = sorted(root.glob("vmlinuz*")) + sorted(root.glob("boot/vmlinuz*"))
     if not images:
         raise UsageError(f"{where} holds no vmlinuz image")

@@ -9,7 +9,6 @@ leaves at most unreferenced objects for gc.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..core.config import load_config
 from ..core.digests import object_key
@@ -31,11 +31,12 @@ from ..push.materialize import LayerCache
 from ..push.stores import open_store
 from ..push.stores.base import Store
 from .image import base_warnings, write_image
-from .layer import Progress, WriteStats, layer_manifest, write_layer
 from .spec import Spec, find_specs, load_spec
 from .steps import build_tree
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:  # the writer loads the compiled chunker: only when something is built
+    from .layer import Progress, WriteStats
+
 
 
 @dataclass
@@ -249,7 +250,6 @@ def _point_ref(st: Store, spec: Spec, digest: str, report: BuildReport) -> None:
     if current is not None:
         msg = (f"{spec.ref} already pointed at {current[:12]}; it now points at {digest[:12]} "
                "(bump `version:` to keep both)")
-        log.warning(msg)
         report.warnings.append(msg)
     set_ref(st, spec.name, spec.version, digest)
 
@@ -257,6 +257,8 @@ def _point_ref(st: Store, spec: Spec, digest: str, report: BuildReport) -> None:
 def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, data_dir: Path,
                  progress: Progress | None, on_log: Callable[[str], None] | None,
                  chunk_sha256: bool) -> tuple[str, Manifest, WriteStats]:
+    from .layer import layer_manifest, write_layer
+
     bases = [load_manifest(st, d) for d in deps]
     base_env: dict[str, str] = {}
     for b in bases:

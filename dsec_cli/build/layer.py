@@ -22,10 +22,11 @@ from pathlib import Path
 
 import xxhash
 
-from ..core.digests import chunk_id, object_key, sha256_hex
+from ..core.digests import chunk_id, object_key
 from ..core.errors import BuildError
-from ..format.chunker import ChunkParams, cut, encode
-from ..format.index import ChunkLoc, Entry, LayerIndex
+from ..format.chunker import cut
+from ..format.codec import encode
+from ..format.index import ChunkLoc, ChunkParams, Entry, LayerIndex, put_index
 from ..format.manifest import Manifest, put_manifest
 from ..format.pack import FinishedPack, PackWriter
 from ..format.tree import Scanned, parent_of
@@ -278,21 +279,12 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
     return index, WriteStats(w.new_chunks, w.result_new_bytes, w.reused, w.written)
 
 
-def publish_index(store: Store, index: LayerIndex) -> str:
-    data = index.to_bytes()
-    digest = sha256_hex(data)
-    key = object_key("indexes", digest)
-    if not store.has(key):
-        store.put(key, data)
-    return digest
-
-
 def layer_manifest(store: Store, index: LayerIndex, *, name: str, version: str,
                    spec_digest: str = "", base: list[str] | None = None,
                    env: dict[str, str] | None = None, workdir: str = "",
                    created_by: str = "dsec build") -> tuple[str, Manifest]:
     """Put the index and the layer's manifest; return the manifest digest."""
-    index_digest = publish_index(store, index)
+    index_digest = put_index(store, index)
     used_packs = sorted({index.packs[c.pack] for c in index.chunks})
     m = Manifest(
         kind="layer", name=name, version=version, content_digest=index.content_digest(),

@@ -21,6 +21,9 @@ def register(app: typer.Typer) -> None:
             "--grace", help="how long garbage must stay unreachable before it goes")] = "1h",
         budget: Annotated[str | None, typer.Option(
             "--budget", help="layer cache budget with --node, e.g. 20G")] = None,
+        repack_threshold: Annotated[float, typer.Option(
+            "--repack-threshold", min=0.0, max=1.0,
+            help="repack live packs whose dead fraction is above this (1 = never)")] = 0.5,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="show what would go")] = False,
         endpoint_url: Annotated[str | None, typer.Option(
             "--endpoint-url", help="S3 endpoint")] = None,
@@ -29,11 +32,33 @@ def register(app: typer.Typer) -> None:
         state_dir: Annotated[str | None, typer.Option(
             "--state-dir", help="node state directory (default: DSEC_STATE_DIR)")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+        all_nodes: Annotated[bool, typer.Option(
+            "--all-nodes", help="collect every cluster node (in parallel; as --node there)")
+                             ] = False,
     ) -> None:
         """Delete what nothing references: store objects no ref or pin reaches (safe while
         others push), and with --node this node's expired sandboxes and least recently used
         layers."""
         out: dict[str, Any] = {}
+        if all_nodes:
+            from ..core.config import parse_size
+            from ..run.cluster.api import gc_all
+
+            results = [r.to_dict() for r in gc_all(
+                parse_size(budget, "--budget") if budget else None, dry_run)]
+            failed = [r for r in results if not r["ok"]]
+            if as_json:
+                print_json({"nodes": results})
+            else:
+                for r in results:
+                    if r["ok"]:
+                        typer.echo(f"== {r['node']}")
+                        _render_node(r["result"], dry_run)
+            from .node import render_fanout
+
+            render_fanout(failed)
+            if store is None:
+                return
         if node:
             from ..core.config import parse_size
             from ..run.node import local_node
@@ -48,7 +73,9 @@ def register(app: typer.Typer) -> None:
 
             seconds = parse_duration(grace, "--grace")
             with open_retrying(store, **_options(endpoint_url, insecure)) as s:
-                out["store"] = gc_store(s, grace=seconds, dry_run=dry_run)
+                out["store"] = gc_store(s, grace=seconds, dry_run=dry_run,
+                                        repack_threshold=repack_threshold,
+                                        repack=repack_threshold < 1.0)
         if as_json:
             print_json({k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in out.items()})
             return
@@ -84,10 +111,16 @@ def _render_store(report: Any, dry_run: bool, grace: str) -> None:
     typer.echo(f"unreachable: {report.unreachable} ({len(report.marked)} newly marked, "
                f"{report.waiting} waiting out the grace period, {report.recent} too recent "
                f"to mark); {report.resurrected} candidates reachable again")
-    if report.repack_candidates:
+    if report.repack_candidates and not report.repacked:
         typer.echo(f"{len(report.repack_candidates)} live packs are mostly dead "
-                   f"({human_bytes(report.dead_bytes_in_live_packs)} dead in live packs); "
-                   "repacking is not performed")
+                   f"({human_bytes(report.dead_bytes_in_live_packs)} dead in live packs)"
+                   + ("; would repack them" if dry_run else ""))
+    if report.repacked:
+        r = report.repacked
+        typer.echo(f"repacked {len(r['packs_rewritten'])} packs into {len(r['packs_written'])} "
+                   f"({human_bytes(r['bytes_copied'])} copied); moved {len(r['refs_moved'])} refs"
+                   + (f", skipped {len(r['refs_skipped'])} moved meanwhile"
+                      if r["refs_skipped"] else ""))
     if report.leases_live:
         typer.echo(f"{report.leases_live} writer lease(s) live")
     for d in report.dangling:

@@ -13,7 +13,12 @@ import typer
 STATE_HELP = "node state directory (default: DSEC_STATE_DIR or the config's state_dir)"
 
 
-def _node(state_dir: str | None) -> Any:
+def _node(state_dir: str | None, sid: str | None = None, node: str | None = None) -> Any:
+    """This node, or the cluster node a NODE/ID sandbox id or --node names."""
+    if node or (sid and "/" in sid):
+        from ..run.cluster.api import node_for
+
+        return node_for(sid, node, state_dir)
     from ..run.node import local_node
 
     return local_node(state_dir)
@@ -82,6 +87,8 @@ TimeoutOpt = Annotated[float | None,  # noqa: UP007
                        typer.Option(help="kill the command after this many seconds")]
 SandboxArg = Annotated[str, typer.Argument(help="sandbox id (a unique prefix is enough)")]
 CmdArg = Annotated[list[str] | None, typer.Argument(help="command to run (after --)")]  # noqa: UP007
+NodeOpt = Annotated[str | None, typer.Option(  # noqa: UP007
+    "--node", help="cluster node NAME, or local (ids NODE/ID name their node)")]
 
 
 def register(app: typer.Typer) -> None:
@@ -114,6 +121,9 @@ def register(app: typer.Typer) -> None:
                          ] = "eager",
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
+        node_name: Annotated[str | None, typer.Option(  # noqa: UP007
+            "--node", help="cluster node NAME, auto (placed by capacity and cache) or local")
+                             ] = None,
     ) -> None:
         """Create a sandbox; run CMD in it and remove it, or leave it running with -d."""
         from ..core.config import parse_duration, parse_size
@@ -128,8 +138,13 @@ def register(app: typer.Typer) -> None:
             pids=pids, ttl=parse_duration(ttl, "--ttl") if ttl else None,
             network=network, env=_parse_env(env), workdir=workdir,  # type: ignore[arg-type]
             fetch=fetch)
-        node = _node(state_dir)
-        rec = node.create(image, opts)
+        if node_name:
+            from ..run.cluster.api import create
+
+            node, rec = create(image, opts, node_name, state_dir)
+        else:
+            node = _node(state_dir)
+            rec = node.create(image, opts)
         if detach:
             if cmd:
                 node.exec(rec.id, cmd, timeout=timeout)
@@ -155,6 +170,7 @@ def register(app: typer.Typer) -> None:
         timeout: TimeoutOpt = None,
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
+        node: NodeOpt = None,
     ) -> None:
         """Run a command in a sandbox: streams output, forwards stdin, exits with its code."""
         from ..core.errors import UsageError
@@ -163,7 +179,7 @@ def register(app: typer.Typer) -> None:
             cmd = cmd[1:]
         if not cmd:
             raise UsageError("exec needs a command, e.g. `dsec exec ID -- ls /`")
-        res = _node(state_dir).exec(sandbox, cmd, env=_parse_env(env), cwd=workdir,
+        res = _node(state_dir, sandbox, node).exec(sandbox, cmd, env=_parse_env(env), cwd=workdir,
                                     stdin=_stdin_source(), timeout=timeout,
                                     on_output=None if json_out else _stream)
         _report(res, json_out)
@@ -174,49 +190,65 @@ def register(app: typer.Typer) -> None:
         dst: Annotated[str, typer.Argument(help="host path or SANDBOX:PATH")],
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
+        node: NodeOpt = None,
     ) -> None:
-        """Copy a file into or out of a sandbox (one side is SANDBOX:PATH)."""
+        """Copy a file into or out of a sandbox (one side is [NODE/]SANDBOX:PATH)."""
         from ..run.transfer import copy
         from .render import print_json
 
-        result = copy(_node(state_dir), src, dst)
+        if node or "/" in src.partition(":")[0] or "/" in dst.partition(":")[0]:
+            from ..run.cluster.api import copy_remote
+
+            result = copy_remote(src, dst, node, state_dir)
+        else:
+            result = copy(_node(state_dir), src, dst)
         if json_out:
             print_json(result)
 
     @app.command()
-    def ps(json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
-        """List this node's sandboxes (after reconciling the database with the system)."""
-        from .render import print_json, table
+    def ps(json_out: JsonOpt = False, state_dir: StateOpt = None, node: NodeOpt = None,
+           all_nodes: Annotated[bool, typer.Option(
+               "--all-nodes", help="every configured node, in parallel")] = False) -> None:
+        """List sandboxes: this node's, a cluster node's (--node) or every node's
+        (--all-nodes, in parallel; a node that does not answer is reported and skipped)."""
+        from .render import print_json
 
-        node = _node(state_dir)
+        if all_nodes:
+            from .node import render_fanout
+
+            recs, failed = _ps_all()
+            if json_out:
+                print_json({"sandboxes": recs, "failed": failed})
+            else:
+                _ps_table(recs)
+            render_fanout(failed)  # exits 1 when a node did not answer
+            return
+        target = _node(state_dir, None, node)
         recs = []
-        for r in node.sandboxes():
+        for r in target.sandboxes():
             doc = r.public()
-            stats = node.fetch_stats(r)
+            stats = target.fetch_stats(r) if hasattr(target, "fetch_stats") else None
             if stats is not None:
                 doc["fetch"] = stats  # bytes fetched / from cache, stall time (lazy mounts)
             recs.append(doc)
         if json_out:
             print_json(recs)
             return
-        t = time.time()
-        rows = [(r["id"], r["backend"], r["image"], r["status"], f"{t - r['created']:.0f}s",
-                 "" if r["expires"] is None else f"{max(0, r['expires'] - t):.0f}s")
-                for r in recs]
-        table(None, ["ID", "BACKEND", "IMAGE", "STATUS", "AGE", "TTL LEFT"], rows)
+        _ps_table(recs)
 
     @app.command()
     def rm(
         sandboxes: Annotated[list[str], typer.Argument(help="sandbox ids")],
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
+        node: NodeOpt = None,
     ) -> None:
         """Remove sandboxes (stops everything they run)."""
         from .render import print_json
 
-        node = _node(state_dir)
-        recs = [node.lookup(s) for s in sandboxes]  # all ids valid before anything is removed
-        removed = [node.remove(r.id).id for r in recs]
+        # all ids valid before anything is removed
+        recs = [(n, n.lookup(s)) for s in sandboxes for n in [_node(state_dir, s, node)]]
+        removed = [n.remove(r.id).id for n, r in recs]
         if json_out:
             print_json({"removed": removed})
         else:
@@ -224,14 +256,16 @@ def register(app: typer.Typer) -> None:
                 typer.echo(sid)
 
     @app.command()
-    def pause(sandbox: SandboxArg, json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+    def pause(sandbox: SandboxArg, json_out: JsonOpt = False, state_dir: StateOpt = None,
+              node: NodeOpt = None) -> None:
         """Freeze every process of a sandbox (cgroup freezer)."""
-        _status(_node(state_dir).pause(sandbox), json_out)
+        _status(_node(state_dir, sandbox, node).pause(sandbox), json_out)
 
     @app.command()
-    def resume(sandbox: SandboxArg, json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+    def resume(sandbox: SandboxArg, json_out: JsonOpt = False, state_dir: StateOpt = None,
+               node: NodeOpt = None) -> None:
         """Thaw a paused sandbox."""
-        _status(_node(state_dir).resume(sandbox), json_out)
+        _status(_node(state_dir, sandbox, node).resume(sandbox), json_out)
 
     @app.command()
     def snapshot(
@@ -242,16 +276,40 @@ def register(app: typer.Typer) -> None:
                         ] = None,
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
+        node: NodeOpt = None,
     ) -> None:
         """Turn a sandbox's changes into a new layer and an image stacking it."""
         from .render import print_json
 
-        out = _node(state_dir).snapshot(sandbox, as_, push)
+        out = _node(state_dir, sandbox, node).snapshot(sandbox, as_, push)
         if json_out:
             print_json(out)
         else:
             typer.echo(f"{out['image']} {out['image_digest'][:12]} "
                        f"(layer {out['layer']} {out['layer_digest'][:12]})")
+
+
+def _ps_table(recs: list[dict[str, Any]]) -> None:
+    from .render import table
+
+    t = time.time()
+    rows = [(r["id"], r["backend"], r["image"], r["status"], f"{t - r['created']:.0f}s",
+             "" if r["expires"] is None else f"{max(0, r['expires'] - t):.0f}s")
+            for r in recs]
+    table(None, ["ID", "BACKEND", "IMAGE", "STATUS", "AGE", "TTL LEFT"], rows)
+
+
+def _ps_all() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    from ..run.cluster.api import ps_all
+
+    recs: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    for r in ps_all():
+        if r.ok:
+            recs.extend(r.value)
+        else:
+            failed.append(r.to_dict())
+    return recs, failed
 
 
 def _status(rec: Any, json_out: bool) -> None:

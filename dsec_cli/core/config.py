@@ -32,6 +32,7 @@ class Config:
     store: str = ""
     state_dir: str = ""
     cache_budget: str = "20G"
+    kernel: str = ""  # guest kernel for the microvm and vm backends (else the setup cache)
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # key -> where it was set
 
@@ -48,7 +49,7 @@ class Config:
 
 _KEYS = {f.name for f in fields(Config)} - {"sources"}
 _ENV = {"DSEC_STORE": "store", "DSEC_DATA_DIR": "data_dir", "DSEC_STATE_DIR": "state_dir",
-        "DSEC_CACHE_BUDGET": "cache_budget"}
+        "DSEC_CACHE_BUDGET": "cache_budget", "DSEC_KERNEL": "kernel"}
 
 
 def user_config_file() -> Path:

@@ -17,9 +17,24 @@ import zstandard
 
 from ..core.errors import FormatError
 from . import canonical
-from .chunker import ChunkParams
 
 INDEX_VERSION = 1
+# no import of the chunker here: reading indexes must not load the compiled chunker
+
+
+@dataclass(frozen=True)
+class ChunkParams:
+    """FastCDC parameters; stored in each layer index so a reader knows how it was cut."""
+
+    min_size: int = 16 << 10
+    avg_size: int = 64 << 10
+    max_size: int = 256 << 10
+    #: files below this size are grouped into batch chunks instead of being cut alone
+    small_file: int = 16 << 10
+    #: zstd level for chunk data
+    level: int = 3
+
+
 ENTRY_TYPES = ("reg", "dir", "sym", "hard", "chr", "blk", "fifo", "whiteout")
 
 
@@ -158,3 +173,15 @@ class LayerIndex:
             packs=doc["packs"], prefetch=doc.get("prefetch", []),
             params=ChunkParams(p["min"], p["avg"], p["max"], p["small"], p["level"]),
         )
+
+
+def put_index(store: Any, index: LayerIndex) -> str:
+    """Store an index under the sha256 of its stored bytes; return the digest."""
+    from ..core.digests import object_key, sha256_hex
+
+    data = index.to_bytes()
+    digest = sha256_hex(data)
+    key = object_key("indexes", digest)
+    if not store.has(key):
+        store.put(key, data)
+    return digest

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 from ..core.digests import chunk_id
 from ..core.errors import IntegrityError
-from .chunker import decode
+from .codec import decode
 from .index import ChunkLoc, Entry, LayerIndex
 
 Fetch = Callable[[str, int, int], bytes]

@@ -64,11 +64,11 @@ class GcReport:
     leases_live: int = 0
     leases_removed: int = 0
     temp_files_removed: int = 0  # file:// stores: leftovers of killed writers
-    #: live packs whose dead fraction passes the threshold: what a repack would rewrite
+    #: live packs whose dead fraction passes the threshold: what repack rewrites
     repack_candidates: list[dict[str, Any]] = field(default_factory=list)
     dead_bytes_in_live_packs: int = 0
-    repack: str = "reported, not performed: rewriting packs changes published manifest " \
-                  "digests (docs/stores.md)"
+    #: what repacking did (packs rewritten and written, bytes copied, refs moved)
+    repacked: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,7 +181,7 @@ def _list_objects(store: Store) -> dict[str, ObjectInfo]:
 
 # -- sweep --------------------------------------------------------------------------------
 def gc_store(store: Store, grace: float = 3600.0, dry_run: bool = False, jobs: int = 8,
-             repack_threshold: float = 0.5) -> GcReport:
+             repack_threshold: float = 0.5, repack: bool = True) -> GcReport:
     """Collect garbage in one store; see the module docstring for the protocol."""
     store = store if isinstance(store, RetryingStore) else RetryingStore(store)
     now = time.time()
@@ -220,6 +220,11 @@ def gc_store(store: Store, grace: float = 3600.0, dry_run: bool = False, jobs: i
         if not le.live(now - grace):  # expired longer than the grace ago: its writer is gone
             store.delete(le.key)
             report.leases_removed += 1
+    if repack and report.repack_candidates and not report.dangling:
+        from .repack import repack as do_repack
+
+        # the old packs stay live this run (marked above); the next run collects them
+        report.repacked = asdict(do_repack(store, {c["pack"] for c in report.repack_candidates}))
     _save_pending(store, new_pending)  # phase 1 is durable before anything is deleted
     if not report.leases_live:
         report.temp_files_removed = _remove_stale_temp(store, now - max(grace, _ttl()))

@@ -122,6 +122,11 @@ class Node:
                     opts["shared_dir"] = str(self.root)
                 if name == "container":
                     opts["runc_root"] = str(self.runc_root)
+                if name in ("microvm", "vm"):
+                    from ..core.config import load_config
+
+                    opts["state_dir"] = str(self.root)  # root images and the probe per node
+                    opts["kernel"] = load_config().kernel or None
                 b = self._backends[name] = get_backend(name, **opts)
             return b
 
@@ -183,6 +188,8 @@ class Node:
             layers=[str(p) for p in img.lower_dirs])
         self.db.insert(rec, [img.digest] if img.from_store else [])
         sdir = self.sandboxes_dir / sid
+        if img.from_store:
+            self._pin(sid, img.digest)
         spec = SandboxSpec(sandbox_id=sid, rootfs=RootfsSpec(tuple(img.lower_dirs),
                            sdir / "upper", sdir / "work"), state_dir=sdir, env=env,
                            workdir=workdir, limits=limits, network=opts.network,
@@ -195,6 +202,7 @@ class Node:
             self.db.update(sid, status="running", handle=handle.state)
         except BaseException:
             self._teardown(SandboxHandle(sid, opts.backend, {}), sdir)
+            self._unpin(sid)
             self.db.delete(sid)
             raise
         rec.status, rec.handle = "running", handle.state
@@ -267,8 +275,35 @@ class Node:
     def remove(self, sid: str) -> SandboxRecord:
         rec = self.lookup(sid)
         self._teardown(self._handle(rec), self.sandboxes_dir / rec.id)
+        if rec.spec.get("from_store"):
+            self._unpin(rec.id)
         self.db.delete(rec.id)
+        if not self.db.all():
+            # the node's parent groups go with its last sandbox (a concurrent create that
+            # needs them again recreates them; rmdir fails while any child exists)
+            _cgroups.Cgroup(self.cgroup_parent).remove_if_empty()
         return rec
+
+    # -- store pins: store gc keeps what running sandboxes use (push/gc.py reads pins/) ------
+    def _pin_key(self, sid: str) -> str:
+        return f"pins/{self.cgroup_parent}-{sid}"
+
+    def _pin(self, sid: str, digest: str) -> None:
+        import json
+        import socket
+
+        doc = {"manifest": digest, "sandbox": sid, "node": socket.gethostname(),
+               "state_dir": str(self.root), "created": now()}
+        try:
+            self.store().put(self._pin_key(sid), json.dumps(doc).encode())
+        except Exception as e:  # the store may be read-only or away: running matters more
+            log.warning("could not pin %s for sandbox %s: %s", digest[:12], sid, e)
+
+    def _unpin(self, sid: str) -> None:
+        try:
+            self.store().delete(self._pin_key(sid))
+        except Exception as e:
+            log.warning("could not release the pin of sandbox %s: %s", sid, e)
 
     # -- work inside ---------------------------------------------------------------------------
     def _live(self, sid: str) -> tuple[SandboxRecord, Backend, SandboxHandle]:
@@ -389,6 +424,8 @@ class Node:
                 if not _rootfs.alive(r.owner_pid, r.owner_start):
                     self._teardown(SandboxHandle(r.id, r.backend, dict(r.handle or {})),
                                    self.sandboxes_dir / r.id)
+                    if r.spec.get("from_store"):
+                        self._unpin(r.id)
                     self.db.delete(r.id)
                     report["aborted"].append(r.id)
             elif r.status in ("running", "paused"):

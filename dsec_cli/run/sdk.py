@@ -20,7 +20,7 @@ from .node import CreateOptions, Node, local_node
 from .state import SandboxRecord
 
 __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "run",
-           "list_sandboxes", "gc_node"]
+           "list_sandboxes", "gc_node", "create_many"]
 
 
 def _size(v: int | str | None, what: str) -> int | None:
@@ -33,11 +33,39 @@ def _secs(v: float | str | None, what: str) -> float | None:
 
 
 class Sandbox:
-    """A sandbox on this node. Use as a context manager to remove it on exit."""
+    """A sandbox on this node or on a cluster node (``node=``; its id is then ``NODE/ID``).
+    ``Sandbox(image, ...)`` creates one (as `create` does); use it as a context manager to
+    remove it on exit."""
 
-    def __init__(self, record: SandboxRecord, node: Node) -> None:
-        self._rec = record
-        self.node = node
+    _rec: SandboxRecord | Any  # a remote node's records are plain objects of the same shape
+    node: Node | Any  # the local Node or a cluster RemoteNode, with the same methods
+
+    def __init__(self, image: str | Path, backend: str = "container", *,
+                 cpus: float | None = None, memory: int | str | None = None,
+                 pids: int | None = None, ttl: float | str | None = None,
+                 network: Literal["none", "host"] = "none", env: dict[str, str] | None = None,
+                 workdir: str | None = None, state_dir: str | Path | None = None,
+                 store: str | None = None, node: str | None = None) -> None:
+        """``node``: a configured cluster node's name, ``"auto"`` (placed by free capacity
+        and cached image bytes) or ``None``/``"local"`` for this machine."""
+        opts = CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, "memory"),
+                             pids=pids, ttl=_secs(ttl, "ttl"), network=network,
+                             env=dict(env or {}), workdir=workdir)
+        if node and node != "local":
+            from .cluster.api import create
+
+            target, rec = create(str(image), opts, node, state_dir)
+            self._rec, self.node = rec, target
+            return
+        local = local_node(state_dir, store)
+        self._rec = local.create(str(image), opts)
+        self.node = local
+
+    @classmethod
+    def _wrap(cls, record: SandboxRecord | Any, node: Node | Any) -> Sandbox:
+        sb = cls.__new__(cls)
+        sb._rec, sb.node = record, node
+        return sb
 
     @property
     def id(self) -> str:
@@ -55,22 +83,19 @@ class Sandbox:
         return f"Sandbox({self.id!r}, image={self.image!r}, backend={self.backend!r})"
 
     @classmethod
-    def create(cls, image: str | Path, backend: str = "container", *,
-               cpus: float | None = None, memory: int | str | None = None,
-               pids: int | None = None, ttl: float | str | None = None,
-               network: Literal["none", "host"] = "none", env: dict[str, str] | None = None,
-               workdir: str | None = None, state_dir: str | Path | None = None,
-               store: str | None = None) -> Sandbox:
-        node = local_node(state_dir, store)
-        opts = CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, "memory"),
-                             pids=pids, ttl=_secs(ttl, "ttl"), network=network,
-                             env=dict(env or {}), workdir=workdir)
-        return cls(node.create(str(image), opts), node)
+    def create(cls, image: str | Path, backend: str = "container", **options: Any) -> Sandbox:
+        """Same as ``Sandbox(image, backend, **options)``."""
+        return cls(image, backend, **options)
 
     @classmethod
     def attach(cls, sandbox_id: str, *, state_dir: str | Path | None = None) -> Sandbox:
+        if "/" in sandbox_id:  # NODE/ID: a cluster node's sandbox
+            from .cluster.api import node_for
+
+            remote = node_for(sandbox_id)
+            return cls._wrap(remote.lookup(sandbox_id), remote)
         node = local_node(state_dir)
-        return cls(node.lookup(sandbox_id), node)
+        return cls._wrap(node.lookup(sandbox_id), node)
 
     def exec(self, cmd: str | list[str], *, stdin: bytes | str | None = None,
              env: dict[str, str] | None = None, cwd: str | None = None,
@@ -122,8 +147,47 @@ def run(image: str | Path, cmd: str | list[str], backend: str = "container",
         return sb.exec(cmd, **exec_opts)
 
 
-def list_sandboxes(state_dir: str | Path | None = None) -> list[dict[str, Any]]:
+def list_sandboxes(state_dir: str | Path | None = None, *, node: str | None = None,
+                   all_nodes: bool = False) -> list[dict[str, Any]]:
+    """This node's sandboxes, a cluster node's, or (``all_nodes``) every reachable node's;
+    a node that does not answer is skipped (see `dsec_cli.run.cluster.api.ps_all` for the
+    per-node results)."""
+    if all_nodes:
+        from .cluster.api import ps_all
+
+        return [d for r in ps_all() if r.ok for d in r.value]
+    if node and node != "local":
+        from .cluster.api import node_for
+
+        return [r.public() for r in node_for(None, node).sandboxes()]
     return [r.public() for r in local_node(state_dir).sandboxes()]
+
+
+def create_many(n: int, image: str | Path, backend: str = "container", *,
+                nodes: list[str] | None = None, parallel: int = 8, cpus: float | None = None,
+                memory: int | str | None = None, pids: int | None = None,
+                ttl: float | str | None = None, network: Literal["none", "host"] = "none",
+                env: dict[str, str] | None = None, workdir: str | None = None
+                ) -> list[Any]:
+    """Create ``n`` sandboxes spread over the cluster's nodes (or ``nodes``) by placement.
+
+    Returns one `CreateResult` per sandbox, in order: ``.ok``, ``.node``, ``.sandbox`` (a
+    `Sandbox`) or ``.error`` (the `DsecError` of that one create). Failures do not stop the
+    batch; a node that refuses for capacity or does not answer passes the sandbox on to the
+    next best node."""
+    from .cluster.api import RemoteNode
+    from .cluster.api import create_many as _create_many
+    from .cluster.registry import load_nodes
+
+    opts = CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, "memory"),
+                         pids=pids, ttl=_secs(ttl, "ttl"), network=network,
+                         env=dict(env or {}), workdir=workdir)
+    results = _create_many(n, str(image), opts, nodes, parallel)
+    entries = load_nodes()
+    for r in results:
+        if r.ok and r.node is not None:
+            r.sandbox = Sandbox._wrap(r.sandbox, RemoteNode(entries[r.node]))
+    return results
 
 
 def gc_node(budget: int | str | None = None, dry_run: bool = False,

@@ -50,17 +50,26 @@ def test_detached_lifecycle(node_env: dict[str, str], tmp_path: Path) -> None:
     assert leaks(node_env["DSEC_STATE_DIR"]) == {"mounts": [], "cgroups": [], "dirs": []}
 
 
-def test_snapshot_round_trip(node_env: dict[str, str]) -> None:
+def test_snapshot_round_trip(node_env: dict[str, str], tmp_path: Path) -> None:
     sid = dsec(node_env, "run", "-d", IMAGE).stdout.decode().strip()
     dsec(node_env, "exec", sid, "--", "sh", "-c",
          "echo new > /root/new.txt; rm /etc/motd; mkdir -p /opt/d && echo x > /opt/d/f")
-    out = json.loads(dsec(node_env, "snapshot", sid, "--as", "snaptest@1", "--json").stdout)
+    remote = (tmp_path / "remote").as_uri()
+    out = json.loads(dsec(node_env, "snapshot", sid, "--as", "snaptest@1", "--push", remote,
+                          "--json").stdout)
     assert out["image"] == "snaptest@1" and out["layer"] == "snaptest-layer@1"
+    assert {r["ref"] for r in out["pushed"]["refs"]} == {"snaptest@1", "snaptest-layer@1"}
     dsec(node_env, "exec", sid, "true")  # still running after the snapshot
     p = dsec(node_env, "run", "snaptest@1", "--", "sh", "-c",
              "cat /root/new.txt /opt/d/f; test -e /etc/motd || echo gone; "
              "cat /etc/passwd | head -1")
     assert p.stdout == b"new\nx\ngone\nroot:x:0:0:root:/root:/bin/sh\n"
+    # the pushed image runs from the other store on a fresh node
+    other = {**node_env, "DSEC_STORE": remote, "DSEC_STATE_DIR": str(tmp_path / "node2")}
+    p = dsec(other, "run", "snaptest@1", "--", "cat", "/root/new.txt")
+    assert p.stdout == b"new\n"
+    dsec(other, "gc", "--node", "--budget", "0")
+    assert leaks(other["DSEC_STATE_DIR"]) == {"mounts": [], "cgroups": [], "dirs": []}
     dsec(node_env, "rm", sid)
 
 

@@ -63,7 +63,9 @@ def test_memory_hog_and_fork_bomb_are_contained(sb: Sandbox) -> None:
     assert r.exit_code == 137 and r.oom_killed
     adj = sb.exec("cat /proc/self/oom_score_adj /proc/1/oom_score_adj").stdout.split()
     assert int(adj[0]) == 300 and int(adj[1]) < 300  # the OOM killer prefers execs to init
-    r = sb.exec("bomb() { bomb | bomb & }; bomb; sleep 60", timeout=3)
+    # the exec's own shell forks its two children before the bomb saturates the pids
+    # limit, then only waits, so it is the timeout that ends the exec (and kills the bomb)
+    r = sb.exec("sleep 60 & sh -c 'bomb() { bomb | bomb & }; bomb' & wait", timeout=3)
     assert r.timed_out
     info = sb.info()
     assert info["pids"] <= 32
@@ -90,3 +92,17 @@ def test_fncall_backend_is_read_only(node_env: dict[str, str]) -> None:
             f.snapshot("nope@1")
 
 
+
+
+def test_running_sandbox_pins_its_image_in_the_store(node_env: dict[str, str]) -> None:
+    """Store gc keeps what runs: a pin per sandbox under pins/, gone once it is removed."""
+    import json
+
+    from dsec_cli.push.stores import open_store
+
+    store = open_store(node_env["DSEC_STORE"])
+    with Sandbox.create(IMAGE) as s:
+        pins = [json.loads(store.get(i.key)) for i in store.list("pins/")]
+        mine = [p for p in pins if p["sandbox"] == s.id]
+        assert len(mine) == 1 and mine[0]["manifest"] == s.node.lookup(s.id).image_digest
+    assert not [i for i in store.list("pins/") if i.key.endswith(s.id)]

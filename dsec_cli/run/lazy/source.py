@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ...core.digests import chunk_id as xxh3_id
 from ...core.errors import IntegrityError
-from ...format.chunker import decode
+from ...format.codec import decode
 from ...format.index import ChunkLoc, Entry, LayerIndex
 from .cache import ChunkCache
 

@@ -1,0 +1,152 @@
+"""`dsec node add|ls|check|rm` (the cluster's nodes, kept in the user's config) and
+`dsec agent` (the node side the CLI reaches over SSH). Thin: parse, call
+dsec_cli.run.cluster, render."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from .render import human_bytes, print_json, table
+
+node_app = typer.Typer(help="Cluster nodes reached over SSH (each runs `dsec agent`).",
+                       no_args_is_help=True)
+JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+
+
+@node_app.command("add")
+def add(
+    name: Annotated[str, typer.Argument(help="a short name, used in sandbox ids (NAME/ID)")],
+    address: Annotated[str, typer.Argument(help="USER@HOST[:PORT]")],
+    identity: Annotated[str | None, typer.Option(  # noqa: UP007
+        "--identity", "-i", help="private key file (default: ssh's own choice)")] = None,
+    known_hosts: Annotated[str | None, typer.Option(  # noqa: UP007
+        "--known-hosts", help="known_hosts file to check the host key against "
+                              "(default ~/.ssh/known_hosts)")] = None,
+    labels: Annotated[str | None, typer.Option(  # noqa: UP007
+        "--labels", help="k=v,k=v")] = None,
+    dsec: Annotated[str, typer.Option("--dsec", help="the dsec command on the node")] = "dsec",
+    bootstrap: Annotated[bool, typer.Option(
+        "--bootstrap", help="install this dsec on the node first (nothing from the network)")
+                         ] = False,
+    install_dir: Annotated[str | None, typer.Option(  # noqa: UP007
+        "--install-dir", help="where --bootstrap installs on the node "
+                              "(default ~/.local/share/dsec/bootstrap/VERSION)")] = None,
+    check: Annotated[bool, typer.Option("--check/--no-check",
+                                        help="reach the node before saving it")] = True,
+    json_out: JsonOpt = False,
+) -> None:
+    """Add a node: checks its host key and its agent, then saves it in the user config."""
+    from ..run.cluster.registry import add_node
+
+    out = add_node(name, address, identity=identity, known_hosts=known_hosts, labels=labels,
+                   dsec=dsec, bootstrap=bootstrap, check=check, install_dir=install_dir)
+    if json_out:
+        print_json(out)
+    else:
+        v = out["info"].get("dsec", "not checked")
+        typer.echo(f"added {name} ({out['address']}, dsec {v})")
+
+
+def _rows(results: list[Any]) -> list[tuple[Any, ...]]:
+    rows = []
+    for r in results:
+        if not r.ok:
+            state = "unreachable" if r.to_dict()["unreachable"] else "error"
+            rows.append((r.node, state, "", "", "", "", str(r.error)))
+            continue
+        i = r.value
+        cap, use = i["capacity"], i["usage"]
+        rows.append((r.node, "ok", i["dsec"], f"{cap['cpus']:g} cpu, {human_bytes(cap['memory'])}",
+                     f"{use['sandboxes']}/{cap['sandboxes']}", human_bytes(i["cache_bytes"]),
+                     i.get("hostname", "")))
+    return rows
+
+
+def _status(names: list[str] | None, json_out: bool, timeout: float | None) -> None:
+    from ..run.cluster.api import node_status
+
+    results = node_status(timeout, names)
+    if json_out:
+        print_json([r.to_dict() for r in results])
+    else:
+        table(None, ["NODE", "STATE", "VERSION", "CAPACITY", "SANDBOXES", "CACHED", "HOST / ERROR"],
+              _rows(results))
+    if names and any(not r.ok for r in results):
+        raise typer.Exit(1)
+
+
+TimeoutOpt = Annotated[float | None, typer.Option(  # noqa: UP007
+    "--timeout", help="seconds to wait for each node (default DSEC_NODE_TIMEOUT or 15)")]
+
+
+@node_app.command("ls")
+def ls(json_out: JsonOpt = False, timeout: TimeoutOpt = None) -> None:
+    """List nodes: reachable, version, capacity, sandboxes, cached bytes (asked in parallel)."""
+    _status(None, json_out, timeout)
+
+
+@node_app.command("check")
+def check_(
+    names: Annotated[list[str] | None, typer.Argument(help="nodes (default: all)")  # noqa: UP007
+                     ] = None,
+    json_out: JsonOpt = False,
+    timeout: TimeoutOpt = None,
+) -> None:
+    """Reach nodes over SSH and ask their agents; exits 1 if any does not answer."""
+    from ..run.cluster.registry import load_nodes
+
+    _status(names or list(load_nodes()) or None, json_out, timeout)
+
+
+@node_app.command("rm")
+def rm(name: Annotated[str, typer.Argument()], json_out: JsonOpt = False) -> None:
+    """Forget a node (its sandboxes keep running there)."""
+    from ..run.cluster.registry import remove_node
+
+    out = remove_node(name)
+    if json_out:
+        print_json(out)
+    else:
+        typer.echo(f"removed {name}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(node_app, name="node")
+
+    @app.command()
+    def agent(
+        stdio: Annotated[bool, typer.Option("--stdio", help="serve on stdin/stdout (over ssh)")
+                         ] = False,
+        listen: Annotated[str | None, typer.Option(  # noqa: UP007
+            "--listen", help="serve on this unix socket")] = None,
+        state_dir: Annotated[str | None, typer.Option(  # noqa: UP007
+            "--state-dir", help="node state directory (default: DSEC_STATE_DIR)")] = None,
+    ) -> None:
+        """The node side of the cluster: serves the agent protocol for `dsec --node`."""
+        from ..core.errors import UsageError
+        from ..run.cluster import agentd
+
+        if stdio == bool(listen):
+            raise UsageError("give exactly one of --stdio or --listen PATH")
+        if stdio:
+            agentd.serve_stdio(state_dir)
+        else:
+            assert listen
+            agentd.serve_unix(listen, state_dir)
+
+
+def render_fanout(failed: list[dict[str, Any]]) -> None:
+    """Report the nodes a fan-out skipped (on stderr) and exit 1 if there were any; the
+    other nodes' results have been printed already."""
+    from rich.markup import escape
+
+    from .render import err_console
+
+    for f in failed:
+        what = "unreachable, skipped" if f.get("unreachable") else "failed"
+        err_console().print(f"[yellow]node {escape(f['node'])} {what}:[/] {escape(f['error'])}",
+                            highlight=False)
+    if failed:
+        raise typer.Exit(1)

@@ -1,0 +1,194 @@
+"""A node's capacity and the admission of new sandboxes against it.
+
+Two clients may create on one node at once, each through its own `dsec agent` process, so
+admission is decided under a cross-process lock: a write transaction (``BEGIN IMMEDIATE``) on
+``<state dir>/admission.db``. Inside it the agent adds up what the node already holds (the
+node database's live sandboxes plus the reservations of creates still in progress) and either
+records a reservation for the new sandbox or refuses. The reservation is dropped only after
+the sandbox's own row exists (or its create failed), so a sandbox is never counted zero times;
+for a moment it is counted twice, which errs on the side of refusing. Reservations of a dead
+agent (pid gone) are ignored and pruned.
+
+Capacity comes from ``<state dir>/capacity.yaml`` (keys ``sandboxes``, ``cpus``, ``memory``);
+missing keys default to the machine: its CPUs, its RAM, and one sandbox per 10 MiB of RAM.
+A sandbox without ``--cpus``/``--memory`` counts only against the sandbox count.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ...backends import _rootfs
+from ...core.config import parse_size
+from ...core.errors import ConfigError
+from ..node import Node
+from .errors import CapacityError
+
+LIVE = ("creating", "running", "paused")
+
+
+@dataclass
+class Capacity:
+    sandboxes: int
+    cpus: float
+    memory: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Usage:
+    sandboxes: int = 0
+    cpus: float = 0.0
+    memory: int = 0
+
+    def add(self, cpus: float | None, memory: int | None) -> None:
+        self.sandboxes += 1
+        self.cpus += cpus or 0.0
+        self.memory += memory or 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def load_capacity(state_dir: Path) -> Capacity:
+    mem, cpus = mem_total(), float(os.cpu_count() or 1)
+    cap = Capacity(sandboxes=max(1, mem // (10 << 20)), cpus=cpus, memory=mem)
+    path = state_dir / "capacity.yaml"
+    if path.is_file():
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping")
+        for key, value in data.items():
+            if key == "sandboxes" and isinstance(value, int) and value >= 0:
+                cap.sandboxes = value
+            elif key == "cpus" and isinstance(value, int | float) and value > 0:
+                cap.cpus = float(value)
+            elif key == "memory" and isinstance(value, int | str):
+                cap.memory = parse_size(str(value), f"{path}: memory")
+            else:
+                raise ConfigError(f"{path}: invalid key or value {key!r}: {value!r}",
+                                  hint="keys: sandboxes (int), cpus (number), memory (e.g. 64G)")
+    return cap
+
+
+class Admission:
+    """Capacity accounting for one node state dir (shared by every agent process on it)."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.path = node.root / "admission.db"
+        self._local = threading.local()
+        db = self._db()
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("CREATE TABLE IF NOT EXISTS reservations (token TEXT PRIMARY KEY, "
+                   "pid INTEGER, start INTEGER, cpus REAL, memory INTEGER, created REAL)")
+
+    def _db(self) -> sqlite3.Connection:
+        """One connection per thread, kept open (opening one costs more than a decision)."""
+        db: sqlite3.Connection | None = getattr(self._local, "adm", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=60, isolation_level=None,
+                                 check_same_thread=False)
+            db.execute("PRAGMA busy_timeout=60000")
+            # reservations need no durability: after a crash their owners are dead, and dead
+            # owners' reservations are ignored; only the lock (the write transaction) matters
+            db.execute("PRAGMA synchronous=OFF")
+            self._local.adm = db
+        return db
+
+    @contextmanager
+    def _locked(self) -> Iterator[sqlite3.Connection]:
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    def _node_db(self) -> sqlite3.Connection:
+        """A read connection to the node database, one per thread."""
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.node.db.path, timeout=60, isolation_level=None,
+                                 check_same_thread=False)
+            db.execute("PRAGMA busy_timeout=60000")
+            self._local.db = db
+        return db
+
+    def capacity(self) -> Capacity:
+        return load_capacity(self.node.root)
+
+    def _usage(self, db: sqlite3.Connection) -> Usage:
+        u = Usage()
+        # summed inside sqlite (JSON1): decoding every row in Python would cost milliseconds
+        # per create on a node holding thousands of sandboxes
+        n, cpus, memory = self._node_db().execute(
+            "SELECT count(*), total(json_extract(spec, '$.limits.cpus')), "
+            "total(json_extract(spec, '$.limits.memory')) FROM sandboxes "
+            f"WHERE status IN ({','.join('?' * len(LIVE))})", LIVE).fetchone()
+        u.sandboxes, u.cpus, u.memory = int(n), float(cpus), int(memory)
+        stale = []
+        for token, pid, start, cpus, memory in db.execute(
+                "SELECT token, pid, start, cpus, memory FROM reservations"):
+            if _rootfs.alive(pid, start):
+                u.add(cpus, memory)
+            else:
+                stale.append((token,))
+        if stale:
+            db.executemany("DELETE FROM reservations WHERE token=?", stale)
+        return u
+
+    def usage(self) -> Usage:
+        with self._locked() as db:
+            return self._usage(db)
+
+    def reserve(self, cpus: float | None, memory: int | None) -> str:
+        """Admit one sandbox or raise CapacityError; returns the reservation token."""
+        cap = self.capacity()
+        with self._locked() as db:
+            u = self._usage(db)
+            short = []
+            if u.sandboxes + 1 > cap.sandboxes:
+                short.append(f"sandboxes {u.sandboxes}/{cap.sandboxes}")
+            if cpus and u.cpus + cpus > cap.cpus + 1e-9:
+                short.append(f"cpus {u.cpus:g}+{cpus:g} > {cap.cpus:g}")
+            if memory and u.memory + memory > cap.memory:
+                short.append(f"memory {u.memory}+{memory} > {cap.memory}")
+            if short:
+                raise CapacityError("node is full: " + ", ".join(short),
+                                    hint="place with --node auto, or remove sandboxes")
+            token = secrets.token_hex(8)
+            pid = os.getpid()
+            db.execute("INSERT INTO reservations VALUES (?,?,?,?,?,?)",
+                       (token, pid, _rootfs.proc_start_time(pid), cpus, memory, time.time()))
+            return token
+
+    def release(self, token: str) -> None:
+        with self._locked() as db:
+            db.execute("DELETE FROM reservations WHERE token=?", (token,))

@@ -1,0 +1,245 @@
+"""`dsec agent`: the node side of the cluster, serving the JSON-lines protocol (protocol.py)
+against this node's sandboxes (dsec_cli.run.node.Node).
+
+The CLI reaches it as ``ssh node dsec agent --stdio``: one agent process per client
+connection, all of them sharing the node's state dir (its sqlite databases make concurrent
+agents safe; admission.py keeps them from oversubscribing the node). Requests run on a thread
+pool, so a slow create does not hold up an exec on the same connection. When the client goes
+away (stdin closes) the agent finishes what is in flight and exits. ``--listen PATH`` serves
+the same protocol on a unix socket, for a resident service behind SSH socket forwarding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Any
+
+from ... import __version__ as _dsec_version
+from ...core.errors import UsageError
+from ..node import CreateOptions, Node, local_node
+from .admission import Admission
+from .protocol import PROTOCOL_VERSION, b64, decode, encode, error_to_wire, unb64
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+class AgentService:
+    """The request handlers: one instance per node state dir, shared by connections."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.admission = Admission(node)
+        self._cache_bytes: tuple[float, int] = (0.0, 0)
+
+    # -- node facts -----------------------------------------------------------------------------
+    def hello(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        version = args.get("version")
+        if not isinstance(version, int) or version != PROTOCOL_VERSION:
+            raise UsageError(f"client speaks agent protocol {version!r}, this node speaks "
+                             f"{PROTOCOL_VERSION}", hint="install the same dsec on both sides")
+        return {"protocol": PROTOCOL_VERSION, "dsec": _dsec_version,
+                "hostname": socket.gethostname(), "state_dir": str(self.node.root)}
+
+    def _cached_total(self) -> int:
+        """Bytes of the layer cache; walked at most every 30 s (a walk reads every inode)."""
+        t, size = self._cache_bytes
+        if time.monotonic() - t > 30:
+            from ...push.materialize import LayerCache
+
+            size = sum(s for _, _, s in LayerCache(self.node.cache_root).entries())
+            self._cache_bytes = (time.monotonic(), size)
+        return size
+
+    def image_cache(self, image: str) -> dict[str, Any]:
+        """How many of an image's bytes this node's layer cache already holds."""
+        from ...push.materialize import LayerCache, resolve_image
+
+        if image.startswith("/"):
+            return {"bytes": 0, "cached_bytes": 0}
+        img = resolve_image(self.node.store(), image)
+        cache = LayerCache(self.node.cache_root)
+        total = sum(m.size for _, m in img.layers)
+        cached = sum(m.size for _, m in img.layers if cache.path(m).is_dir())
+        return {"bytes": total, "cached_bytes": cached, "digest": img.digest}
+
+    def info(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "dsec": _dsec_version, "protocol": PROTOCOL_VERSION,
+            "hostname": socket.gethostname(),
+            "capacity": self.admission.capacity().to_dict(),
+            "usage": self.admission.usage().to_dict(),
+            "cache_bytes": self._cached_total(), "store": self.node.store_url,
+        }
+        image = args.get("image")
+        if image:
+            try:
+                out["image"] = self.image_cache(str(image))
+            except Exception as e:  # the node cannot see the image: it cannot run it either
+                out["image_error"] = error_to_wire(e)
+        return out
+
+    # -- sandboxes ------------------------------------------------------------------------------
+    def create(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        o = dict(args.get("opts") or {})
+        opts = CreateOptions(
+            backend=o.get("backend", "container"), cpus=o.get("cpus"), memory=o.get("memory"),
+            pids=o.get("pids"), ttl=o.get("ttl"), network=o.get("network", "none"),
+            env=dict(o.get("env") or {}), workdir=o.get("workdir"))
+        opts.validate()  # bad input is refused before anything is reserved
+        token = self.admission.reserve(opts.cpus, opts.memory)
+        try:
+            rec = self.node.create(str(args["image"]), opts)
+        finally:
+            self.admission.release(token)
+        return rec.public()
+
+    def exec(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        stream = bool(args.get("stream"))
+
+        def on_output(kind: str, data: bytes) -> None:
+            emit({"event": kind, "data": b64(data)})
+
+        stdin = unb64(args["stdin"]) if args.get("stdin") is not None else None
+        res = self.node.exec(str(args["id"]), list(args["argv"]), env=args.get("env") or {},
+                             cwd=args.get("cwd"), stdin=stdin, timeout=args.get("timeout"),
+                             on_output=on_output if stream else None)
+        return {"exit_code": res.exit_code, "duration": res.duration,
+                "stdout": "" if stream else b64(res.stdout),
+                "stderr": "" if stream else b64(res.stderr), "timed_out": res.timed_out,
+                "oom_killed": res.oom_killed, "pids_limited": res.pids_limited}
+
+    def put(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        self.node.put_file(str(args["id"]), str(args["path"]), unb64(args["data"]),
+                           int(args.get("mode", 0o644)))
+        return {}
+
+    def get(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        data, mode = self.node.get_file_with_mode(str(args["id"]), str(args["path"]))
+        return {"data": b64(data), "mode": mode}
+
+    def lookup(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.node.lookup(str(args["id"])).public()
+
+    def remove(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.node.remove(str(args["id"])).public()
+
+    def pause(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.node.pause(str(args["id"])).public()
+
+    def resume(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.node.resume(str(args["id"])).public()
+
+    def describe(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.node.describe(str(args["id"]))
+
+    def snapshot(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.node.snapshot(str(args["id"]), str(args["ref"]), args.get("push"))
+
+    def ps(self, args: dict[str, Any], emit: Emit) -> list[dict[str, Any]]:
+        return [r.public() for r in self.node.sandboxes()]
+
+    def gc(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.node.gc(args.get("budget"), bool(args.get("dry_run")))
+
+    OPS = ("hello", "info", "create", "exec", "put", "get", "lookup", "remove", "pause",
+           "resume", "describe", "snapshot", "ps", "gc")
+
+    def handle(self, msg: dict[str, Any], emit: Emit) -> Any:
+        op = msg.get("op")
+        if op not in self.OPS:
+            raise UsageError(f"unknown agent request {op!r}")
+        args = msg.get("args") or {}
+        if not isinstance(args, dict):
+            raise UsageError("request args must be an object")
+        try:
+            return getattr(self, str(op))(args, emit)
+        except KeyError as e:
+            raise UsageError(f"request {op!r} lacks argument {e}") from None
+
+
+def serve_stream(service: AgentService, rfile: IO[bytes], wfile: IO[bytes],
+                 workers: int = 32) -> None:
+    """Serve one connection until its input closes; the first request must be hello."""
+    lock = threading.Lock()
+    greeted = threading.Event()
+
+    def send(msg: dict[str, Any]) -> None:
+        data = encode(msg)
+        with lock:
+            wfile.write(data)
+            wfile.flush()
+
+    def run(msg: dict[str, Any]) -> None:
+        rid = msg.get("id")
+
+        def emit(ev: dict[str, Any]) -> None:
+            send({"id": rid, **ev})
+
+        try:
+            result = service.handle(msg, emit)
+            send({"id": rid, "ok": True, "result": result})
+        except Exception as e:  # every failure goes back to the client, typed
+            if not isinstance(e, UsageError):
+                log.warning("request %s failed: %s", msg.get("op"), e, exc_info=True)
+            send({"id": rid, "ok": False, "error": error_to_wire(e)})
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="dsec-agent") as pool:
+        for line in rfile:
+            if not line.strip():
+                continue
+            try:
+                msg = decode(line)
+            except ValueError as e:
+                send({"id": None, "ok": False, "error": error_to_wire(
+                    UsageError(f"malformed request: {e}"))})
+                continue
+            if not greeted.is_set():
+                if msg.get("op") != "hello":
+                    send({"id": msg.get("id"), "ok": False, "error": error_to_wire(
+                        UsageError("the first request must be hello"))})
+                    continue
+                run(msg)  # inline: nothing else may run before the versions agree
+                if msg.get("args", {}).get("version") == PROTOCOL_VERSION:
+                    greeted.set()
+                continue
+            pool.submit(run, msg)
+
+
+def serve_stdio(state_dir: str | None = None) -> None:
+    """Serve on stdin/stdout. Fd 1 is moved aside first so that nothing a library prints can
+    corrupt the protocol stream: stray output goes to stderr instead."""
+    proto_out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    service = AgentService(local_node(state_dir))
+    serve_stream(service, sys.stdin.buffer, proto_out)
+
+
+def serve_unix(path: str, state_dir: str | None = None) -> None:
+    """Serve on a unix socket (one thread per connection) until killed."""
+    service = AgentService(local_node(state_dir))
+    p = Path(path)
+    if p.is_socket():
+        p.unlink()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    os.chmod(path, 0o600)  # the socket is the node: only its owner may speak to it
+    srv.listen(64)
+    while True:
+        conn, _ = srv.accept()
+
+        def one(c: socket.socket = conn) -> None:
+            with c, c.makefile("rb") as r, c.makefile("wb") as w:
+                serve_stream(service, r, w)
+
+        threading.Thread(target=one, daemon=True).start()

@@ -1,0 +1,21 @@
+"""Cluster errors, children of the one tree in dsec_cli.core.errors.
+
+`NodeUnreachableError` (core) is the only node error that is retried: the connection failed
+or timed out. A refused host key or key is never retried (retrying cannot fix it); a command
+that ran and failed is an exit code or the agent's own error, never retried either."""
+
+from __future__ import annotations
+
+from ...core.errors import DsecError, SandboxError
+
+
+class HostKeyError(DsecError):
+    """SSH refused the node: unknown or changed host key, or the user key was rejected."""
+
+
+class NodeCommandError(DsecError):
+    """The node answered, but not with the dsec agent protocol (no dsec there, bad version)."""
+
+
+class CapacityError(SandboxError):
+    """The node's agent refused a sandbox: it would exceed the node's capacity."""

@@ -1,0 +1,325 @@
+"""`RemoteNode`: the Node API (create, exec, cp, pause, snapshot, remove, list, gc) spoken to a
+node's agent over an SSH channel, with sandbox ids qualified by the node (``node1/abc123``).
+
+A `Channel` is one ``dsec agent --stdio`` session: requests are multiplexed on it by id (a
+reader thread hands each reply to its waiting caller), so one channel per node serves every
+thread of a process. Failures are typed: the channel dying or a bounded wait running out is
+`NodeUnreachableError` (retried, but only where repeating cannot do a thing twice: opening a
+channel, and read-only requests); an error the agent returns is the same class as on the node
+(`NotFoundError` exits 2 here as there); a command's exit code is a result, never an error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...backends.base import ExecResult, OutputCallback
+from ...core.errors import DsecError, NodeUnreachableError
+from ..node import CreateOptions
+from .protocol import PROTOCOL_VERSION, b64, decode, encode, error_from_wire, unb64
+from .ssh import SshTarget, classify
+
+log = logging.getLogger(__name__)
+
+#: read-only requests: safe to send again after a connection broke mid-request
+IDEMPOTENT = frozenset({"hello", "info", "lookup", "describe", "get", "ps"})
+RETRIES = 3
+
+
+@dataclass(frozen=True, eq=False)
+class NodeEntry:
+    """One node of the user's config."""
+
+    name: str
+    target: SshTarget
+    dsec: str = "dsec"  # the remote command that runs dsec
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def remote_command(self) -> list[str]:
+        return [self.dsec, "agent", "--stdio"]
+
+    def key(self) -> tuple[str, SshTarget, str]:
+        """What identifies a connection (labels do not)."""
+        return (self.name, self.target, self.dsec)
+
+
+_EOF = object()
+
+
+class Channel:
+    """One agent session over the node's shared SSH connection."""
+
+    def __init__(self, entry: NodeEntry, timeout: float) -> None:
+        self.name = entry.name
+        entry.target.ensure_master(entry.name)
+        self.proc = subprocess.Popen(entry.target.command_argv(entry.remote_command()),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, queue.Queue[Any]] = {}
+        self._plock = threading.Lock()
+        self._wlock = threading.Lock()
+        self._stderr: list[bytes] = []
+        self.closed = False
+        threading.Thread(target=self._read, daemon=True, name=f"dsec-ch-{self.name}").start()
+        threading.Thread(target=self._drain_err, daemon=True).start()
+        try:
+            self.hello = self.call("hello", {"version": PROTOCOL_VERSION}, timeout=timeout)
+        except BaseException:
+            self.close()  # no session left behind by a node that never greeted
+            raise
+
+    def _drain_err(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._stderr.append(line)
+            del self._stderr[:-20]
+            log.debug("%s agent: %s", self.name, line.decode(errors="replace").rstrip())
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                msg = decode(line)
+            except ValueError:
+                log.warning("%s: not an agent message: %r", self.name, line[:200])
+                continue
+            with self._plock:
+                q = self._pending.get(msg.get("id"))  # type: ignore[arg-type]
+            if q is not None:
+                q.put(msg)
+        self.closed = True
+        with self._plock:
+            waiting = list(self._pending.values())
+        for q in waiting:
+            q.put(_EOF)
+
+    def failure(self) -> DsecError:
+        """Why the session ended, from ssh's exit status and messages."""
+        try:
+            rc = self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            rc = None
+        text = b"".join(self._stderr).decode(errors="replace")
+        if rc == 127:
+            text += "\ncommand not found"
+        err = classify(self.name, text)
+        return err if isinstance(err, DsecError) else NodeUnreachableError(str(err))
+
+    def call(self, op: str, args: dict[str, Any] | None = None, *,
+             timeout: float | None = None, on_event: OutputCallback | None = None) -> Any:
+        if self.closed:
+            raise self.failure()
+        rid = next(self._ids)
+        q: queue.Queue[Any] = queue.Queue()
+        with self._plock:
+            self._pending[rid] = q
+        try:
+            data = encode({"id": rid, "op": op, "args": args or {}})
+            try:
+                with self._wlock:
+                    assert self.proc.stdin is not None
+                    self.proc.stdin.write(data)
+                    self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                self.closed = True
+                raise self.failure() from None
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    msg = q.get(timeout=left)
+                except queue.Empty:
+                    raise NodeUnreachableError(
+                        f"{self.name}: no answer to {op} within {timeout:g}s") from None
+                if msg is _EOF:
+                    raise self.failure()
+                if "event" in msg:
+                    if on_event is not None:
+                        on_event(str(msg["event"]), unb64(msg.get("data", "")))
+                    continue
+                if msg.get("ok"):
+                    return msg.get("result")
+                raise error_from_wire(msg.get("error") or {}, self.name)
+        finally:
+            with self._plock:
+                self._pending.pop(rid, None)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()  # the agent finishes what is in flight and exits
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+_channels: dict[tuple[str, SshTarget, str], Channel] = {}
+_channels_lock = threading.Lock()
+
+
+def channel(entry: NodeEntry, timeout: float) -> Channel:
+    """The process's channel to a node, opened on first use and reopened when it died."""
+    with _channels_lock:
+        ch = _channels.get(entry.key())
+        if ch is not None and not ch.closed:
+            return ch
+    ch = Channel(entry, timeout)  # outside the lock: opening one node must not stall others
+    with _channels_lock:
+        old = _channels.get(entry.key())
+        if old is not None and not old.closed:
+            ch.close()
+            return old
+        _channels[entry.key()] = ch
+    return ch
+
+
+def drop_channel(entry: NodeEntry) -> None:
+    with _channels_lock:
+        ch = _channels.pop(entry.key(), None)
+    if ch is not None:
+        ch.close()
+
+
+def close_all() -> None:
+    with _channels_lock:
+        chans = list(_channels.values())
+        _channels.clear()
+    for ch in chans:
+        ch.close()
+
+
+@dataclass
+class RemoteRecord:
+    """A sandbox on a remote node; ``id`` is node-qualified."""
+
+    id: str
+    node: str
+    doc: dict[str, Any]
+
+    @property
+    def status(self) -> str:
+        return str(self.doc.get("status"))
+
+    @property
+    def backend(self) -> str:
+        return str(self.doc.get("backend"))
+
+    @property
+    def image(self) -> str:
+        return str(self.doc.get("image"))
+
+    def public(self) -> dict[str, Any]:
+        return {**self.doc, "id": self.id, "node": self.node}
+
+
+class RemoteNode:
+    """The Node API of one remote node (ids given to it are the node-local part)."""
+
+    def __init__(self, entry: NodeEntry, timeout: float = 30.0) -> None:
+        self.entry = entry
+        self.name = entry.name
+        self.timeout = timeout  # bound for opening and for read-only requests
+
+    def call(self, op: str, args: dict[str, Any] | None = None, *,
+             timeout: float | None = None, on_event: OutputCallback | None = None) -> Any:
+        delay = 0.2
+        for attempt in range(RETRIES):
+            try:
+                ch = channel(self.entry, self.timeout)
+            except NodeUnreachableError:
+                if attempt == RETRIES - 1:
+                    raise
+                time.sleep(delay)
+                delay *= 2
+                continue
+            try:
+                return ch.call(op, args, timeout=timeout, on_event=on_event)
+            except NodeUnreachableError:
+                drop_channel(self.entry)
+                if op not in IDEMPOTENT or attempt == RETRIES - 1:
+                    raise
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def _rec(self, doc: dict[str, Any]) -> RemoteRecord:
+        return RemoteRecord(f"{self.name}/{doc['id']}", self.name, doc)
+
+    @staticmethod
+    def local_id(sid: str) -> str:
+        return sid.rsplit("/", 1)[-1]
+
+    # -- the Node API ---------------------------------------------------------------------------
+    def info(self, image: str | None = None, timeout: float | None = None) -> dict[str, Any]:
+        return dict(self.call("info", {"image": image}, timeout=timeout or self.timeout))
+
+    def create(self, image: str, opts: CreateOptions | None = None) -> RemoteRecord:
+        o = opts or CreateOptions()
+        doc = self.call("create", {"image": image, "opts": {
+            "backend": o.backend, "cpus": o.cpus, "memory": o.memory, "pids": o.pids,
+            "ttl": o.ttl, "network": o.network, "env": o.env, "workdir": o.workdir}})
+        return self._rec(doc)
+
+    def lookup(self, sid: str) -> RemoteRecord:
+        return self._rec(self.call("lookup", {"id": self.local_id(sid)}, timeout=self.timeout))
+
+    def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
+             cwd: str | None = None, stdin: Any = None, timeout: float | None = None,
+             on_output: OutputCallback | None = None) -> ExecResult:
+        if stdin is not None and not isinstance(stdin, bytes | bytearray):
+            stdin = b"".join(stdin)  # a chunk iterator (piped CLI stdin): sent whole
+        r = self.call("exec", {"id": self.local_id(sid), "argv": list(argv), "env": env or {},
+                               "cwd": cwd, "stdin": None if stdin is None else b64(stdin),
+                               "timeout": timeout, "stream": on_output is not None},
+                      on_event=on_output)
+        return ExecResult(int(r["exit_code"]), unb64(r["stdout"]), unb64(r["stderr"]),
+                          float(r["duration"]), bool(r["timed_out"]), bool(r["oom_killed"]),
+                          bool(r["pids_limited"]))
+
+    def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        self.call("put", {"id": self.local_id(sid), "path": path, "data": b64(data),
+                          "mode": mode})
+
+    def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
+        r = self.call("get", {"id": self.local_id(sid), "path": path})
+        return unb64(r["data"]), int(r["mode"])
+
+    def get_file(self, sid: str, path: str) -> bytes:
+        return self.get_file_with_mode(sid, path)[0]
+
+    def remove(self, sid: str) -> RemoteRecord:
+        return self._rec(self.call("remove", {"id": self.local_id(sid)}))
+
+    def pause(self, sid: str) -> RemoteRecord:
+        return self._rec(self.call("pause", {"id": self.local_id(sid)}))
+
+    def resume(self, sid: str) -> RemoteRecord:
+        return self._rec(self.call("resume", {"id": self.local_id(sid)}))
+
+    def describe(self, sid: str) -> dict[str, Any]:
+        doc = dict(self.call("describe", {"id": self.local_id(sid)}, timeout=self.timeout))
+        return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}",
+                "node": self.name}
+
+    def snapshot(self, sid: str, ref: str, push: str | None = None) -> dict[str, Any]:
+        out = dict(self.call("snapshot", {"id": self.local_id(sid), "ref": ref, "push": push}))
+        out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
+        return out
+
+    def sandboxes(self, timeout: float | None = None) -> list[RemoteRecord]:
+        return [self._rec(d) for d in self.call("ps", timeout=timeout or self.timeout)]
+
+    def gc(self, budget: int | None = None, dry_run: bool = False,
+           timeout: float | None = None) -> dict[str, Any]:
+        return dict(self.call("gc", {"budget": budget, "dry_run": dry_run}, timeout=timeout))

@@ -1,0 +1,172 @@
+"""The SSH transport: OpenSSH's client, one multiplexed connection per node.
+
+Every node gets a ControlMaster connection (started once, kept for ``DSEC_SSH_PERSIST``
+seconds after its last use, shared by every dsec process of the user); each channel is one
+``ssh ... dsec agent --stdio`` session over it, so a new CLI call to a warm node costs a
+session open, not a TCP connect and key exchange. Host keys are checked against the node's
+known_hosts file (``~/.ssh/known_hosts`` unless the node says otherwise) with
+``StrictHostKeyChecking=yes``: an unknown or changed key is refused, never trusted.
+Authentication is by key only (``BatchMode=yes``: no password prompts).
+
+The control socket's name is a digest of everything that decides whom we trust (user, host,
+port, identity, known_hosts file), so a master opened under one known_hosts file is never
+reused for a node entry that names another.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import shlex
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...core.errors import NodeUnreachableError, UsageError
+from .errors import HostKeyError, NodeCommandError
+
+log = logging.getLogger(__name__)
+
+_USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
+_HOST = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                   r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_HOSTKEY_SIGNS = ("Host key verification failed", "REMOTE HOST IDENTIFICATION HAS CHANGED",
+                  "No ED25519 host key is known", "host key for", "Permission denied",
+                  "Too many authentication failures")
+
+
+@dataclass(frozen=True)
+class Address:
+    user: str
+    host: str
+    port: int = 22
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.user}@{host}" + ("" if self.port == 22 else f":{self.port}")
+
+
+def parse_address(text: str) -> Address:
+    """``user@host[:port]`` (``user@[v6]:port`` for IPv6); anything else is a UsageError."""
+    user, sep, rest = text.partition("@")
+    if not sep or not _USER.match(user):
+        raise UsageError(f"malformed node address {text!r}: expected USER@HOST[:PORT]")
+    port_text = ""
+    if rest.startswith("["):
+        host, bracket, tail = rest[1:].partition("]")
+        if not bracket or (tail and not tail.startswith(":")) or ":" not in host:
+            raise UsageError(f"malformed node address {text!r}: bad IPv6 literal")
+        port_text = tail[1:] if tail else ""
+    else:
+        host, _, port_text = rest.partition(":")
+        if not _HOST.match(host):
+            raise UsageError(f"malformed node address {text!r}: bad host name {host!r}")
+    port = 22
+    if port_text or text.endswith(":"):
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise UsageError(f"malformed node address {text!r}: port must be 1-65535")
+        port = int(port_text)
+    return Address(user, host, port)
+
+
+def control_dir() -> Path:
+    """Short path (unix socket names are limited to 107 bytes), private to the user."""
+    d = Path(os.environ.get("DSEC_SSH_CONTROL_DIR") or
+             Path(tempfile.gettempdir()) / f"dsec-ssh-{os.getuid()}")
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return d
+
+
+def _timeout() -> int:
+    return int(os.environ.get("DSEC_SSH_TIMEOUT", "10"))
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    address: Address
+    identity: str | None = None
+    known_hosts: str | None = None
+
+    @property
+    def known_hosts_file(self) -> str:
+        return self.known_hosts or os.path.expanduser("~/.ssh/known_hosts")
+
+    @property
+    def control_path(self) -> Path:
+        key = "|".join([str(self.address), self.identity or "", self.known_hosts_file])
+        return control_dir() / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+    def base_argv(self, master: str = "no") -> list[str]:
+        argv = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                "-o", f"UserKnownHostsFile={self.known_hosts_file}",
+                "-o", f"ConnectTimeout={_timeout()}",
+                "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
+                "-o", f"ControlPath={self.control_path}", "-o", f"ControlMaster={master}",
+                "-p", str(self.address.port), "-l", self.address.user]
+        if os.environ.get("DSEC_SSH_CONFIG"):  # tests: never the developer's ~/.ssh/config
+            argv[1:1] = ["-F", os.environ["DSEC_SSH_CONFIG"]]
+        if self.identity:
+            argv += ["-i", self.identity, "-o", "IdentitiesOnly=yes"]
+        return argv
+
+    def _check(self) -> bool:
+        p = subprocess.run([*self.base_argv(), "-O", "check", self.address.host],
+                           capture_output=True, timeout=_timeout())
+        return p.returncode == 0
+
+    def ensure_master(self, name: str | None = None) -> None:
+        """Start the shared connection unless it runs; maps failures to typed errors.
+
+        The master is started with ``-f`` (it forks once authenticated) and its stderr goes
+        to a file, not a pipe: a backgrounded master keeps its stderr open forever."""
+        with open(str(self.control_path) + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one master per node, however many callers
+            if self.control_path.exists() and self._check():
+                return
+            who = f"{name} ({self.address})" if name else str(self.address)
+            persist = os.environ.get("DSEC_SSH_PERSIST", "600")
+            with tempfile.TemporaryFile() as err:
+                try:
+                    p = subprocess.run(
+                        [*self.base_argv("yes"), "-o", f"ControlPersist={persist}", "-f", "-N",
+                         self.address.host], stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL, stderr=err, timeout=_timeout() + 5)
+                except subprocess.TimeoutExpired as e:
+                    raise NodeUnreachableError(f"{who}: unreachable: no answer within "
+                                               f"{_timeout()}s") from e
+                except FileNotFoundError as e:
+                    raise UsageError("the OpenSSH client (ssh) is not installed",
+                                     hint="apt-get install openssh-client") from e
+                err.seek(0)
+                text = err.read().decode(errors="replace").strip()
+            if p.returncode != 0:
+                raise classify(who, text)
+
+    def close_master(self) -> None:
+        if self.control_path.exists():
+            subprocess.run([*self.base_argv(), "-O", "exit", self.address.host],
+                           capture_output=True, timeout=_timeout())
+
+    def command_argv(self, remote: list[str]) -> list[str]:
+        return [*self.base_argv(), self.address.host, "--", shlex.join(remote)]
+
+
+def classify(node: str, stderr: str) -> Exception:
+    """ssh exits 255 for every transport failure; its message tells refusals (never
+    retried) from unreachability (retried)."""
+    tail = stderr.strip().splitlines()[-3:] if stderr.strip() else []
+    msg = "; ".join(tail) or "ssh failed"
+    if any(s in stderr for s in _HOSTKEY_SIGNS):
+        return HostKeyError(f"{node}: refused by SSH: {msg}",
+                            hint="check the node's host key in known_hosts and the identity "
+                                 "key (dsec never trusts an unknown host key)")
+    if "command not found" in stderr or "No such file or directory" in stderr:
+        return NodeCommandError(f"{node}: dsec is not installed there: {msg}",
+                                hint="dsec node add --bootstrap installs it")
+    return NodeUnreachableError(f"{node}: unreachable: {msg}")
+
+

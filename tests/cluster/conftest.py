@@ -1,0 +1,71 @@
+"""Session fixtures for cluster tests: a file:// store holding the busybox layer and a small
+extra layer, and three real nodes (sshd on loopback ports, see sshnodes.py) with capacities
+20, 40 and 60 sandboxes. Each test gets the nodes in its own (fresh) user config."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .sshnodes import SshCluster, destroy_cluster, make_cluster
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGE = "busybox@1.35-1"
+TINY = "tiny@1"
+CAPACITY = {"node1": 20, "node2": 40, "node3": 60}
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes and sshd need root")
+
+
+def _build_store(root: Path, data: Path) -> str:
+    subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
+    tiny = root / "tiny"
+    (tiny / "files").mkdir(parents=True)
+    (tiny / "files" / "payload").write_bytes(os.urandom(64 << 10))
+    (tiny / "tiny.yaml").write_text(
+        'layer: tiny\nversion: "1"\nsteps:\n  - copy: {src: ./files, dst: /srv}\n')
+    from dsec_cli.build.builder import build
+
+    url = (root / "store").as_uri()
+    old = os.environ.get("XDG_DATA_HOME")
+    os.environ["XDG_DATA_HOME"] = str(data)
+    try:
+        build([REPO / "layerspecs/busybox/busybox.yaml", tiny / "tiny.yaml"], url)
+    finally:
+        if old is None:
+            os.environ.pop("XDG_DATA_HOME", None)
+        else:
+            os.environ["XDG_DATA_HOME"] = old
+    return url
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshCluster]:
+    root = tmp_path_factory.mktemp("cluster")
+    data = root / "data"
+    data.mkdir()
+    url = _build_store(root, data)
+    c = make_cluster(root / "nodes", url, data, 3)
+    for n in c.nodes:
+        n.set_capacity(sandboxes=CAPACITY[n.name])
+    try:
+        yield c
+    finally:
+        destroy_cluster(c)
+
+
+@pytest.fixture
+def client(cluster: SshCluster, monkeypatch: pytest.MonkeyPatch,
+           dsec_home: Path) -> SshCluster:
+    """This test's user config lists the three nodes; the SSH side is the cluster's."""
+    for k, v in cluster.client_env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("DSEC_STORE", cluster.store_url)
+    from dsec_cli.core.config import save_user_config
+
+    save_user_config({"nodes": cluster.config_nodes()})
+    return cluster

@@ -1,0 +1,73 @@
+"""Repacking: a pack that is mostly dead is rewritten with its live chunks only; the layers
+using it keep their content digest, their refs move, and the old pack is collected."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from dsec_cli.build.builder import build
+from dsec_cli.format.manifest import load_manifest
+from dsec_cli.format.refs import delete_ref, get_ref
+from dsec_cli.push.gc import gc_store
+from dsec_cli.push.materialize import export
+from dsec_cli.push.stores import open_store
+
+from ..treecmp import assert_same_tree
+
+
+def _spec(folder: Path, name: str, files: dict[str, bytes]) -> Path:
+    (folder / name).mkdir(parents=True)
+    for f, data in files.items():
+        (folder / name / f).write_bytes(data)
+    spec = folder / f"{name}.yaml"
+    spec.write_text(f'layer: {name}\nversion: "1"\nsteps:\n  - copy: {{src: ./{name}, dst: /d}}\n')
+    return spec
+
+
+def test_mostly_dead_pack_is_repacked_and_collected(tmp_path: Path) -> None:
+    rnd = random.Random(3)
+    keep, drop = rnd.randbytes(300_000), rnd.randbytes(900_000)
+    store = open_store(str(tmp_path / "store"))
+    build([_spec(tmp_path / "a", "both", {"keep.bin": keep, "drop.bin": drop})], store)
+    build([_spec(tmp_path / "b", "kept", {"keep.bin": keep})], store)
+    before = load_manifest(store, get_ref(store, "kept@1").manifest)
+    old_pack = before.packs
+    assert len(old_pack) == 1  # "kept" reuses the chunks "both" stored
+    delete_ref(store, "both@1")
+    report = gc_store(store, grace=0)
+    assert [c["pack"] for c in report.repack_candidates] == old_pack
+    assert report.repacked["refs_moved"] == ["kept@1"]
+    after = load_manifest(store, get_ref(store, "kept@1").manifest)
+    assert after.content_digest == before.content_digest and after.packs != old_pack
+    # the next run collects the old pack: the store holds about the live bytes only
+    gc_store(store, grace=0)
+    packs = [p for p in (tmp_path / "store/packs").rglob("*") if p.is_file()]
+    assert [p.name for p in packs] == after.packs
+    assert sum(p.stat().st_size for p in packs) < 400_000
+    out = tmp_path / "out"
+    export(store, "kept@1", out)
+    assert_same_tree(tmp_path / "b/kept", out / "d", root_meta=False)
+
+
+def test_gc_cli_reports_repack_and_threshold_one_disables_it(tmp_path: Path) -> None:
+    rnd = random.Random(4)
+    keep, drop = rnd.randbytes(200_000), rnd.randbytes(800_000)
+    url = str(tmp_path / "store")
+    store = open_store(url)
+    build([_spec(tmp_path / "a", "both", {"keep.bin": keep, "drop.bin": drop})], store)
+    build([_spec(tmp_path / "b", "kept", {"keep.bin": keep})], store)
+    delete_ref(store, "both@1")
+    dsec = [sys.executable, "-m", "dsec_cli"]
+    env = {**os.environ}
+    off = json.loads(subprocess.run([*dsec, "gc", "--store", url, "--grace", "0",
+                                     "--repack-threshold", "1", "--json"], env=env,
+                                    capture_output=True, text=True, check=True).stdout)
+    assert off["store"]["repack_candidates"] == [] and not off["store"]["repacked"]
+    on = subprocess.run([*dsec, "gc", "--store", url, "--grace", "0"], env=env,
+                        capture_output=True, text=True, check=True)
+    assert "repacked 1 packs into 1" in on.stdout and "moved 1 refs" in on.stdout
