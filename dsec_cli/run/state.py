@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.sqlite import immediate, thread_connection
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     id TEXT PRIMARY KEY,
@@ -75,28 +77,13 @@ class NodeDB:
         db.executescript(SCHEMA)
 
     def _connect(self) -> sqlite3.Connection:
-        """One connection per thread, kept open: opening and closing (which checkpoints the
-        WAL) per statement would cost more than the statements."""
-        db: sqlite3.Connection | None = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(self.path, timeout=60, isolation_level=None,
-                                 check_same_thread=False)
-            db.execute("PRAGMA busy_timeout=60000")
-            db.execute("PRAGMA foreign_keys=ON")
-            db.execute("PRAGMA synchronous=NORMAL")
-            self._local.db = db
-        return db
+        return thread_connection(self._local, "db", self.path,
+                                 ("foreign_keys=ON", "synchronous=NORMAL"))
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
-        db = self._connect()
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with immediate(self._connect()) as db:
             yield db
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     def insert(self, r: SandboxRecord, pins: list[str]) -> None:
         with self.tx() as db:

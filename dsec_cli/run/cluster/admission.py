@@ -32,6 +32,7 @@ import yaml
 from ...backends import _rootfs
 from ...core.config import parse_size
 from ...core.errors import ConfigError
+from ...core.sqlite import immediate, thread_connection
 from ..node import Node
 from .errors import CapacityError
 
@@ -108,28 +109,14 @@ class Admission:
                    "pid INTEGER, start INTEGER, cpus REAL, memory INTEGER, created REAL)")
 
     def _db(self) -> sqlite3.Connection:
-        """One connection per thread, kept open (opening one costs more than a decision)."""
-        db: sqlite3.Connection | None = getattr(self._local, "adm", None)
-        if db is None:
-            db = sqlite3.connect(self.path, timeout=60, isolation_level=None,
-                                 check_same_thread=False)
-            db.execute("PRAGMA busy_timeout=60000")
-            # reservations need no durability: after a crash their owners are dead, and dead
-            # owners' reservations are ignored; only the lock (the write transaction) matters
-            db.execute("PRAGMA synchronous=OFF")
-            self._local.adm = db
-        return db
+        # reservations need no durability: after a crash their owners are dead, and dead
+        # owners' reservations are ignored; only the lock (the write transaction) matters
+        return thread_connection(self._local, "adm", self.path, ("synchronous=OFF",))
 
     @contextmanager
     def _locked(self) -> Iterator[sqlite3.Connection]:
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with immediate(self._db()) as db:
             yield db
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     def _node_db(self) -> sqlite3.Connection:
         """A read connection to the node database, one per thread."""
