@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import Any
 
 import xxhash
 
@@ -57,6 +58,15 @@ def validate_key(key: str) -> str:
     if not _KEY.match(key) or any(p in (".", "..") for p in key.split("/")):
         raise UsageError(f"invalid store key {key!r}")
     return key
+
+
+def put_object(store: Any, kind: str, data: bytes) -> str:
+    """Store bytes under ``<kind>/<aa>/<sha256>`` unless already there; return the digest."""
+    digest = sha256_hex(data)
+    key = object_key(kind, digest)
+    if not store.has(key):
+        store.put(key, data)
+    return digest
 
 
 def verify_sha256(data: bytes, digest: str, what: str) -> bytes:

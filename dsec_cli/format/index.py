@@ -177,11 +177,6 @@ class LayerIndex:
 
 def put_index(store: Any, index: LayerIndex) -> str:
     """Store an index under the sha256 of its stored bytes; return the digest."""
-    from ..core.digests import object_key, sha256_hex
+    from ..core.digests import put_object
 
-    data = index.to_bytes()
-    digest = sha256_hex(data)
-    key = object_key("indexes", digest)
-    if not store.has(key):
-        store.put(key, data)
-    return digest
+    return put_object(store, "indexes", index.to_bytes())

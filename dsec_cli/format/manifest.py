@@ -71,11 +71,6 @@ def load_manifest(store: Any, digest: str) -> Manifest:
 
 
 def put_manifest(store: Any, manifest: Manifest) -> str:
-    from ..core.digests import sha256_hex
+    from ..core.digests import put_object
 
-    data = manifest.to_bytes()
-    digest = sha256_hex(data)
-    key = object_key("manifests", digest)
-    if not store.has(key):
-        store.put(key, data)
-    return digest
+    return put_object(store, "manifests", manifest.to_bytes())
