@@ -12,7 +12,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from ..push.stores import open_store
 from ..push.stores.base import Store
 from .image import base_warnings, write_image
 from .spec import Spec, find_specs, load_spec
-from .steps import build_tree
+from .steps import build_tree, clean_stale_staging, make_staging
 
 if TYPE_CHECKING:  # the writer loads the compiled chunker: only when something is built
     from .layer import Progress, WriteStats
@@ -268,8 +267,8 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
         cache = LayerCache(Path(load_config().state_dir))
         lowers = [cache.ensure(st, b) for b in bases]
     tmp_root = data_dir / "tmp"
-    tmp_root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix="build-", dir=tmp_root))
+    clean_stale_staging(tmp_root)  # a build killed before may have left a mounted overlay
+    staging = make_staging(tmp_root)
     try:
         scanned = build_tree(spec, staging, lowers, base_env, on_log)
         index, stats = write_layer(st, scanned, known=known, progress=progress,

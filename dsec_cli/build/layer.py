@@ -29,7 +29,7 @@ from ..format.codec import encode
 from ..format.index import ChunkLoc, ChunkParams, Entry, LayerIndex, put_index
 from ..format.manifest import Manifest, put_manifest
 from ..format.pack import FinishedPack, PackWriter
-from ..format.tree import Scanned, parent_of
+from ..format.tree import Scanned, ScanReport, parent_of
 from ..push.dedup import KnownChunk, KnownChunks
 from ..push.stores.base import Store
 
@@ -300,16 +300,24 @@ def layer_manifest(store: Store, index: LayerIndex, *, name: str, version: str,
 def build_layer_from_dir(store: Store, upper_dir: Path, name: str, version: str, *,
                          base: list[str] | None = None, env: dict[str, str] | None = None,
                          workdir: str = "", created_by: str = "dsec snapshot",
-                         known: KnownChunks | None = None) -> tuple[str, Manifest]:
-    """Turn a directory in overlayfs upper form (a sandbox's writable diff) into a layer
-    and point ``name@version`` at it."""
+                         known: KnownChunks | None = None,
+                         report: ScanReport | None = None) -> tuple[str, Manifest]:
+    """Turn a directory in overlayfs upper form (a sandbox's writable diff, written by
+    whatever ran in the sandbox) into a layer and point ``name@version`` at it.
+
+    The directory is scanned without following a link, under `SNAPSHOT_POLICY`: what it
+    dropped or changed is logged and recorded in ``report``."""
     from ..core.config import load_config
     from ..format.refs import set_ref
     from ..format.tree import scan_dir
 
     if known is None:
         known = KnownChunks.load(store, Path(load_config().data_dir) / "chunk-tables")
-    index, _ = write_layer(store, scan_dir(upper_dir, overlay_upper=True), known=known)
+    report = report if report is not None else ScanReport()
+    scanned = scan_dir(upper_dir, overlay_upper=True, snapshot=report)
+    for w in report.warnings():
+        log.warning("snapshot of %s: %s", upper_dir, w)
+    index, _ = write_layer(store, scanned, known=known)
     digest, m = layer_manifest(store, index, name=name, version=version, base=base, env=env,
                                workdir=workdir, created_by=created_by)
     set_ref(store, name, version, digest)

@@ -9,9 +9,12 @@ whiteouts, becomes the layer.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -134,14 +137,15 @@ class StagedTree:
         self.touched_after: list[int] = []  # ctime thresholds of run steps
 
     def add(self, scanned: list[Scanned], sde: int, read: Callable[[Scanned], Any]) -> None:
-        w = TreeWriter(self.upper, overlay_form=True)
-
         def exists(p: str) -> bool:
             return (self.upper / p).is_dir() or any((lo / p).is_dir() for lo in self.lowers)
 
-        for s in with_parents(scanned, exists, sde):
-            w.write(s.entry, read(s) if s.entry.type == "reg" else None)
-        w.finish()
+        # the safe writer: an extract step's members (or what an earlier `run` step left in
+        # the upper dir) cannot make an entry land outside it
+        with TreeWriter(self.upper, overlay_form=True) as w:
+            for s in with_parents(scanned, exists, sde):
+                w.write(s.entry, read(s) if s.entry.type == "reg" else None)
+            w.finish()
 
     def run(self, spec: Spec, step: Step, env: dict[str, str],
             on_line: Callable[[str], None] | None) -> None:
@@ -173,6 +177,98 @@ class StagedTree:
             if first_run is not None and s.ctime >= first_run and s.entry.type != "whiteout":
                 s.entry.mtime = sde
         return out
+
+
+# -- staging directories, and cleaning up after a killed build ---------------------------------
+
+STAGING_PREFIX = "build-"
+OWNER_FILE = "owner.json"
+#: a staging dir without an owner marker is left alone this long (it is being set up)
+_UNMARKED_GRACE = 600.0
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat): with
+    the pid it names one process, even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: fields follow the last ')'
+    return int(data[data.rindex(b")") + 2:].split()[19])
+
+
+def make_staging(tmp_root: Path) -> Path:
+    """A fresh staging dir for one build, marked with this process's pid and start time so a
+    later build or `dsec gc --node` can tell it was left by a build that died."""
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=tmp_root))
+    owner = {"pid": os.getpid(), "start": _start_time(os.getpid())}
+    (staging / OWNER_FILE).write_text(json.dumps(owner))
+    return staging
+
+
+def _alive(staging: Path) -> bool:
+    try:
+        owner = json.loads((staging / OWNER_FILE).read_text())
+        pid, start = int(owner["pid"]), owner["start"]
+    except FileNotFoundError:
+        try:  # just made, marker not yet written
+            return time.time() - staging.stat().st_mtime < _UNMARKED_GRACE
+        except FileNotFoundError:
+            return True  # removed meanwhile: nothing to do
+    except (ValueError, KeyError, TypeError):
+        return False
+    return _start_time(pid) == start
+
+
+def _unescape_mountinfo(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def _mounts_below(path: Path) -> list[str]:
+    base = str(path)
+    out = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            point = _unescape_mountinfo(line.split()[4])
+            if point == base or point.startswith(base + "/"):
+                out.append(point)
+    return sorted(out, key=len, reverse=True)  # deepest first
+
+
+def clean_stale_staging(tmp_root: Path, dry_run: bool = False) -> list[str]:
+    """Unmount and remove the staging dirs of builds that no longer run (killed during a
+    `run` step, their overlay mount is still there); return their paths."""
+    if not tmp_root.is_dir():
+        return []
+    removed: list[str] = []
+    for staging in sorted(tmp_root.glob(STAGING_PREFIX + "*")):
+        if not staging.is_dir() or staging.is_symlink() or _alive(staging):
+            continue
+        removed.append(str(staging))
+        if dry_run:
+            continue
+        for point in _mounts_below(staging):
+            subprocess.run(["umount", "-l", point], capture_output=True)
+        if _mounts_below(staging):
+            # never rmtree through a mount: it would reach into the layers below
+            log.warning("cannot unmount everything below %s; left in place", staging)
+            removed.pop()
+            continue
+        shutil.rmtree(staging, ignore_errors=True)
+        log.info("removed the staging dir %s of a build that died", staging)
+    return removed
 
 
 def run_env(spec: Spec, base_env: dict[str, str]) -> dict[str, str]:

@@ -1,9 +1,14 @@
 """Reading tar archives (tar, tar.gz, tar.xz, tar.zst) into layer entries, safely.
 
-Absolute paths, ``..`` components, hardlinks to outside the archive and relative symlinks
-that climb out of the root are rejected. OCI-style whiteouts (``.wh.NAME``,
-``.wh..wh..opq``) become whiteout entries and opaque directories. Regular files' bytes are
-spooled to a staging directory so the archive is read once, as a stream.
+Absolute paths, ``..`` components, hardlinks to outside the archive, relative symlinks
+that climb out of the root, and members below a path the archive made a symlink (or any
+other non-directory) are rejected, so no later member can land outside the root whatever
+the archive's links. A later member for the same path replaces the earlier one (a
+directory replaced by a non-directory loses its children). OCI-style whiteouts
+(``.wh.NAME``, ``.wh..wh..opq``) become whiteout entries and opaque directories. Regular
+files' bytes are spooled to a staging directory so the archive is read once, as a stream;
+a sparse member is spooled sparse, from its data map, so what is spooled is what the archive
+holds, and its apparent size is bounded by `MAX_SPARSE_SIZE`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from ..core.errors import SpecError
 from ..format.index import Entry
 from ..format.tree import Scanned
 
+#: the largest apparent size of a sparse member (its data is bounded by the archive itself)
+MAX_SPARSE_SIZE = 64 << 30
 WH_PREFIX = ".wh."
 WH_OPAQUE = ".wh..wh..opq"
 
@@ -71,6 +78,61 @@ def _symlink_escapes(path: str, target: str) -> bool:
     return False
 
 
+def _check_parents(out: dict[str, Scanned], path: str, base: str, name: str,
+                   src: Path) -> None:
+    """Every ancestor the archive itself made must be a directory: a member is never placed
+    through the archive's own symlink (or file, or device)."""
+    p = path
+    while p not in (".", base or "."):
+        p = posixpath.dirname(p) or "."
+        prev = out.get(p)
+        if prev is not None and prev.entry.type != "dir":
+            raise SpecError(f"archive entry {name!r} lies below {p!r}, which the archive made "
+                            f"a {prev.entry.type} entry, not a directory", path=str(src))
+
+
+def _replace(out: dict[str, Scanned], path: str, kind: str) -> None:
+    """A later member replaces an earlier one; a directory replaced by a non-directory loses
+    what was below it."""
+    prev = out.get(path)
+    if prev is not None and prev.entry.type == "dir" and kind != "dir":
+        prefix = path + "/"
+        for k in [k for k in out if k.startswith(prefix)]:
+            del out[k]
+
+
+def _spool(tf: tarfile.TarFile, m: tarfile.TarInfo, dest: str, src: Path) -> None:
+    fobj = tf.extractfile(m)
+    sparse = getattr(m, "sparse", None)
+    with open(dest, "wb") as f:
+        if fobj is None:
+            return
+        if not sparse:
+            shutil.copyfileobj(fobj, f, 1 << 20)
+            return
+        # the data map, checked, then only its pieces are copied: holes stay holes
+        if m.size > MAX_SPARSE_SIZE:
+            raise SpecError(f"archive member {m.name!r} is sparse with an apparent size of "
+                            f"{m.size} bytes, over the limit of {MAX_SPARSE_SIZE}",
+                            path=str(src))
+        end = 0
+        for offset, size in sparse:
+            if offset < end or size < 0 or offset + size > m.size:
+                raise SpecError(f"archive member {m.name!r} has an invalid sparse map",
+                                path=str(src))
+            end = offset + size
+            fobj.seek(offset)
+            f.seek(offset)
+            left = size
+            while left:
+                piece = fobj.read(min(left, 1 << 20))
+                if not piece:
+                    raise SpecError(f"archive member {m.name!r} is truncated", path=str(src))
+                f.write(piece)
+                left -= len(piece)
+        f.truncate(m.size)
+
+
 def read_tar(src: Path, dst: str, spool: Path) -> list[Scanned]:
     """Entries of an archive placed under ``dst`` (an absolute layer path)."""
     base = dst.strip("/")
@@ -93,6 +155,7 @@ def read_tar(src: Path, dst: str, spool: Path) -> list[Scanned]:
                           for k, v in m.pax_headers.items() if k.startswith("SCHILY.xattr.")}
                 if name == WH_OPAQUE:
                     parent = place(posixpath.dirname(rel) or ".")
+                    _check_parents(out, f"{parent}/{WH_OPAQUE}", base, m.name, src)
                     if parent in out:
                         out[parent].entry.opaque = True
                     else:
@@ -101,19 +164,19 @@ def read_tar(src: Path, dst: str, spool: Path) -> list[Scanned]:
                     continue
                 if name.startswith(WH_PREFIX):
                     path = place(posixpath.join(posixpath.dirname(rel), name[len(WH_PREFIX):]))
+                    _check_parents(out, path, base, m.name, src)
+                    _replace(out, path, "whiteout")
                     out[path] = Scanned(Entry(path, "whiteout"), None)
                     continue
                 path = place(rel)
+                _check_parents(out, path, base, m.name, src)
                 e = Entry(path, "reg", m.mode & 0o7777, m.uid, m.gid, mtime, xattrs=xattrs)
                 source = None
                 if m.isreg():
                     e.size = m.size
                     source = str(spool / f"{n:08d}")
                     n += 1
-                    fobj = tf.extractfile(m)
-                    with open(source, "wb") as f:
-                        if fobj is not None:
-                            shutil.copyfileobj(fobj, f, 1 << 20)
+                    _spool(tf, m, source, src)
                 elif m.isdir():
                     e.type = "dir"
                 elif m.issym():
@@ -123,7 +186,7 @@ def read_tar(src: Path, dst: str, spool: Path) -> list[Scanned]:
                     e.type, e.target, e.xattrs = "sym", m.linkname, {}
                 elif m.islnk():
                     target = place(_norm(m.linkname, "hardlink target", src))
-                    if target not in out or out[target].entry.type != "reg":
+                    if target == path or target not in out or out[target].entry.type != "reg":
                         raise SpecError(f"archive hardlink {m.name!r} -> {m.linkname!r} has no "
                                         "regular file target in the archive", path=str(src))
                     e.type, e.target = "hard", target
@@ -133,6 +196,7 @@ def read_tar(src: Path, dst: str, spool: Path) -> list[Scanned]:
                     e.type = "fifo"
                 else:
                     continue
+                _replace(out, path, e.type)
                 out[path] = Scanned(e, source)
     except (tarfile.TarError, EOFError, OSError) as err:
         raise SpecError(f"cannot read archive: {err}", path=str(src)) from err

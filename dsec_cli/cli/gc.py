@@ -95,6 +95,8 @@ def _render_node(report: dict[str, Any], dry_run: bool) -> None:
         typer.echo(f"cleaned up orphaned resources of {sid}")
     for d in report["evicted"]:
         typer.echo(f"{'would evict' if dry_run else 'evicted'} layer {d[:12]}")
+    for d in report.get("stale_builds", []):
+        typer.echo(f"{verb} the staging dir of a build that died: {d}")
     typer.echo(f"node: freed {human_bytes(report['freed_bytes'])}; "
                f"cache now {human_bytes(report['cache_bytes'])}")
 

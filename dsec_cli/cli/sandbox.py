@@ -285,6 +285,8 @@ def register(app: typer.Typer) -> None:
         if json_out:
             print_json(out)
         else:
+            for w in out.get("warnings", []):
+                typer.echo(f"warning: {w}", err=True)
             typer.echo(f"{out['image']} {out['image_digest'][:12]} "
                        f"(layer {out['layer']} {out['layer_digest'][:12]})")
 

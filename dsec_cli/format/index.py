@@ -35,6 +35,46 @@ class ChunkParams:
     level: int = 3
 
 
+def _put_name(d: dict[str, Any], key: str, name: str) -> None:
+    """A path or link target into a stored entry. File names are bytes: in memory a name that
+    is not valid UTF-8 is the surrogateescape-decoded str (as os.fsdecode gives); stored, it
+    is the base64 of its exact bytes under ``<key>b`` instead of ``<key>``, so entries whose
+    names are valid UTF-8 (and the digests of all-UTF-8 trees) are as they always were."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        d[key + "b"] = base64.b64encode(name.encode("utf-8", "surrogateescape")).decode()
+    else:
+        d[key] = name
+
+
+def _get_name(d: dict[str, Any], key: str) -> str:
+    if key + "b" in d:
+        if key in d:
+            raise FormatError(f"index entry has both {key!r} and {key + 'b'!r}")
+        try:
+            raw = base64.b64decode(d[key + "b"], validate=True)
+        except (ValueError, TypeError) as e:
+            raise FormatError(f"index entry field {key + 'b'!r} is not base64") from e
+        name = raw.decode("utf-8", "surrogateescape")
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            return name
+        # one spelling per name, or one tree would have two content digests
+        raise FormatError(f"index entry field {key + 'b'!r} holds valid UTF-8 {name!r}: it "
+                          f"belongs in {key!r}")
+    name = d[key]
+    if not isinstance(name, str):
+        raise FormatError(f"index entry field {key!r} is not a string")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        # a JSON escape of a lone surrogate would alias a non-UTF-8 name's in-memory form
+        raise FormatError(f"index entry name {name!r} is not valid Unicode") from None
+    return name
+
+
 ENTRY_TYPES = ("reg", "dir", "sym", "hard", "chr", "blk", "fifo", "whiteout")
 
 
@@ -56,13 +96,14 @@ class Entry:
     chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (chunk#, offset, length)
 
     def to_doc(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"p": self.path, "t": self.type}
+        d: dict[str, Any] = {"t": self.type}
+        _put_name(d, "p", self.path)
         if self.type not in ("whiteout",):
             d.update(m=self.mode, u=self.uid, g=self.gid, mt=self.mtime)
         if self.size:
             d["s"] = self.size
         if self.target:
-            d["l"] = self.target
+            _put_name(d, "l", self.target)
         if self.rdev is not None:
             d["rd"] = list(self.rdev)
         if self.xattrs:
@@ -78,9 +119,10 @@ class Entry:
         t = d["t"]
         if t not in ENTRY_TYPES:
             raise FormatError(f"index entry {d.get('p')!r} has unknown type {t!r}")
+        target = _get_name(d, "l") if "l" in d or "lb" in d else ""
         return cls(
-            path=d["p"], type=t, mode=d.get("m", 0), uid=d.get("u", 0), gid=d.get("g", 0),
-            mtime=d.get("mt", 0), size=d.get("s", 0), target=d.get("l", ""),
+            path=_get_name(d, "p"), type=t, mode=d.get("m", 0), uid=d.get("u", 0),
+            gid=d.get("g", 0), mtime=d.get("mt", 0), size=d.get("s", 0), target=target,
             rdev=tuple(d["rd"]) if "rd" in d else None,  # type: ignore[arg-type]
             xattrs={k: base64.b64decode(v) for k, v in d.get("x", {}).items()},
             opaque=d.get("o", False), chunks=[tuple(c) for c in d.get("c", [])],  # type: ignore[misc]

@@ -1,21 +1,34 @@
 """Trees on a real filesystem: scanning a directory into index entries, and writing
 entries back out (as a plain tree, or in overlayfs form with whiteouts as 0:0 devices).
 
-Writing never follows a symlink that the tree itself created: a layer that holds
-``a -> /etc`` and ``a/passwd`` cannot write outside the destination.
+`TreeWriter` is the one code path that writes a layer's files anywhere (exports, the node's
+layer cache, build staging, extract steps). Its entries are hostile input, so it never
+resolves a path through a symlink or out of its root: every parent directory is opened
+beneath the root with openat2(2) and RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
+RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV (or, where the kernel lacks openat2, by a walk of
+O_NOFOLLOW | O_DIRECTORY opens, one component at a time), and the final name is created,
+linked, chowned, chmodded and timestamped through that directory's fd. Entries are applied in
+order with overlay's rule: a later entry for the same path replaces the earlier one (a
+directory replaced by a non-directory loses its children); an entry below a path that is not
+a directory is an error, never resolved through a link.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import logging
 import os
+import shutil
 import stat
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.errors import FormatError
 from .index import Entry
+
+log = logging.getLogger(__name__)
 
 OVERLAY_XATTR_PREFIX = "trusted.overlay."
 OPAQUE_XATTR = "trusted.overlay.opaque"
@@ -38,6 +51,105 @@ def parent_of(path: str) -> str:
     return head or "."
 
 
+def _split(rel: str) -> tuple[str, str]:
+    head, _, name = rel.rpartition("/")
+    return head or ".", name
+
+
+# -- resolving beneath a root ------------------------------------------------------------------
+
+_SYS_OPENAT2 = 437  # the same number on every architecture (added after the syscall unification)
+_RESOLVE = 0x08 | 0x04 | 0x02 | 0x01  # BENEATH | NO_SYMLINKS | NO_MAGICLINKS | NO_XDEV
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+#: cleared the first time the kernel answers ENOSYS (or by tests, to exercise the walk)
+use_openat2 = True
+
+
+def _openat2(dirfd: int, rel: str, flags: int) -> int:
+    how = _OpenHow(flags, 0, _RESOLVE)
+    fd = _syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dirfd),
+                  ctypes.c_char_p(os.fsencode(rel)), ctypes.byref(how),
+                  ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), rel)
+    return int(fd)
+
+
+def _walk(root_fd: int, rel: str, create: bool) -> int:
+    """The directory ``rel`` beneath root_fd, one O_NOFOLLOW | O_DIRECTORY open per component
+    (each step names one entry of a directory already proven to be beneath the root, so no
+    symlink and no `..` is ever followed); missing components are made with mode 0755."""
+    root_dev = os.fstat(root_fd).st_dev
+    fd = os.dup(root_fd)
+    try:
+        for part in rel.split("/"):
+            try:
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass  # made concurrently: opened (and checked) below
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+            if os.fstat(fd).st_dev != root_dev:
+                raise OSError(errno.EXDEV, "crosses a mount point", rel)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_dir_beneath(root_fd: int, rel: str, *, create: bool = False) -> int:
+    """An fd of directory ``rel`` (relative, normalized) beneath root_fd, never reached
+    through a symlink, a magic link, `..` or a mount point. With create, missing directories
+    are made. Raises FileNotFoundError, or FormatError when a component is not a directory."""
+    global use_openat2
+    if rel == ".":
+        return os.dup(root_fd)
+    try:
+        if use_openat2:
+            try:
+                return _openat2(root_fd, rel, _DIR_FLAGS)
+            except OSError as e:
+                if e.errno == errno.ENOSYS:
+                    use_openat2 = False
+                elif e.errno == errno.ENOENT and create:
+                    pass  # the walk makes what is missing
+                elif e.errno != errno.EAGAIN:  # EAGAIN: a concurrent rename; walk instead
+                    raise
+        return _walk(root_fd, rel, create)
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
+            raise FormatError(f"refusing to write below {rel!r}: a component of it is not a "
+                              "directory of the tree (a symlink, a file or a mount)") from e
+        raise
+
+
+# -- scanning ----------------------------------------------------------------------------------
+
+#: what a snapshot keeps of the special files a sandbox left in its upper directory
+SNAPSHOT_POLICY = (
+    "overlay whiteouts (0:0 character devices) become whiteouts; other device nodes are "
+    "dropped; sockets are dropped; FIFOs are kept; setuid and setgid bits and "
+    "security.capability xattrs are removed"
+)
+
+
 @dataclass
 class Scanned:
     entry: Entry
@@ -45,38 +157,79 @@ class Scanned:
     ctime: int = 0  # change time (ns) of the host path, to tell what a step touched
 
 
-def _xattrs(path: str, overlay_upper: bool) -> tuple[dict[str, bytes], bool]:
+@dataclass
+class ScanReport:
+    """What a scan left out or changed, for the user to see (snapshots)."""
+
+    dropped: list[str] = field(default_factory=list)  # "path: why"
+    changed: list[str] = field(default_factory=list)
+
+    def warnings(self) -> list[str]:
+        return [f"dropped {d}" for d in self.dropped] + [f"changed {c}" for c in self.changed]
+
+
+def _xattrs(dfd: int, name: str, fd: int | None, overlay_upper: bool
+            ) -> tuple[dict[str, bytes], bool]:
+    # an open fd where there is one; else the name through the parent's fd (no symlink:
+    # xattrs are never read from symlinks)
+    target: int | str = fd if fd is not None else f"/proc/self/fd/{dfd}/{name}"
     try:
-        names = os.listxattr(path, follow_symlinks=False)
+        names = os.listxattr(target, follow_symlinks=False) if fd is None \
+            else os.listxattr(target)
     except OSError:
         return {}, False
     out: dict[str, bytes] = {}
     opaque = False
-    for name in names:
+    for xname in names:
         try:
-            value = os.getxattr(path, name, follow_symlinks=False)
+            value = os.getxattr(target, xname, follow_symlinks=False) if fd is None \
+                else os.getxattr(target, xname)
         except OSError:
             continue
-        if name.startswith(OVERLAY_XATTR_PREFIX):
-            if overlay_upper and name == OPAQUE_XATTR and value == b"y":
+        if xname.startswith(OVERLAY_XATTR_PREFIX):
+            if overlay_upper and xname == OPAQUE_XATTR and value == b"y":
                 opaque = True
             continue  # overlayfs bookkeeping is not content
-        out[name] = value
+        out[xname] = value
     return out, opaque
 
 
 def scan_dir(root: Path, *, overlay_upper: bool = False,
-             on_entry: Callable[[Entry], None] | None = None) -> list[Scanned]:
-    """Every path under root in sorted order. With overlay_upper, 0:0 character devices are
-    whiteouts and ``trusted.overlay.opaque=y`` directories are opaque."""
+             on_entry: Callable[[Entry], None] | None = None,
+             snapshot: ScanReport | None = None) -> list[Scanned]:
+    """Every path under root in sorted order, never following a symlink (each directory is
+    opened with O_NOFOLLOW through its parent's fd). With overlay_upper, 0:0 character
+    devices are whiteouts and ``trusted.overlay.opaque=y`` directories are opaque. With a
+    snapshot report, `SNAPSHOT_POLICY` applies and what it dropped or changed is recorded."""
     out: list[Scanned] = []
     seen_inodes: dict[tuple[int, int], str] = {}
+    root_str = str(root)
 
-    def visit(host: str, rel: str) -> None:
-        st = os.lstat(host)
+    def visit(dfd: int, name: str, host: str, rel: str) -> None:
+        st = os.lstat(name, dir_fd=dfd)
         mode = st.st_mode
-        xattrs, opaque = _xattrs(host, overlay_upper)
-        e = Entry(path=rel, type="reg", mode=stat.S_IMODE(mode), uid=st.st_uid, gid=st.st_gid,
+        sub_fd: int | None = None
+        if stat.S_ISDIR(mode):
+            sub_fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+        try:
+            _visit(dfd, name, host, rel, st, sub_fd)
+        finally:
+            if sub_fd is not None:
+                os.close(sub_fd)
+
+    def _visit(dfd: int, name: str, host: str, rel: str, st: os.stat_result,
+               sub_fd: int | None) -> None:
+        mode = st.st_mode
+        is_lnk = stat.S_ISLNK(mode)
+        xattrs, opaque = ({}, False) if is_lnk else _xattrs(dfd, name, sub_fd, overlay_upper)
+        perm = stat.S_IMODE(mode)
+        if snapshot is not None and perm & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISDIR(
+                mode):
+            perm &= ~(stat.S_ISUID | stat.S_ISGID)
+            snapshot.changed.append(f"{rel}: setuid/setgid bits removed")
+        if snapshot is not None and xattrs.pop("security.capability", None) is not None:
+            snapshot.changed.append(f"{rel}: file capabilities removed")
+        e = Entry(path=rel, type="reg", mode=perm, uid=st.st_uid, gid=st.st_gid,
                   mtime=st.st_mtime_ns, xattrs=xattrs)
         source = None
         if stat.S_ISDIR(mode):
@@ -88,142 +241,245 @@ def scan_dir(root: Path, *, overlay_upper: bool = False,
                     e.type, e.target = "hard", first
             if e.type == "reg":
                 e.size, source = st.st_size, host
-        elif stat.S_ISLNK(mode):
-            e.type, e.target, e.xattrs = "sym", os.readlink(host), {}
+        elif is_lnk:
+            e.type, e.target, e.xattrs = "sym", os.readlink(name, dir_fd=dfd), {}
         elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
             if overlay_upper and stat.S_ISCHR(mode) and st.st_rdev == 0:
                 e = Entry(path=rel, type="whiteout")
+            elif snapshot is not None:
+                snapshot.dropped.append(f"{rel}: device node")
+                return
             else:
                 e.type = "chr" if stat.S_ISCHR(mode) else "blk"
                 e.rdev = (os.major(st.st_rdev), os.minor(st.st_rdev))
         elif stat.S_ISFIFO(mode):
             e.type = "fifo"
         else:
+            if snapshot is not None:
+                snapshot.dropped.append(f"{rel}: socket")
             return  # sockets are not content
         out.append(Scanned(e, source, st.st_ctime_ns))
         if on_entry:
             on_entry(e)
-        if e.type == "dir":
-            with os.scandir(host) as it:
-                names = sorted(d.name for d in it)
-            for name in names:
-                visit(os.path.join(host, name), name if rel == "." else f"{rel}/{name}")
+        if sub_fd is not None:
+            names = sorted(os.listdir(sub_fd))
+            for child in names:
+                visit(sub_fd, child, os.path.join(host, child),
+                      child if rel == "." else f"{rel}/{child}")
 
-    visit(str(root), ".")
+    root_fd = os.open(root_str, _DIR_FLAGS)
+    try:
+        st = os.fstat(root_fd)
+        _visit(root_fd, ".", root_str, ".", st, root_fd)
+    finally:
+        os.close(root_fd)
     return out
 
 
+# -- writing -----------------------------------------------------------------------------------
+
+
 class TreeWriter:
-    """Writes entries under a destination directory, safely and with full metadata."""
+    """Writes entries under a destination directory, safely and with full metadata.
+
+    Use as a context manager (or call `finish` / `close`): it holds directory fds."""
 
     def __init__(self, dest: Path, *, overlay_form: bool, owners: bool | None = None) -> None:
         self.dest = dest
         self.overlay_form = overlay_form
         self.owners = os.geteuid() == 0 if owners is None else owners
-        self._dirs: set[str] = {"."}
-        self._dir_meta: list[Entry] = []
+        self._dir_meta: dict[str, Entry] = {}
         dest.mkdir(parents=True, exist_ok=True)
+        self._root = os.open(dest, _DIR_FLAGS)
+        # the fd of the parent of the last entry: sorted trees write many entries into one
+        # directory in a row. It cannot go stale: the only mutations are of the *children* of
+        # the directory an entry is written into, and an entry whose path is this directory
+        # itself has a different parent, so the cache moves away before it is replaced.
+        self._pdir: str | None = None
+        self._pfd = -1
 
-    def _host(self, rel: str) -> str:
-        return str(self.dest) if rel == "." else os.path.join(self.dest, rel)
+    def __enter__(self) -> TreeWriter:
+        return self
 
-    def _ensure_parent(self, rel: str) -> None:
-        parent = parent_of(rel)
-        if parent in self._dirs:
-            return
-        # a parent we did not create: each component must be a real directory, never a link
-        cur = "."
-        for part in parent.split("/"):
-            cur = part if cur == "." else f"{cur}/{part}"
-            if cur in self._dirs:
-                continue
-            try:
-                st = os.lstat(self._host(cur))
-            except FileNotFoundError:
-                os.mkdir(self._host(cur), 0o755)
-                self._dirs.add(cur)
-                continue
-            if not stat.S_ISDIR(st.st_mode):
-                raise FormatError(f"refusing to write {rel!r}: {cur!r} is not a directory")
-            self._dirs.add(cur)
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
-    def _clear(self, host: str, keep_dir: bool) -> None:
+    def close(self) -> None:
+        self._drop_cache()
+        if self._root >= 0:
+            os.close(self._root)
+            self._root = -1
+
+    def _drop_cache(self) -> None:
+        if self._pfd >= 0:
+            os.close(self._pfd)
+        self._pdir, self._pfd = None, -1
+
+    def _parent_fd(self, parent: str) -> int:
+        if self._pdir != parent:
+            self._drop_cache()
+            self._pfd = open_dir_beneath(self._root, parent, create=True)
+            self._pdir = parent
+        return self._pfd
+
+    def _remove(self, dfd: int, name: str, rel: str) -> None:
+        """Remove whatever is at name (a whole tree for a directory: rmtree with dir_fd
+        never follows a symlink) and forget the bookkeeping of what was below it."""
         try:
-            st = os.lstat(host)
+            st = os.lstat(name, dir_fd=dfd)
         except FileNotFoundError:
             return
         if stat.S_ISDIR(st.st_mode):
-            if keep_dir:
-                return
-            import shutil
-
-            shutil.rmtree(host)
+            shutil.rmtree(name, dir_fd=dfd)
+            prefix = rel + "/"
+            self._dir_meta.pop(rel, None)
+            for p in [p for p in self._dir_meta if p.startswith(prefix)]:
+                del self._dir_meta[p]
         else:
-            os.unlink(host)
+            os.unlink(name, dir_fd=dfd)
 
     def write(self, e: Entry, content: Iterable[bytes] | None = None) -> None:
         rel = check_rel_path(e.path)
-        if rel != ".":
-            self._ensure_parent(rel)
-        host = self._host(rel)
         t = e.type
-        if t == "dir":
-            self._clear(host, keep_dir=True)
-            if rel != ".":
-                try:
-                    os.mkdir(host, 0o700)
-                except FileExistsError:
-                    pass
-            self._dirs.add(rel)
-            if e.opaque and self.overlay_form:
-                os.setxattr(host, OPAQUE_XATTR, b"y", follow_symlinks=False)
-            self._dir_meta.append(e)
+        if rel == ".":
+            if t != "dir":
+                raise FormatError(f"the root of a tree must be a directory, not {t!r}")
+            self._dir(self._root, None, rel, e)
             return
-        self._clear(host, keep_dir=False)
+        parent, name = _split(rel)
+        dfd = self._parent_fd(parent)
+        if t == "dir":
+            try:
+                os.mkdir(name, 0o700, dir_fd=dfd)
+            except FileExistsError:
+                if not stat.S_ISDIR(os.lstat(name, dir_fd=dfd).st_mode):
+                    self._remove(dfd, name, rel)
+                    os.mkdir(name, 0o700, dir_fd=dfd)
+            fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+            try:
+                self._dir(fd, name, rel, e)
+            finally:
+                os.close(fd)
+            return
         if t == "whiteout":
+            self._remove(dfd, name, rel)
             if self.overlay_form:
-                os.mknod(host, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+                os.mknod(name, stat.S_IFCHR | 0o000, os.makedev(0, 0), dir_fd=dfd)
             return
         if t == "reg":
-            fd = os.open(host, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb", buffering=0) as f:
-                for piece in content or ():
-                    f.write(piece)
-        elif t == "sym":
-            os.symlink(e.target, host)
+            self._reg(dfd, name, rel, e, content)
+            return
+        if t not in ("sym", "hard", "chr", "blk", "fifo"):
+            raise FormatError(f"cannot write entry type {t!r} at {rel!r}")
+        try:
+            self._create(dfd, name, e)
+        except FileExistsError:
+            self._remove(dfd, name, rel)
+            self._create(dfd, name, e)
+        if t != "hard":  # a hardlink shares the target's inode and metadata
+            self._meta_at(dfd, name, e)
+
+    def _dir(self, fd: int, name: str | None, rel: str, e: Entry) -> None:
+        if e.opaque and self.overlay_form:
+            os.setxattr(fd, OPAQUE_XATTR, b"y")
+        self._dir_meta[rel] = e  # applied by finish, after the children are written
+
+    def _reg(self, dfd: int, name: str, rel: str, e: Entry,
+             content: Iterable[bytes] | None) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, 0o600, dir_fd=dfd)
+        except FileExistsError:
+            self._remove(dfd, name, rel)
+            fd = os.open(name, flags, 0o600, dir_fd=dfd)
+        try:
+            for piece in content or ():
+                view = memoryview(piece)
+                while view:  # a write may be short
+                    view = view[os.write(fd, view):]
+            self._meta_fd(fd, e)
+        finally:
+            os.close(fd)
+
+    def _create(self, dfd: int, name: str, e: Entry) -> None:
+        t = e.type
+        if t == "sym":
+            os.symlink(e.target, name, dir_fd=dfd)
         elif t == "hard":
-            src = self._host(check_rel_path(e.target))
-            if os.path.islink(src) and not os.path.lexists(src):
-                raise FormatError(f"hardlink {rel!r} -> {e.target!r} has no target")
-            os.link(src, host, follow_symlinks=False)
-            return  # shares the target's inode and metadata
+            self._link(dfd, name, e)
         elif t in ("chr", "blk"):
             kind = stat.S_IFCHR if t == "chr" else stat.S_IFBLK
             major, minor = e.rdev or (0, 0)
-            os.mknod(host, kind | 0o600, os.makedev(major, minor))
-        elif t == "fifo":
-            os.mkfifo(host, 0o600)
+            os.mknod(name, kind | 0o600, os.makedev(major, minor), dir_fd=dfd)
         else:
-            raise FormatError(f"cannot write entry type {t!r} at {rel!r}")
-        self._meta(host, e)
+            os.mkfifo(name, 0o600, dir_fd=dfd)
 
-    def _meta(self, host: str, e: Entry) -> None:
-        is_link = e.type == "sym"
+    def _link(self, dfd: int, name: str, e: Entry) -> None:
+        """A hardlink's source is resolved beneath the root like any parent: an absolute or
+        `..` target, or one reached through a symlink, is an error."""
+        try:
+            target = check_rel_path(e.target)
+        except FormatError as err:
+            raise FormatError(f"hardlink {e.path!r} -> {e.target!r}: {err}") from err
+        if target == ".":
+            raise FormatError(f"hardlink {e.path!r} points at the root")
+        tparent, tname = _split(target)
+        try:
+            tfd = open_dir_beneath(self._root, tparent)
+        except FileNotFoundError:
+            raise FormatError(f"hardlink {e.path!r} -> {e.target!r} has no target") from None
+        try:
+            st = os.lstat(tname, dir_fd=tfd)
+            if stat.S_ISDIR(st.st_mode):
+                raise FormatError(f"hardlink {e.path!r} -> {e.target!r} points at a directory")
+            os.link(tname, name, src_dir_fd=tfd, dst_dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise FormatError(f"hardlink {e.path!r} -> {e.target!r} has no target") from None
+        finally:
+            os.close(tfd)
+
+    def _xattrs(self, e: Entry) -> Iterable[tuple[str, bytes]]:
+        # overlayfs's own xattrs (redirects, metacopy, ...) never come from an index: the
+        # writer sets the opaque marker itself
+        return ((k, v) for k, v in e.xattrs.items() if not k.startswith(OVERLAY_XATTR_PREFIX))
+
+    def _meta_fd(self, fd: int, e: Entry) -> None:
+        """Metadata of a file or directory through its own open fd."""
         if self.owners:
-            os.lchown(host, e.uid, e.gid)
-        for name, value in e.xattrs.items():
+            os.fchown(fd, e.uid, e.gid)
+        for name, value in self._xattrs(e):
             try:
-                os.setxattr(host, name, value, follow_symlinks=False)
+                os.setxattr(fd, name, value)
             except OSError as err:
                 if err.errno not in (errno.ENOTSUP, errno.EPERM):
                     raise
-        if not is_link:
-            os.chmod(host, e.mode)  # after chown, which clears setuid bits
-        os.utime(host, ns=(e.mtime, e.mtime), follow_symlinks=False)
+        os.fchmod(fd, e.mode & 0o7777)  # after chown, which clears setuid bits
+        os.utime(fd, ns=(e.mtime, e.mtime))
+
+    def _meta_at(self, dfd: int, name: str, e: Entry) -> None:
+        """Metadata of a symlink, device or FIFO (never opened: opening one has effects)
+        through its parent's fd, not following the final name."""
+        if self.owners:
+            os.chown(name, e.uid, e.gid, dir_fd=dfd, follow_symlinks=False)
+        if e.type != "sym":  # symlinks carry no mode, and Linux allows no user xattrs on them
+            for xname, value in self._xattrs(e):
+                try:
+                    os.setxattr(f"/proc/self/fd/{dfd}/{name}", xname, value,
+                                follow_symlinks=False)
+                except OSError as err:
+                    if err.errno not in (errno.ENOTSUP, errno.EPERM):
+                        raise
+            os.chmod(name, e.mode & 0o7777, dir_fd=dfd, follow_symlinks=False)
+        os.utime(name, ns=(e.mtime, e.mtime), dir_fd=dfd, follow_symlinks=False)
 
     def finish(self) -> None:
         """Directory metadata last, deepest first, so writing children does not touch mtimes."""
-        for e in reversed(self._dir_meta):
-            self._meta(self._host(e.path), e)
+        self._drop_cache()
+        for rel in sorted(self._dir_meta, reverse=True):
+            fd = open_dir_beneath(self._root, rel)
+            try:
+                self._meta_fd(fd, self._dir_meta[rel])
+            finally:
+                os.close(fd)
         self._dir_meta.clear()
-
+        self.close()

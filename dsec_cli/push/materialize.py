@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.digests import object_key
-from ..core.errors import NotFoundError, UsageError
+from ..core.errors import FormatError, NotFoundError, UsageError
 from ..format.index import Entry, LayerIndex
 from ..format.manifest import Manifest, load_manifest
 from ..format.merge import merge
 from ..format.reader import ChunkReader, Fetch
 from ..format.refs import resolve
-from ..format.tree import TreeWriter
+from ..format.tree import TreeWriter, check_rel_path, parent_of
 from .dedup import load_index
 from .stores.base import Store
 
@@ -95,14 +95,14 @@ def export(store: Store, ref: str, dest: Path,
         # written beside the destination and renamed: a failed export leaves nothing behind
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            w = TreeWriter(tmp, overlay_form=False)
-            for e, n in entries:
-                w.write(e, readers[n].read_file(e) if e.type == "reg" else None)
-                if progress:
-                    progress("files", 1)
-                    if e.type == "reg":
-                        progress("bytes", e.size)
-            w.finish()
+            with TreeWriter(tmp, overlay_form=False) as w:
+                for e, n in entries:
+                    w.write(e, readers[n].read_file(e) if e.type == "reg" else None)
+                    if progress:
+                        progress("files", 1)
+                        if e.type == "reg":
+                            progress("bytes", e.size)
+                w.finish()
             if dest.exists():
                 dest.rmdir()
             os.rename(tmp, dest)
@@ -140,28 +140,47 @@ _TAR_TYPES = {"reg": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "sym": tarfile.SYM
 def _export_tar(entries: list[tuple[Entry, int]], readers: list[ChunkReader], dest: Path,
                 progress: Callable[[str, int], None] | None) -> None:
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
-        for e, n in entries:
-            ti = tarfile.TarInfo("." if e.path == "." else f"./{e.path}")
-            ti.type = _TAR_TYPES[e.type]
-            ti.mode, ti.uid, ti.gid = e.mode, e.uid, e.gid
-            ti.mtime = e.mtime // 1_000_000_000
-            pax = {"mtime": f"{e.mtime // 1_000_000_000}.{e.mtime % 1_000_000_000:09d}"}
-            if e.type in ("sym", "hard"):
-                ti.linkname = e.target if e.type == "sym" else f"./{e.target}"
-            if e.rdev:
-                ti.devmajor, ti.devminor = e.rdev
-            pax.update({f"SCHILY.xattr.{k}": v.decode("utf-8", "surrogateescape")
-                        for k, v in e.xattrs.items()})
-            ti.pax_headers = pax
-            if e.type == "reg":
-                ti.size = e.size
-                tf.addfile(ti, io.BufferedReader(_Stream(readers[n].read_file(e)), 1 << 20))
-            else:
-                tf.addfile(ti)
-            if progress:
-                progress("files", 1)
-    os.replace(tmp, dest)
+    kinds: dict[str, str] = {}
+    try:
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
+            for e, n in entries:
+                _add_tar_member(tf, e, readers[n], kinds)
+                if progress:
+                    progress("files", 1)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _add_tar_member(tf: tarfile.TarFile, e: Entry, reader: ChunkReader,
+                    kinds: dict[str, str]) -> None:
+    # a member below a non-directory would make an extracting tar follow a link of the
+    # layer's own making: refused, as the tree writer refuses it
+    if e.path != ".":
+        check_rel_path(e.path)
+        parent = parent_of(e.path)
+        if kinds.get(parent, "dir") != "dir":
+            raise FormatError(f"refusing to export {e.path!r}: {parent!r} is not a directory")
+    kinds[e.path] = e.type
+    ti = tarfile.TarInfo("." if e.path == "." else f"./{e.path}")
+    ti.type = _TAR_TYPES[e.type]
+    ti.mode, ti.uid, ti.gid = e.mode, e.uid, e.gid
+    ti.mtime = e.mtime // 1_000_000_000
+    pax = {"mtime": f"{e.mtime // 1_000_000_000}.{e.mtime % 1_000_000_000:09d}"}
+    if e.type == "hard":
+        ti.linkname = f"./{check_rel_path(e.target)}"
+    elif e.type == "sym":
+        ti.linkname = e.target
+    if e.rdev:
+        ti.devmajor, ti.devminor = e.rdev
+    pax.update({f"SCHILY.xattr.{k}": v.decode("utf-8", "surrogateescape")
+                for k, v in e.xattrs.items()})
+    ti.pax_headers = pax
+    if e.type == "reg":
+        ti.size = e.size
+        tf.addfile(ti, io.BufferedReader(_Stream(reader.read_file(e)), 1 << 20))
+    else:
+        tf.addfile(ti)
 
 
 class LayerCache:
@@ -186,10 +205,12 @@ class LayerCache:
         index, reader = _reader_for(store, m)
         tmp = self.root / f".tmp-{m.content_digest[:16]}-{uuid.uuid4().hex[:8]}"
         try:
-            w = TreeWriter(tmp, overlay_form=True)
-            for e in index.entries:
-                w.write(e, reader.read_file(e) if e.type == "reg" else None)
-            w.finish()
+            # the index's entries as they come: the writer applies duplicates last-wins and
+            # refuses anything that would leave tmp, whatever the order
+            with TreeWriter(tmp, overlay_form=True) as w:
+                for e in index.entries:
+                    w.write(e, reader.read_file(e) if e.type == "reg" else None)
+                w.finish()
             try:
                 os.rename(tmp, dest)
             except OSError:

@@ -383,12 +383,14 @@ class Node:
             upper = b.snapshot_diff(h)
             from ..build.image import write_image
             from ..build.layer import build_layer_from_dir
+            from ..format.tree import ScanReport
 
             st = self.store()
             base = list(rec.spec.get("layer_digests", []))
+            scan_report = ScanReport()
             layer_digest, _ = build_layer_from_dir(
                 st, upper, f"{name}-layer", version, base=base,
-                created_by=f"dsec snapshot {rec.id}")
+                created_by=f"dsec snapshot {rec.id}", report=scan_report)
             image_digest, _ = write_image(
                 st, name, version, [*base, layer_digest], env=rec.spec.get("env", {}),
                 workdir=rec.spec.get("workdir", ""), set_ref_too=True,
@@ -398,7 +400,8 @@ class Node:
                 b.resume(h)
         out: dict[str, Any] = {"sandbox": rec.id, "image": f"{name}@{version}",
                                "image_digest": image_digest, "layer": f"{name}-layer@{version}",
-                               "layer_digest": layer_digest}
+                               "layer_digest": layer_digest,
+                               "warnings": scan_report.warnings()}
         if push:
             out["pushed"] = _push(st, [f"{name}-layer@{version}", f"{name}@{version}"], push)
         return out
@@ -450,6 +453,12 @@ class Node:
         report: dict[str, Any] = {"removed": [], "evicted": [], "freed_bytes": 0}
         if not dry_run:
             report.update(self.reconcile())
+        from ..build.steps import clean_stale_staging
+        from ..core.config import load_config
+
+        # staging dirs (and overlay mounts) of builds killed during a `run` step
+        report["stale_builds"] = clean_stale_staging(Path(load_config().data_dir) / "tmp",
+                                                     dry_run=dry_run)
         t = now()
         for r in self.db.all():
             expired = r.expires is not None and r.expires <= t
