@@ -115,17 +115,22 @@ def _spool(tf: tarfile.TarFile, m: tarfile.TarInfo, dest: str, src: Path) -> Non
             raise SpecError(f"archive member {m.name!r} is sparse with an apparent size of "
                             f"{m.size} bytes, over the limit of {MAX_SPARSE_SIZE}",
                             path=str(src))
+        # the unbuffered member reader: it seeks within the member by position alone, and
+        # reads a hole as zeros without touching the (stream-read) archive
+        raw = fobj.raw  # type: ignore[attr-defined]
         end = 0
         for offset, size in sparse:
+            if size == 0:
+                continue  # GNU tar pads the map with empty pieces
             if offset < end or size < 0 or offset + size > m.size:
                 raise SpecError(f"archive member {m.name!r} has an invalid sparse map",
                                 path=str(src))
             end = offset + size
-            fobj.seek(offset)
+            raw.seek(offset)
             f.seek(offset)
             left = size
             while left:
-                piece = fobj.read(min(left, 1 << 20))
+                piece = raw.read(min(left, 1 << 20))
                 if not piece:
                     raise SpecError(f"archive member {m.name!r} is truncated", path=str(src))
                 f.write(piece)

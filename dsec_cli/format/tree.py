@@ -140,6 +140,51 @@ def open_dir_beneath(root_fd: int, rel: str, *, create: bool = False) -> int:
         raise
 
 
+def last_wins(entries: list[Entry]) -> tuple[list[int], list[str]]:
+    """The positions of the entries a tree shows, in index order, by the rule the writer
+    applies: a later entry for a path replaces the earlier one, a directory replaced by a
+    non-directory loses what was below it, and an entry whose parent is not (yet) a
+    directory is dropped, never resolved through a link; as is a hardlink whose target is
+    not a shown regular file. Returns (positions, dropped paths)."""
+    win: dict[str, int] = {}
+    kids: dict[str, list[str]] = {}
+    dropped: list[str] = []
+
+    def forget_below(path: str) -> None:
+        stack = kids.pop(path, [])
+        while stack:
+            p = stack.pop()
+            if win.pop(p, None) is not None:
+                stack.extend(kids.pop(p, []))
+
+    for i, e in enumerate(entries):
+        p = e.path
+        if p != ".":
+            parent = parent_of(p)
+            pi = win.get(parent)
+            if pi is None or entries[pi].type != "dir":
+                dropped.append(p)
+                continue
+        prev = win.get(p)
+        if prev is not None:
+            if entries[prev].type == "dir" and e.type != "dir":
+                forget_below(p)
+        elif p != ".":
+            kids.setdefault(parent_of(p), []).append(p)
+        win[p] = i
+    shown = sorted(win.values())
+    out = []
+    for i in shown:
+        e = entries[i]
+        if e.type == "hard":
+            ti = win.get(e.target)
+            if ti is None or entries[ti].type != "reg":
+                dropped.append(e.path)
+                continue
+        out.append(i)
+    return out, dropped
+
+
 # -- scanning ----------------------------------------------------------------------------------
 
 #: what a snapshot keeps of the special files a sandbox left in its upper directory

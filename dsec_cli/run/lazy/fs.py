@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import stat
 import threading
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...format.index import Entry, LayerIndex
+from ...format.tree import last_wins
 from .source import LayerSource
 
 log = logging.getLogger(__name__)
@@ -84,19 +86,29 @@ class LazyFS:
             base += len(index.entries)
 
     def _add_layer(self, n: int, index: LayerIndex, base: int) -> None:
-        """One node per entry; inode numbers are base + the entry's position (a hardlink
-        takes its group's first member's), so they are stable for the mount's life."""
+        """One node per shown entry; inode numbers are base + the entry's position (a
+        hardlink takes its group's first member's), so they are stable for the mount's life.
+
+        An index is hostile input: duplicates are resolved last-wins and entries below a
+        non-directory are not shown (`last_wins`), so no path is ever served through a
+        link, and a directory lists each name once."""
         entries = index.entries
-        pos = {e.path: i for i, e in enumerate(entries)}
+        shown, dropped = last_wins(entries)
+        if dropped:
+            log.warning("lazy mount: layer %d: %d entries below a non-directory or with no "
+                        "target are not shown (first: %r)", n, len(dropped), dropped[0])
+        pos = {entries[i].path: i for i in shown}
         links: dict[str, int] = {}
-        for e in entries:
+        for i in shown:
+            e = entries[i]
             if e.type == "hard":
                 links[e.target] = links.get(e.target, 1) + 1
         nodes = self.nodes
         prefix = f"/{n}"
-        for i, e in enumerate(entries):
+        for i in shown:
+            e = entries[i]
             key = prefix if e.path == "." else f"{prefix}/{e.path}"
-            if e.type == "hard" and e.target in pos:
+            if e.type == "hard":
                 j = pos[e.target]
                 node = Node(n, entries[j], base + j, links.get(e.target, 1))
             elif e.type == "dir":
@@ -106,11 +118,11 @@ class LazyFS:
             nodes[key] = node
             if e.path != ".":
                 parent, _, name = key.rpartition("/")
-                pnode = nodes.get(parent)
-                if pnode is not None and pnode.children is not None:
-                    pnode.children.append(name)
-                    if node.children is not None:
-                        pnode.nlink += 1
+                pnode = nodes[parent]  # last_wins shows a parent directory before its child
+                assert pnode.children is not None
+                pnode.children.append(name)
+                if node.children is not None:
+                    pnode.nlink += 1
 
     def _node(self, path: str) -> Node:
         node = self.nodes.get(path)
@@ -197,19 +209,15 @@ def needs_xattrs(indexes: list[LayerIndex]) -> bool:
 def _attrs(e: Entry, ino: int, nlink: int) -> dict[str, Any]:
     kind = _KIND[e.type if e.type != "hard" else "reg"]
     mode = kind | (0 if e.type == "whiteout" else e.mode & 0o7777)
-    size = e.size if e.type == "reg" else len(e.target.encode()) if e.type == "sym" else 0
+    size = e.size if e.type == "reg" else len(os.fsencode(e.target)) if e.type == "sym" else 0
     a: dict[str, Any] = {"st_mode": mode, "st_ino": ino, "st_nlink": nlink,
                          "st_uid": e.uid, "st_gid": e.gid, "st_size": size,
                          "st_mtime": e.mtime, "st_atime": e.mtime, "st_ctime": e.mtime,
                          "st_blocks": (size + 511) // 512, "st_blksize": 1 << 16}
     if e.type in ("chr", "blk") and e.rdev:
-        import os
-
         a["st_rdev"] = os.makedev(*e.rdev)
     return a
 
 
 def _err(code: int) -> OSError:
-    import os
-
     return OSError(code, os.strerror(code))
