@@ -301,21 +301,21 @@ def build_layer_from_dir(store: Store, upper_dir: Path, name: str, version: str,
                          base: list[str] | None = None, env: dict[str, str] | None = None,
                          workdir: str = "", created_by: str = "dsec snapshot",
                          known: KnownChunks | None = None,
-                         report: ScanReport | None = None) -> tuple[str, Manifest]:
-    """Turn a directory in overlayfs upper form (a sandbox's writable diff, written by
-    whatever ran in the sandbox) into a layer and point ``name@version`` at it.
+                         snapshot: ScanReport | None = None) -> tuple[str, Manifest]:
+    """Turn a directory in overlayfs upper form into a layer and point ``name@version`` at
+    it. The directory is scanned without following a link.
 
-    The directory is scanned without following a link, under `SNAPSHOT_POLICY`: what it
-    dropped or changed is logged and recorded in ``report``."""
+    With ``snapshot`` the directory is a sandbox's writable diff, written by whatever ran in
+    the sandbox: `SNAPSHOT_POLICY` applies, and what it dropped or changed is logged and
+    recorded in the report."""
     from ..core.config import load_config
     from ..format.refs import set_ref
     from ..format.tree import scan_dir
 
     if known is None:
         known = KnownChunks.load(store, Path(load_config().data_dir) / "chunk-tables")
-    report = report if report is not None else ScanReport()
-    scanned = scan_dir(upper_dir, overlay_upper=True, snapshot=report)
-    for w in report.warnings():
+    scanned = scan_dir(upper_dir, overlay_upper=True, snapshot=snapshot)
+    for w in snapshot.warnings() if snapshot is not None else []:
         log.warning("snapshot of %s: %s", upper_dir, w)
     index, _ = write_layer(store, scanned, known=known)
     digest, m = layer_manifest(store, index, name=name, version=version, base=base, env=env,

@@ -390,7 +390,7 @@ class Node:
             scan_report = ScanReport()
             layer_digest, _ = build_layer_from_dir(
                 st, upper, f"{name}-layer", version, base=base,
-                created_by=f"dsec snapshot {rec.id}", report=scan_report)
+                created_by=f"dsec snapshot {rec.id}", snapshot=scan_report)
             image_digest, _ = write_image(
                 st, name, version, [*base, layer_digest], env=rec.spec.get("env", {}),
                 workdir=rec.spec.get("workdir", ""), set_ref_too=True,

@@ -387,7 +387,8 @@ def test_snapshot_special_files(tmp_path: Path) -> None:
     st = open_store(str(tmp_path / "store"))
     report = tree_mod.ScanReport()
     _, m = build_layer_from_dir(st, upper, "snap", "1",
-                                known=KnownChunks.load(st, tmp_path / "tables"), report=report)
+                                known=KnownChunks.load(st, tmp_path / "tables"),
+                                snapshot=report)
     ix = load_index(st, m.index or "")
     kinds = {e.path: e for e in ix.entries}
     assert kinds["gone"].type == "whiteout"
