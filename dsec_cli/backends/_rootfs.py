@@ -111,6 +111,15 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def bwrap_walls(seccomp_fd: int) -> list[str]:
+    """bwrap arguments every bubblewrap sandbox gets after its `--proc /proc`: sysctls
+    read-only (a sandbox's root is the host's uid 0 in its user namespace, and the kernel
+    lets uid 0 write most of /proc/sys without any capability) and the seccomp policy."""
+    return ["--ro-bind", "/proc/sys", "/proc/sys",
+            "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
+            "--seccomp", str(seccomp_fd)]
+
+
 def wait_ready(read_fd: int, timeout: float, what: str) -> None:
     """Wait for the agent's ready byte on a pipe; EOF means it died before serving."""
     try:

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from ..agent import agent_binary
 from ..core.errors import BackendError
-from . import _cgroups, _rootfs
+from . import _cgroups, _rootfs, seccomp
 from .agented import CgroupAgentBackend
 from .base import (
     SandboxHandle,
@@ -41,7 +41,9 @@ CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD"
 MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
           "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware",
           "/proc/scsi"]
-READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+# /sys/fs/cgroup: runc puts the cgroup v1 hierarchies on a writable tmpfs there
+READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
+            "/sys/fs/cgroup"]
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -63,7 +65,7 @@ def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup
         resources["pids"] = {"limit": lim.pids}
     if lim.cpus:
         resources["cpu"] = {"quota": max(1000, int(lim.cpus * 100000)), "period": 100000}
-    namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
+    namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount", "cgroup")]
     if spec.network == "none":
         namespaces.append({"type": "network"})
     mounts: list[dict[str, Any]] = [
@@ -74,10 +76,14 @@ def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup
          "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
         {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
          "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-        {"destination": "/sys", "type": "sysfs" if spec.network == "none" else "bind",
-         "source": "sysfs" if spec.network == "none" else "/sys",
-         "options": ["nosuid", "noexec", "nodev", "ro"] + ([] if spec.network == "none"
-                                                          else ["rbind"])},
+        # a fresh read-only sysfs in every network mode: a bind of the host's /sys brings its
+        # submounts (cgroupfs among them) read-write, as runc's "ro" is not recursive. Root
+        # in the host's user namespace may mount sysfs even without a network namespace.
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+         "options": ["nosuid", "noexec", "nodev", "ro"]},
+        # the sandbox's own cgroups, read-only (tools read their limits there)
+        {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
+         "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
         {"destination": "/.dsec/run", "type": "bind", "source": str(run_dir),
          "options": ["bind", "rw", "nosuid", "nodev"]},
         {"destination": _rootfs.AGENT_IN_SANDBOX, "type": "bind", "source": str(agent),
@@ -107,6 +113,7 @@ def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup
             "namespaces": namespaces,
             "maskedPaths": MASKED,
             "readonlyPaths": READONLY,
+            "seccomp": seccomp.oci_profile(),
         },
     }
 
