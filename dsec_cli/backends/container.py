@@ -134,21 +134,28 @@ class ContainerBackend(CgroupAgentBackend):
         runc_root = self.runc_root or str(sdir.parent / ".runc")
         cgroup = f"{self.cgroup_parent}/{spec.sandbox_id}"
         rootfs, run_dir, skel = sdir / "rootfs", sdir / "run", sdir / "skel"
+        upper, work = spec.rootfs.upper_dir, spec.rootfs.work_dir
+        disk = sdir / "disk"
+        if spec.limits.disk:  # upper and work on the sandbox's own bounded filesystem
+            upper, work = disk / "upper", disk / "work"
         handle = SandboxHandle(spec.sandbox_id, self.name, {
             "rootfs": str(rootfs), "run_dir": str(run_dir), "cgroup": cgroup,
-            "runc_root": runc_root, "upper": str(spec.rootfs.upper_dir),
+            "runc_root": runc_root, "upper": str(upper),
             "state_dir": str(sdir), "network": spec.network,
             "limited": bool(spec.limits.memory or spec.limits.pids),
         })
+        if spec.limits.disk:
+            handle.state["disk"] = str(disk)
         try:
-            for d in (run_dir, spec.rootfs.upper_dir, spec.rootfs.work_dir):
+            if spec.limits.disk:
+                _rootfs.make_disk(sdir / "disk.img", disk, spec.limits.disk)
+            for d in (run_dir, upper, work):
                 d.mkdir(parents=True, exist_ok=True)
             if self.shared_dir:
                 skel = _rootfs.shared_skeleton(Path(self.shared_dir))
             else:
                 _rootfs.make_skeleton(skel)
-            _rootfs.mount_overlay(rootfs, [*spec.rootfs.lower_dirs, skel],
-                                  spec.rootfs.upper_dir, spec.rootfs.work_dir)
+            _rootfs.mount_overlay(rootfs, [*spec.rootfs.lower_dirs, skel], upper, work)
             config = oci_spec(spec, rootfs, run_dir, agent_binary(), cgroup)
             (sdir / "config.json").write_text(json.dumps(config))
             pid = self._runc_run(spec.sandbox_id, sdir, runc_root)
@@ -204,6 +211,10 @@ class ContainerBackend(CgroupAgentBackend):
             shutil.rmtree(Path(runc_root) / handle.sandbox_id, ignore_errors=True)
         if st.get("rootfs"):
             _rootfs.umount(Path(st["rootfs"]))
+        disk = st.get("disk") or (st.get("state_dir") and str(Path(st["state_dir"]) / "disk"))
+        if disk and _rootfs.mounts_at(Path(disk)):
+            _rootfs.umount(Path(disk))  # the loop device goes with it (autoclear)
+            Path(disk).with_suffix(".img").unlink(missing_ok=True)
 
     def snapshot_diff(self, handle: SandboxHandle) -> Path:
         return Path(handle.state["upper"])
