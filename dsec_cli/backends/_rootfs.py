@@ -25,6 +25,7 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
                         ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 MNT_DETACH = 2
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 2, 4, 8, 32, 4096
 CLONE_NEWNET = 0x40000000
 
 #: mount points the skeleton layer provides, so nothing is created in a sandbox's upper dir
@@ -105,10 +106,112 @@ def mounts_under(prefix: Path) -> list[Path]:
 
 
 def remove_tree(path: Path) -> None:
-    """rm -rf that first unmounts anything left below (never follows into a mount)."""
+    """rm -rf that first unmounts anything left below, and the path itself if it is a mount
+    (a sealed state dir), so it never follows into a mount."""
     for mp in mounts_under(path):
         umount(mp)
+    for _ in range(8):  # a dir may be mounted over more than once
+        if not mounts_at(path):
+            break
+        umount(path)
     shutil.rmtree(path, ignore_errors=True)
+
+
+def mounts_at(path: Path) -> set[Path]:
+    """{path} if something is mounted exactly there, else the empty set."""
+    want = str(path).rstrip("/")
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            if line.split()[4].replace("\\040", " ") == want:
+                return {path}
+    return set()
+
+
+def _mount(source: str | None, target: Path, fstype: str | None, flags: int,
+           data: str | None = None) -> None:
+    rc = _libc.mount(source.encode() if source else None, str(target).encode(),
+                     fstype.encode() if fstype else None, flags,
+                     data.encode() if data else None)
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise BackendError(f"cannot mount {source or ''} at {target}: {os.strerror(e)}")
+
+
+def seal_dir(path: Path) -> None:
+    """Bind a sandbox's state dir onto itself with nosuid, nodev and noexec: setuid files and
+    device nodes a sandbox makes in its upper or run dir are inert on the host. Inside the
+    sandbox its overlay's own flags apply, so this changes nothing there."""
+    _mount(str(path), path, None, MS_BIND)
+    try:
+        _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except BaseException:
+        umount(path)
+        raise
+
+
+# -- per-sandbox disks (--disk) -------------------------------------------------------------------
+LOOP_CTL_GET_FREE, LOOP_CONFIGURE, LO_FLAGS_AUTOCLEAR = 0x4C82, 0x4C0A, 4
+MIN_DISK = 16 << 20
+
+
+def make_disk(image: Path, mount_point: Path, size: int) -> None:
+    """A sparse ext4 image of `size` bytes, loop-mounted nosuid,nodev,noexec at mount_point:
+    what a sandbox may write is bounded by the filesystem's size (writes past it fail with
+    ENOSPC inside), and the host filesystem only holds the blocks actually written.
+
+    The loop device is set up with autoclear, so the kernel frees it when the filesystem is
+    unmounted (by destroy, or by reconcile's remove_tree after a crash): nothing to track."""
+    import fcntl
+    import struct
+
+    with open(image, "wb") as f:
+        f.truncate(size)
+    # no journal and no reserved blocks: the disk dies with the sandbox, and root inside
+    # must not get blocks past the limit
+    proc = subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-m", "0",
+                           "-E", "lazy_itable_init=1,nodiscard", str(image)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BackendError(f"cannot make the sandbox disk {image}: {proc.stderr.strip()}")
+    mount_point.mkdir(exist_ok=True)
+    img_fd = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            for _ in range(64):  # another process may take the free device first
+                n = fcntl.ioctl(ctl, LOOP_CTL_GET_FREE)
+                dev = f"/dev/loop{n}"
+                loop_fd = os.open(dev, os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    # struct loop_config: fd, block_size, loop_info64 (lo_flags at 52), reserved
+                    info = struct.pack("<QQQQQIIII64s64s32sQQ", 0, 0, 0, 0, 0, 0, 0, 0,
+                                       LO_FLAGS_AUTOCLEAR, b"", b"", b"", 0, 0)
+                    cfg = struct.pack("<II", img_fd, 0) + info + bytes(64)
+                    try:
+                        fcntl.ioctl(loop_fd, LOOP_CONFIGURE, cfg)
+                    except OSError as e:
+                        if e.errno == errno.EBUSY:
+                            continue
+                        raise BackendError(f"cannot attach the sandbox disk: {e}") from e
+                    # the mount holds the device; closing loop_fd afterwards arms autoclear
+                    _mount(dev, mount_point, "ext4", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+                    return
+                finally:
+                    os.close(loop_fd)
+            raise BackendError("cannot attach the sandbox disk: no free loop device")
+        finally:
+            os.close(ctl)
+    finally:
+        os.close(img_fd)
+
+
+def bwrap_walls(seccomp_fd: int) -> list[str]:
+    """bwrap arguments every bubblewrap sandbox gets after its `--proc /proc`: sysctls
+    read-only (a sandbox's root is the host's uid 0 in its user namespace, and the kernel
+    lets uid 0 write most of /proc/sys without any capability) and the seccomp policy."""
+    return ["--ro-bind", "/proc/sys", "/proc/sys",
+            "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
+            "--seccomp", str(seccomp_fd)]
 
 
 def wait_ready(read_fd: int, timeout: float, what: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from ..agent import agent_binary
 from ..core.errors import BackendError
-from . import _cgroups, _rootfs
+from . import _cgroups, _rootfs, seccomp
 from .agented import CgroupAgentBackend
 from .base import (
     SandboxHandle,
@@ -41,7 +41,9 @@ CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD"
 MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
           "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware",
           "/proc/scsi"]
-READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+# /sys/fs/cgroup: runc puts the cgroup v1 hierarchies on a writable tmpfs there
+READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
+            "/sys/fs/cgroup"]
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -63,7 +65,7 @@ def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup
         resources["pids"] = {"limit": lim.pids}
     if lim.cpus:
         resources["cpu"] = {"quota": max(1000, int(lim.cpus * 100000)), "period": 100000}
-    namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
+    namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount", "cgroup")]
     if spec.network == "none":
         namespaces.append({"type": "network"})
     mounts: list[dict[str, Any]] = [
@@ -74,10 +76,14 @@ def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup
          "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
         {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
          "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-        {"destination": "/sys", "type": "sysfs" if spec.network == "none" else "bind",
-         "source": "sysfs" if spec.network == "none" else "/sys",
-         "options": ["nosuid", "noexec", "nodev", "ro"] + ([] if spec.network == "none"
-                                                          else ["rbind"])},
+        # a fresh read-only sysfs in every network mode: a bind of the host's /sys brings its
+        # submounts (cgroupfs among them) read-write, as runc's "ro" is not recursive. Root
+        # in the host's user namespace may mount sysfs even without a network namespace.
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+         "options": ["nosuid", "noexec", "nodev", "ro"]},
+        # the sandbox's own cgroups, read-only (tools read their limits there)
+        {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
+         "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
         {"destination": "/.dsec/run", "type": "bind", "source": str(run_dir),
          "options": ["bind", "rw", "nosuid", "nodev"]},
         {"destination": _rootfs.AGENT_IN_SANDBOX, "type": "bind", "source": str(agent),
@@ -107,6 +113,7 @@ def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup
             "namespaces": namespaces,
             "maskedPaths": MASKED,
             "readonlyPaths": READONLY,
+            "seccomp": seccomp.oci_profile(),
         },
     }
 
@@ -127,21 +134,28 @@ class ContainerBackend(CgroupAgentBackend):
         runc_root = self.runc_root or str(sdir.parent / ".runc")
         cgroup = f"{self.cgroup_parent}/{spec.sandbox_id}"
         rootfs, run_dir, skel = sdir / "rootfs", sdir / "run", sdir / "skel"
+        upper, work = spec.rootfs.upper_dir, spec.rootfs.work_dir
+        disk = sdir / "disk"
+        if spec.limits.disk:  # upper and work on the sandbox's own bounded filesystem
+            upper, work = disk / "upper", disk / "work"
         handle = SandboxHandle(spec.sandbox_id, self.name, {
             "rootfs": str(rootfs), "run_dir": str(run_dir), "cgroup": cgroup,
-            "runc_root": runc_root, "upper": str(spec.rootfs.upper_dir),
+            "runc_root": runc_root, "upper": str(upper),
             "state_dir": str(sdir), "network": spec.network,
             "limited": bool(spec.limits.memory or spec.limits.pids),
         })
+        if spec.limits.disk:
+            handle.state["disk"] = str(disk)
         try:
-            for d in (run_dir, spec.rootfs.upper_dir, spec.rootfs.work_dir):
+            if spec.limits.disk:
+                _rootfs.make_disk(sdir / "disk.img", disk, spec.limits.disk)
+            for d in (run_dir, upper, work):
                 d.mkdir(parents=True, exist_ok=True)
             if self.shared_dir:
                 skel = _rootfs.shared_skeleton(Path(self.shared_dir))
             else:
                 _rootfs.make_skeleton(skel)
-            _rootfs.mount_overlay(rootfs, [*spec.rootfs.lower_dirs, skel],
-                                  spec.rootfs.upper_dir, spec.rootfs.work_dir)
+            _rootfs.mount_overlay(rootfs, [*spec.rootfs.lower_dirs, skel], upper, work)
             config = oci_spec(spec, rootfs, run_dir, agent_binary(), cgroup)
             (sdir / "config.json").write_text(json.dumps(config))
             pid = self._runc_run(spec.sandbox_id, sdir, runc_root)
@@ -197,6 +211,10 @@ class ContainerBackend(CgroupAgentBackend):
             shutil.rmtree(Path(runc_root) / handle.sandbox_id, ignore_errors=True)
         if st.get("rootfs"):
             _rootfs.umount(Path(st["rootfs"]))
+        disk = st.get("disk") or (st.get("state_dir") and str(Path(st["state_dir"]) / "disk"))
+        if disk and _rootfs.mounts_at(Path(disk)):
+            _rootfs.umount(Path(disk))  # the loop device goes with it (autoclear)
+            Path(disk).with_suffix(".img").unlink(missing_ok=True)
 
     def snapshot_diff(self, handle: SandboxHandle) -> Path:
         return Path(handle.state["upper"])

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from ..agent import agent_binary
 from ..core.errors import BackendError, UsageError
-from . import _cgroups, _rootfs
+from . import _cgroups, _rootfs, seccomp
 from .agented import CgroupAgentBackend
 from .base import SandboxHandle, SandboxSpec
 from .container import DEFAULT_PATH
@@ -89,8 +89,11 @@ class FncallBackend(CgroupAgentBackend):
 
     def _spawn(self, spec: SandboxSpec, rootfs: Path, run_dir: Path, cg: _cgroups.Cgroup) -> int:
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}
-        argv = [bwrap_binary(), "--bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev",
-                "--tmpfs", "/tmp", "--bind", str(run_dir), "/.dsec/run",
+        # fd 4 in bwrap: the seccomp program; /tmp is the only writable place, sized by --disk
+        tmp_size = ["--size", str(spec.limits.disk)] if spec.limits.disk else []
+        argv = [bwrap_binary(), "--bind", str(rootfs), "/", "--proc", "/proc",
+                *_rootfs.bwrap_walls(4), "--dev", "/dev",
+                *tmp_size, "--tmpfs", "/tmp", "--bind", str(run_dir), "/.dsec/run",
                 "--ro-bind", str(agent_binary()), _rootfs.AGENT_IN_SANDBOX,
                 "--unshare-all", "--hostname", spec.hostname, "--new-session",
                 "--cap-drop", "ALL", "--clearenv"]
@@ -101,6 +104,7 @@ class FncallBackend(CgroupAgentBackend):
         argv += ["--chdir", spec.workdir or "/", "--", _rootfs.AGENT_IN_SANDBOX, "--listen",
                  _rootfs.SOCKET_IN_SANDBOX, "--ready-fd", "3"]
         r, w = os.pipe()
+        filt = seccomp.bpf_fd()
         log_path = spec.state_dir / "bwrap.log"
         try:
             with open(log_path, "wb") as logf, open(os.devnull, "rb") as null:
@@ -109,9 +113,11 @@ class FncallBackend(CgroupAgentBackend):
                     (os.POSIX_SPAWN_DUP2, logf.fileno(), 1),
                     (os.POSIX_SPAWN_DUP2, logf.fileno(), 2),
                     (os.POSIX_SPAWN_DUP2, w, 3),
+                    (os.POSIX_SPAWN_DUP2, filt, 4),
                 ])
         finally:
             os.close(w)
+            os.close(filt)
         try:
             # join the cgroup at once, so a crash from here on leaves nothing outside it
             # (what bwrap forked before this is added again once it is ready)

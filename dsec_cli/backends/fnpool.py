@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core.errors import BackendError, SandboxError, UsageError
-from . import _cgroups
+from . import _cgroups, _rootfs, seccomp
 from .base import ExecResult
 from .fncall import bwrap_binary
 
@@ -82,17 +82,22 @@ def _host_python_binds() -> list[str]:
 class _Worker:
     def __init__(self, pool: FunctionPool) -> None:
         self.cgroup = None
+        filt = seccomp.bpf_fd()
         argv = [bwrap_binary(), "--tmpfs", "/tmp", *_host_python_binds(), "--proc", "/proc",
-                "--dev", "/dev", "--unshare-all", "--die-with-parent", "--new-session",
-                "--cap-drop", "ALL", "--hostname", "fncall", "--chdir", "/tmp", "--clearenv",
+                *_rootfs.bwrap_walls(filt), "--dev", "/dev", "--unshare-all", "--die-with-parent",
+                "--new-session", "--cap-drop", "ALL", "--hostname", "fncall", "--chdir", "/tmp",
+                "--clearenv",
                 "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
                 "--setenv", "PYTHONPATH", os.pathsep.join(p for p in sys.path if p),
                 "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
         if pool.network == "host":
             argv.append("--share-net")
         argv += ["--", os.path.realpath(sys.executable), "-u", str(_WORKER)]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, pass_fds=(filt,))
+        finally:
+            os.close(filt)
         if pool.cgroup_parent and _cgroups.layout().mounts and os.geteuid() == 0:
             from .fncall import descendants
 

@@ -7,12 +7,14 @@ dies with its parent. Output is streamed to a callback line by line.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 from ..core.errors import BackendError
+from . import _rootfs, seccomp
 
 
 def bwrap_path() -> str:
@@ -27,9 +29,10 @@ def run_in_root(root: Path, argv: list[str], *, env: dict[str, str], cwd: str = 
                 network: bool = False, on_line: Callable[[str], None] | None = None,
                 timeout: float | None = None) -> int:
     """Run argv inside root; return its exit code."""
+    filt = seccomp.bpf_fd()
     cmd = [bwrap_path(), "--bind", str(root), "/", "--dev", "/dev", "--proc", "/proc",
-           "--unshare-all", "--die-with-parent", "--new-session", "--uid", "0", "--gid", "0",
-           "--hostname", "dsec-build", "--clearenv", "--chdir", cwd]
+           *_rootfs.bwrap_walls(filt), "--unshare-all", "--die-with-parent", "--new-session",
+           "--uid", "0", "--gid", "0", "--hostname", "dsec-build", "--clearenv", "--chdir", cwd]
     if network:
         cmd += ["--share-net"]
         # bind only over an existing file: creating a mount point would leak into the layer
@@ -38,8 +41,11 @@ def run_in_root(root: Path, argv: list[str], *, env: dict[str, str], cwd: str = 
     for k, v in env.items():
         cmd += ["--setenv", k, v]
     cmd += ["--", *argv]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, pass_fds=(filt,))
+    finally:
+        os.close(filt)
     assert proc.stdout is not None
     try:
         for raw in proc.stdout:

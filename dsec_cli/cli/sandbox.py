@@ -109,6 +109,8 @@ def register(app: typer.Typer) -> None:
                        typer.Option(help="remove after this long (dsec gc --node), e.g. 30m")
                        ] = None,
         network: Annotated[str, typer.Option(help="none (loopback only) | host")] = "none",
+        disk: Annotated[str | None, typer.Option(  # noqa: UP007
+            help="what the sandbox may write, e.g. 1G (past it: ENOSPC inside)")] = None,
         env: EnvOpt = None,
         workdir: WorkdirOpt = None,
         timeout: TimeoutOpt = None,
@@ -137,7 +139,7 @@ def register(app: typer.Typer) -> None:
             backend=backend, cpus=cpus, memory=parse_size(memory, "--memory") if memory else None,
             pids=pids, ttl=parse_duration(ttl, "--ttl") if ttl else None,
             network=network, env=_parse_env(env), workdir=workdir,  # type: ignore[arg-type]
-            fetch=fetch)
+            fetch=fetch, disk=parse_size(disk, "--disk") if disk else None)
         if node_name:
             from ..run.cluster.api import create
 

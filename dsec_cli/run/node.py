@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 BACKEND_CHOICES = ("container", "fncall", "microvm", "vm")
 MIN_MEMORY = 8 << 20
+MIN_DISK = _rootfs.MIN_DISK
 
 
 @dataclass
@@ -55,6 +56,7 @@ class CreateOptions:
     network: Literal["none", "host"] = "none"
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
+    disk: int | None = None  # bytes the sandbox may write (its upper dir, or /tmp for fncall)
     fetch: str = "eager"  # eager | lazy | background (docs/lazy.md)
     record_seconds: float | None = None  # lazy: profile reads this long (default 30 s)
 
@@ -70,6 +72,8 @@ class CreateOptions:
             raise UsageError(f"invalid --memory {self.memory}: must be at least 8 MiB")
         if self.pids is not None and self.pids < 2:
             raise UsageError(f"invalid --pids {self.pids}: must be at least 2")
+        if self.disk is not None and self.disk < MIN_DISK:
+            raise UsageError(f"invalid --disk {self.disk}: must be at least 16 MiB")
         if self.ttl is not None and self.ttl <= 0:
             raise UsageError(f"invalid --ttl {self.ttl}: must be positive")
         if self.network not in ("none", "host"):
@@ -104,6 +108,11 @@ class Node:
         self.cache_budget = cfg.cache_budget
         self.sandboxes_dir = self.root / "sandboxes"
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        # sandbox state (upper dirs a sandbox's root writes into, agent sockets) is for root
+        # alone: no other host user may traverse into it
+        for d in (self.root, self.sandboxes_dir):
+            if d.stat().st_mode & 0o077:
+                d.chmod(0o700)
         self.cache_root = self.root / "cache"
         self.runc_root = self.root / "runc"
         self.db = NodeDB(self.root / "node.db")
@@ -174,13 +183,14 @@ class Node:
         sid = secrets.token_hex(6)
         fetch = self._fetch_mode(opts.fetch, image)
         img = self.resolve_image(image) if fetch == "eager" else self._lazy_image(image, sid)
-        limits = Limits(cpus=opts.cpus, memory=opts.memory, pids=opts.pids)
+        limits = Limits(cpus=opts.cpus, memory=opts.memory, pids=opts.pids, disk=opts.disk)
         env = {**img.env, **opts.env}
         workdir = opts.workdir or img.workdir or "/"
         rec = SandboxRecord(
             id=sid, backend=opts.backend, image=image, image_digest=img.digest, status="creating",
             handle=None, created=now(), expires=now() + opts.ttl if opts.ttl else None,
-            spec={"limits": {"cpus": opts.cpus, "memory": opts.memory, "pids": opts.pids},
+            spec={"limits": {"cpus": opts.cpus, "memory": opts.memory, "pids": opts.pids,
+                             "disk": opts.disk},
                   "network": opts.network, "env": env, "workdir": workdir,
                   "layer_digests": img.layer_digests, "from_store": img.from_store,
                   "fetch": fetch},
@@ -195,7 +205,9 @@ class Node:
                            workdir=workdir, limits=limits, network=opts.network,
                            image_digest=img.digest)
         try:
-            sdir.mkdir(parents=True)
+            sdir.mkdir(mode=0o700)
+            # setuid files and device nodes made inside are inert on the host
+            _rootfs.seal_dir(sdir)
             if fetch != "eager":
                 self._mount_lazy(sdir, img, fetch, opts.record_seconds)
             handle = backend.create(spec)

@@ -45,12 +45,14 @@ class Sandbox:
                  pids: int | None = None, ttl: float | str | None = None,
                  network: Literal["none", "host"] = "none", env: dict[str, str] | None = None,
                  workdir: str | None = None, state_dir: str | Path | None = None,
-                 store: str | None = None, node: str | None = None) -> None:
+                 store: str | None = None, node: str | None = None,
+                 disk: int | str | None = None) -> None:
         """``node``: a configured cluster node's name, ``"auto"`` (placed by free capacity
-        and cached image bytes) or ``None``/``"local"`` for this machine."""
+        and cached image bytes) or ``None``/``"local"`` for this machine. ``disk``: bytes
+        (or "1G") the sandbox may write; past it writes fail with ENOSPC inside."""
         opts = CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, "memory"),
                              pids=pids, ttl=_secs(ttl, "ttl"), network=network,
-                             env=dict(env or {}), workdir=workdir)
+                             env=dict(env or {}), workdir=workdir, disk=_size(disk, "disk"))
         if node and node != "local":
             from .cluster.api import create
 
@@ -167,8 +169,8 @@ def create_many(n: int, image: str | Path, backend: str = "container", *,
                 nodes: list[str] | None = None, parallel: int = 8, cpus: float | None = None,
                 memory: int | str | None = None, pids: int | None = None,
                 ttl: float | str | None = None, network: Literal["none", "host"] = "none",
-                env: dict[str, str] | None = None, workdir: str | None = None
-                ) -> list[Any]:
+                env: dict[str, str] | None = None, workdir: str | None = None,
+                disk: int | str | None = None) -> list[Any]:
     """Create ``n`` sandboxes spread over the cluster's nodes (or ``nodes``) by placement.
 
     Returns one `CreateResult` per sandbox, in order: ``.ok``, ``.node``, ``.sandbox`` (a
@@ -181,7 +183,7 @@ def create_many(n: int, image: str | Path, backend: str = "container", *,
 
     opts = CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, "memory"),
                          pids=pids, ttl=_secs(ttl, "ttl"), network=network,
-                         env=dict(env or {}), workdir=workdir)
+                         env=dict(env or {}), workdir=workdir, disk=_size(disk, "disk"))
     results = _create_many(n, str(image), opts, nodes, parallel)
     entries = load_nodes()
     for r in results:

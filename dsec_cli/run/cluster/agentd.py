@@ -94,7 +94,7 @@ class AgentService:
         opts = CreateOptions(
             backend=o.get("backend", "container"), cpus=o.get("cpus"), memory=o.get("memory"),
             pids=o.get("pids"), ttl=o.get("ttl"), network=o.get("network", "none"),
-            env=dict(o.get("env") or {}), workdir=o.get("workdir"))
+            env=dict(o.get("env") or {}), workdir=o.get("workdir"), disk=o.get("disk"))
         opts.validate()  # bad input is refused before anything is reserved
         token = self.admission.reserve(opts.cpus, opts.memory)
         try:

@@ -268,7 +268,8 @@ class RemoteNode:
         o = opts or CreateOptions()
         doc = self.call("create", {"image": image, "opts": {
             "backend": o.backend, "cpus": o.cpus, "memory": o.memory, "pids": o.pids,
-            "ttl": o.ttl, "network": o.network, "env": o.env, "workdir": o.workdir}})
+            "ttl": o.ttl, "network": o.network, "env": o.env, "workdir": o.workdir,
+            "disk": o.disk}})
         return self._rec(doc)
 
     def lookup(self, sid: str) -> RemoteRecord:
