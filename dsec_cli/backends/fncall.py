@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from ..agent import agent_binary
 from ..core.errors import BackendError, UsageError
 from . import _cgroups, _rootfs
-from .agented import CgroupAgentBackend
+from .agented import AGENT_SOCKET_FD, CgroupAgentBackend, bind_agent_socket
 from .base import SandboxHandle, SandboxSpec
 from .container import DEFAULT_PATH
 
@@ -66,7 +66,8 @@ class FncallBackend(CgroupAgentBackend):
         handle = SandboxHandle(spec.sandbox_id, self.name, {
             "rootfs": str(rootfs), "run_dir": str(run_dir), "cgroup": cgroup,
             "state_dir": str(sdir), "network": spec.network,
-            "limited": bool(spec.limits.memory or spec.limits.pids)})
+            "limited": bool(spec.limits.memory or spec.limits.pids),
+            "agent_sock": str(sdir / "agent.sock")})  # host-private: see agented.py
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             if self.shared_dir:
@@ -98,9 +99,10 @@ class FncallBackend(CgroupAgentBackend):
             argv.append("--share-net")
         for k, v in env.items():
             argv += ["--setenv", k, v]
-        argv += ["--chdir", spec.workdir or "/", "--", _rootfs.AGENT_IN_SANDBOX, "--listen",
-                 _rootfs.SOCKET_IN_SANDBOX, "--ready-fd", "3"]
+        argv += ["--chdir", spec.workdir or "/", "--", _rootfs.AGENT_IN_SANDBOX, "--listen-fd",
+                 str(AGENT_SOCKET_FD), "--ready-fd", "3"]
         r, w = os.pipe()
+        sock = bind_agent_socket(spec.state_dir / "agent.sock")
         log_path = spec.state_dir / "bwrap.log"
         try:
             with open(log_path, "wb") as logf, open(os.devnull, "rb") as null:
@@ -109,9 +111,11 @@ class FncallBackend(CgroupAgentBackend):
                     (os.POSIX_SPAWN_DUP2, logf.fileno(), 1),
                     (os.POSIX_SPAWN_DUP2, logf.fileno(), 2),
                     (os.POSIX_SPAWN_DUP2, w, 3),
+                    (os.POSIX_SPAWN_DUP2, sock.fileno(), AGENT_SOCKET_FD),
                 ])
         finally:
             os.close(w)
+            sock.close()
         try:
             # join the cgroup at once, so a crash from here on leaves nothing outside it
             # (what bwrap forked before this is added again once it is ready)
