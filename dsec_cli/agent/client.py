@@ -4,6 +4,10 @@ One `AgentClient` owns one byte stream (a unix socket to a container's agent, or
 of a VM's virtio-serial port) and multiplexes requests over it: a reader thread routes each
 incoming frame to the request with the same id, so several execs, puts and gets can be in
 flight at once from different threads.
+
+`AgentClient.connect_unix` is the only way to open a socket connection, and it checks who
+listens on the other end (SO_PEERCRED) before a byte is sent: code in a sandbox must not be
+able to point the host at another sandbox's agent (docs/agent.md, "Who is on the other end").
 """
 
 from __future__ import annotations
@@ -15,23 +19,31 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from ..backends.base import ExecResult, OutputCallback
+from ..backends.base import ExecResult, OutputCallback, TreeSink
 from ..core.errors import NotFoundError, SandboxError, UsageError
 
 # frame types, client -> agent
-T_EXEC, T_STDIN, T_PUT, T_GET, T_PING, T_SIGNAL = 1, 2, 3, 4, 5, 6
+T_EXEC, T_STDIN, T_PUT, T_GET, T_PING, T_SIGNAL, T_TREE = 1, 2, 3, 4, 5, 6, 7
 # frame types, agent -> client
 T_STDOUT, T_STDERR, T_EXIT, T_RESULT, T_DATA = 16, 17, 18, 19, 20
 
 EXEC_F_STDIN = 1
-PUT_F_APPEND = 1
+PUT_F_APPEND, PUT_F_AT, PUT_F_SIZE = 1, 2, 4
 MAX_FRAME = 16 << 20
 CHUNK = 1 << 20
+#: frames of one TREE transfer held on the host at most (each <= 1 MiB + 9): the reader
+#: waits for the writer beyond this, so a copy's memory is bounded whatever its size
+TREE_WINDOW = 8
 _HDR = struct.Struct(">IBI")
+_ENTRY = struct.Struct(">cIQ")
+_PEERCRED = struct.Struct("3i")
+
+#: decides whether the process (host pid) listening on an agent socket is the sandbox's own
+PeerCheck = Callable[[int], bool]
 
 
 class AgentError(SandboxError):
@@ -58,10 +70,12 @@ def _encode_exec(argv: list[str], env: dict[str, str], cwd: str | None, flags: i
 
 
 class _Request:
-    """Frames for one request id, delivered by the reader thread."""
+    """Frames for one request id, delivered by the reader thread. A bounded request (a file
+    transfer) holds at most TREE_WINDOW frames: the reader waits for its consumer."""
 
-    def __init__(self) -> None:
-        self.frames: queue.SimpleQueue[tuple[int, bytes]] = queue.SimpleQueue()
+    def __init__(self, bounded: bool = False) -> None:
+        self.bounded = bounded
+        self.frames: queue.Queue[tuple[int, bytes]] = queue.Queue(TREE_WINDOW if bounded else 0)
 
 
 class ExecHandle:
@@ -82,21 +96,34 @@ class ExecHandle:
     def signal(self, signum: int) -> None:
         self._client._send(T_SIGNAL, self.rid, struct.pack(">I", signum))
 
-    def wait(self) -> ExecResult:
+    def wait(self, capture_limit: int | None = None) -> ExecResult:
+        """The result once the process exits. Output is kept in the result up to
+        `capture_limit` bytes per stream (None: all of it); what is cut is flagged in
+        `stdout_truncated` / `stderr_truncated` (and was still passed to `on_output`)."""
         out: list[bytes] = []
         err: list[bytes] = []
+        kept = {T_STDOUT: 0, T_STDERR: 0}
+        cut = {T_STDOUT: False, T_STDERR: False}
         try:
             while True:
                 kind, payload = self._req.frames.get()
                 if kind == T_STDOUT or kind == T_STDERR:
-                    (out if kind == T_STDOUT else err).append(payload)
                     if self._on_output is not None:
                         self._on_output("stdout" if kind == T_STDOUT else "stderr", payload)
+                    room = len(payload) if capture_limit is None else capture_limit - kept[kind]
+                    if room < len(payload):
+                        cut[kind] = True
+                        payload = payload[:max(room, 0)]
+                    if payload:
+                        (out if kind == T_STDOUT else err).append(payload)
+                        kept[kind] += len(payload)
                 elif kind == T_EXIT:
                     code, flags = struct.unpack(">iI", payload[:8])
                     return ExecResult(exit_code=code, stdout=b"".join(out), stderr=b"".join(err),
                                       duration=time.monotonic() - self._started,
-                                      timed_out=bool(flags & 1))
+                                      timed_out=bool(flags & 1),
+                                      stdout_truncated=cut[T_STDOUT],
+                                      stderr_truncated=cut[T_STDERR])
                 elif kind == T_RESULT:
                     code, msg = _result(payload)
                     raise SandboxError(
@@ -127,7 +154,8 @@ def _raise_for(code: int, msg: str, path: str) -> None:
         return
     if code in (_errno.ENOENT, _errno.ENOTDIR):
         raise NotFoundError(f"no such file in the sandbox: {path}")
-    if code in (_errno.EISDIR, _errno.EINVAL, _errno.EACCES, _errno.EPERM, _errno.EROFS):
+    if code in (_errno.EISDIR, _errno.EINVAL, _errno.EACCES, _errno.EPERM, _errno.EROFS,
+                _errno.ENXIO, _errno.ELOOP, _errno.ENAMETOOLONG):
         raise UsageError(f"cannot access {path} in the sandbox: {msg}")
     raise SandboxError(f"file transfer failed in the sandbox: {msg}")
 
@@ -148,8 +176,11 @@ class AgentClient:
 
     # -- connecting ----------------------------------------------------------------------------
     @classmethod
-    def connect_unix(cls, path: str | Path, timeout: float = 10.0) -> AgentClient:
-        """Connect to an agent listening on a unix socket (any path length)."""
+    def connect_unix(cls, path: str | Path, *, peer: PeerCheck, what: str = "the sandbox",
+                     timeout: float = 10.0) -> AgentClient:
+        """Connect to an agent listening on a unix socket (any path length), and refuse the
+        connection unless `peer(pid)` accepts the listening process (SO_PEERCRED: the pid
+        of the process that called listen(), in this process's pid namespace)."""
         path = str(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         dir_fd = -1
@@ -169,6 +200,13 @@ class AgentClient:
         finally:
             if dir_fd >= 0:
                 os.close(dir_fd)
+        pid, _, _ = _PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        if pid <= 0 or not peer(pid):
+            sock.close()
+            raise AgentError(f"refusing the agent socket of {what} at {path}: it is served by "
+                             f"process {pid}, which is not {what}'s agent (was the socket "
+                             "replaced from inside a sandbox?)")
         return cls(sock)
 
     def close(self) -> None:
@@ -185,13 +223,13 @@ class AgentClient:
         self.close()
 
     # -- plumbing ------------------------------------------------------------------------------
-    def _open(self) -> tuple[int, _Request]:
+    def _open(self, bounded: bool = False) -> tuple[int, _Request]:
         with self._lock:
             if self._closed is not None:
                 raise AgentError(f"the sandbox agent connection is closed: {self._closed}")
             rid = self._next
             self._next = (self._next + 1) & 0x7FFFFFFF or 1
-            req = _Request()
+            req = _Request(bounded)
             self._pending[rid] = req
             return rid, req
 
@@ -227,7 +265,7 @@ class AgentClient:
                 with self._lock:
                     req = self._pending.get(rid)
                 if req is not None:
-                    req.frames.put((kind, payload))
+                    self._deliver(rid, req, (kind, payload))
         except (OSError, EOFError, struct.error) as e:
             reason = str(e) or type(e).__name__
         with self._lock:
@@ -235,6 +273,19 @@ class AgentClient:
             pending = list(self._pending.values())
         for req in pending:
             req.frames.put((-1, reason.encode()))
+
+    def _deliver(self, rid: int, req: _Request, frame: tuple[int, bytes]) -> None:
+        if not req.bounded:
+            req.frames.put(frame)
+            return
+        while True:  # wait for the consumer, unless it gave up on the request
+            try:
+                req.frames.put(frame, timeout=0.5)
+                return
+            except queue.Full:
+                with self._lock:
+                    if self._pending.get(rid) is not req:
+                        return
 
     def _wait_result(self, rid: int, req: _Request,
                      sink: list[bytes] | None = None) -> tuple[int, str]:
@@ -270,7 +321,8 @@ class AgentClient:
 
     def exec(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
              stdin: bytes | Iterable[bytes] | None = None, timeout: float | None = None,
-             on_output: OutputCallback | None = None) -> ExecResult:
+             on_output: OutputCallback | None = None,
+             capture_limit: int | None = None) -> ExecResult:
         h = self.start_exec(argv, env, cwd, timeout, stdin=stdin is not None, on_output=on_output)
         if isinstance(stdin, bytes | bytearray):
             if stdin:
@@ -280,7 +332,7 @@ class AgentClient:
             # a stream (e.g. the CLI's own stdin) is fed from a thread, so the result comes
             # back when the process exits even if the stream never ends
             threading.Thread(target=_feed, args=(h, stdin), daemon=True).start()
-        return h.wait()
+        return h.wait(capture_limit)
 
     def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         for off in range(0, max(len(data), 1), CHUNK):
@@ -290,6 +342,51 @@ class AgentClient:
                        + data[off:off + CHUNK])
             code, msg = self._wait_result(rid, req)
             _raise_for(code, msg, path)
+
+    def put_stream(self, path: str, src: BinaryIO, mode: int = 0o644) -> int:
+        """Write a host file into the sandbox in 1 MiB frames, sending only its data extents
+        (holes stay holes). Returns the file's size."""
+        fd = src.fileno()
+        size = os.fstat(fd).st_size
+        self._put(path, struct.pack(">II", mode, 0) + _s(path))  # create / truncate
+        for off, n in _extents(fd, size):
+            while n > 0:
+                block = os.pread(fd, min(n, CHUNK), off)
+                if not block:
+                    break
+                self._put(path, struct.pack(">II", mode, PUT_F_AT) + _s(path)
+                          + struct.pack(">Q", off) + block)
+                off, n = off + len(block), n - len(block)
+        self._put(path, struct.pack(">II", mode, PUT_F_SIZE) + _s(path) + struct.pack(">Q", size))
+        return size
+
+    def _put(self, path: str, payload: bytes) -> None:
+        rid, req = self._open()
+        self._send(T_PUT, rid, payload)
+        code, msg = self._wait_result(rid, req)
+        _raise_for(code, msg, path)
+
+    def get_tree(self, path: str, sink: TreeSink) -> None:
+        """Copy a file, symlink or directory out of the sandbox into `sink`, streamed: at most
+        TREE_WINDOW frames are held here, holes are never sent."""
+        rid, req = self._open(bounded=True)
+        try:
+            self._send(T_TREE, rid, path.encode())
+            while True:
+                kind, payload = req.frames.get()
+                if kind == T_DATA:
+                    _tree_record(payload, sink)
+                elif kind == T_RESULT:
+                    code, msg = _result(payload)
+                    if code in (_errno.EINVAL, _errno.ELOOP, _errno.ENAMETOOLONG):
+                        raise UsageError(f"cannot copy {msg}")  # msg names the path
+                    _raise_for(code, msg, path)
+                    return
+                elif kind < 0:
+                    raise AgentError("lost the connection to the sandbox agent: "
+                                     f"{payload.decode()}")
+        finally:
+            self._done(rid)
 
     def get_file_with_mode(self, path: str) -> tuple[bytes, int]:
         rid, req = self._open()
@@ -302,3 +399,41 @@ class AgentClient:
 
     def get_file(self, path: str) -> bytes:
         return self.get_file_with_mode(path)[0]
+
+
+def _tree_record(payload: bytes, sink: TreeSink) -> None:
+    """One DATA record of a TREE reply: an entry ('E') or file content at an offset ('C')."""
+    if payload[:1] == b"C" and len(payload) >= 9:
+        (off,) = struct.unpack(">Q", payload[1:9])
+        sink.chunk(off, memoryview(payload)[9:])
+        return
+    if payload[:1] != b"E" or len(payload) < 22:
+        raise AgentError("the sandbox agent sent a malformed file record")
+    kind, mode, size = _ENTRY.unpack(payload[1:14])
+    (rl,) = struct.unpack(">I", payload[14:18])
+    rel = payload[18:18 + rl]
+    (tl,) = struct.unpack(">I", payload[18 + rl:22 + rl])
+    target = payload[22 + rl:22 + rl + tl]
+    if len(rel) != rl or len(target) != tl:
+        raise AgentError("the sandbox agent sent a malformed file record")
+    sink.entry(kind.decode(errors="replace"), mode, size, rel, target)
+
+
+def _extents(fd: int, size: int) -> Iterable[tuple[int, int]]:
+    """(offset, length) of the data in a file, skipping holes where the filesystem says."""
+    off = 0
+    while off < size:
+        try:
+            data = os.lseek(fd, off, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == _errno.ENXIO:
+                return
+            data = off  # no SEEK_DATA: everything is data
+        if data >= size:
+            return
+        try:
+            hole = min(os.lseek(fd, data, os.SEEK_HOLE), size)
+        except OSError:
+            hole = size
+        yield data, hole - data
+        off = hole

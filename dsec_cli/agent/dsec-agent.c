@@ -8,9 +8,10 @@
  *
  * Built static (`gcc -static -O2`) so it runs in any image, even one without a libc.
  *
- * usage: dsec-agent (--listen PATH | --fd N | --serial PATH) [--ready-fd N]
+ * usage: dsec-agent (--listen PATH | --listen-fd N | --fd N | --serial PATH) [--ready-fd N]
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -34,12 +35,16 @@
 #define IO_CHUNK 65536
 
 /* client -> agent */
-enum { T_EXEC = 1, T_STDIN = 2, T_PUT = 3, T_GET = 4, T_PING = 5, T_SIGNAL = 6 };
+enum { T_EXEC = 1, T_STDIN = 2, T_PUT = 3, T_GET = 4, T_PING = 5, T_SIGNAL = 6, T_TREE = 7 };
 /* agent -> client */
 enum { T_STDOUT = 16, T_STDERR = 17, T_EXIT = 18, T_RESULT = 19, T_DATA = 20 };
 
 #define EXEC_F_STDIN 1u  /* stdin comes in T_STDIN frames; otherwise /dev/null */
 #define PUT_F_APPEND 1u  /* append to the file instead of creating/truncating it */
+#define PUT_F_AT 2u      /* u64 offset follows the path: write the data there (no create) */
+#define PUT_F_SIZE 4u    /* u64 size follows the path: set the file's size (no create) */
+#define TREE_CHUNK (1u << 20)
+#define TREE_DEPTH 256
 
 struct conn {
     int fd;               /* -1: slot free */
@@ -236,6 +241,26 @@ static uint32_t rd32(struct rd *r) {
     return v;
 }
 
+static uint64_t rd64(struct rd *r) {
+    uint64_t hi = rd32(r);
+    return (hi << 32) | rd32(r);
+}
+
+static void put64(uint8_t *p, uint64_t v) {
+    put32(p, (uint32_t)(v >> 32));
+    put32(p + 4, (uint32_t)v);
+}
+
+static const char *kind_name(mode_t m) {
+    if (S_ISFIFO(m)) return "a FIFO";
+    if (S_ISSOCK(m)) return "a socket";
+    if (S_ISCHR(m)) return "a character device";
+    if (S_ISBLK(m)) return "a block device";
+    if (S_ISDIR(m)) return "a directory";
+    if (S_ISLNK(m)) return "a symlink";
+    return "not a regular file";
+}
+
 static char *rdstr(struct rd *r) {
     uint32_t len = rd32(r);
     if (r->bad || len > r->n) { r->bad = 1; return NULL; }
@@ -367,21 +392,43 @@ static void do_put(int ci, uint32_t id, const uint8_t *p, size_t n) {
     struct rd r = {p, n, 0};
     uint32_t mode = rd32(&r), flags = rd32(&r);
     char *path = rdstr(&r);
-    if (r.bad || !path || !*path) { send_result(ci, id, EINVAL, "malformed put request"); free(path); return; }
+    uint64_t at = (flags & (PUT_F_AT | PUT_F_SIZE)) ? rd64(&r) : 0;
+    if (r.bad || !path || !*path || at > (uint64_t)INT64_MAX) {
+        send_result(ci, id, EINVAL, "malformed put request");
+        free(path);
+        return;
+    }
     int fd = -1;
-    if (!(flags & PUT_F_APPEND) && mkparents(path) != 0) {
+    int create = !(flags & (PUT_F_APPEND | PUT_F_AT | PUT_F_SIZE));
+    if (create && mkparents(path) != 0) {
         send_errno(ci, id, "mkdir parents of", path);
         goto out;
     }
-    fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | ((flags & PUT_F_APPEND) ? O_APPEND : O_TRUNC),
+    /* O_NONBLOCK: a FIFO planted at the path must not wedge the agent in open() */
+    fd = open(path, O_WRONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY |
+                    (create ? O_CREAT | O_TRUNC : 0) | ((flags & PUT_F_APPEND) ? O_APPEND : 0),
               mode & 07777);
     if (fd < 0) { send_errno(ci, id, "open", path); goto out; }
-    if (!(flags & PUT_F_APPEND)) fchmod(fd, mode & 07777);
+    struct stat st;
+    if (fstat(fd, &st) != 0) { send_errno(ci, id, "stat", path); goto out; }
+    if (!S_ISREG(st.st_mode)) {
+        char msg[4200];
+        snprintf(msg, sizeof msg, "%s is %s: only regular files can be written", path,
+                 kind_name(st.st_mode));
+        send_result(ci, id, EINVAL, msg);
+        goto out;
+    }
+    if (create) fchmod(fd, mode & 07777);
+    if ((flags & PUT_F_SIZE) && ftruncate(fd, (off_t)at) != 0) {
+        send_errno(ci, id, "truncate", path);
+        goto out;
+    }
+    off_t pos = (off_t)at;
     while (r.n > 0) {
-        ssize_t w = write(fd, r.p, r.n);
+        ssize_t w = (flags & PUT_F_AT) ? pwrite(fd, r.p, r.n, pos) : write(fd, r.p, r.n);
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) { send_errno(ci, id, "write", path); goto out; }
-        r.p += w; r.n -= (size_t)w;
+        r.p += w; r.n -= (size_t)w; pos += w;
     }
     send_result(ci, id, 0, NULL);
 out:
@@ -393,7 +440,8 @@ static void do_get(int ci, uint32_t id, const uint8_t *p, size_t n) {
     char *path = malloc(n + 1);
     memcpy(path, p, n);
     path[n] = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     struct stat st;
     if (fd < 0) { send_errno(ci, id, "open", path); goto out; }
     if (fstat(fd, &st) != 0) { send_errno(ci, id, "stat", path); goto out; }
@@ -419,12 +467,143 @@ out:
     free(path);
 }
 
+/* --- TREE: copy a file, symlink or directory out, streamed ------------------------------
+ * DATA records: 'E' kind mode size relpath target (one per entry, parents first) and
+ * 'C' offset bytes (file content; gaps between chunks are holes). Symlinks are sent as
+ * symlinks, never followed; anything but regular files, directories and symlinks ends the
+ * copy with EINVAL naming the path and its type, without being opened for reading. */
+
+static uint8_t tree_buf[9 + TREE_CHUNK];
+
+struct tree { int ci; uint32_t id; const char *top; };
+
+static int tree_fail(struct tree *t, int err, const char *rel, const char *what) {
+    char msg[8400];
+    snprintf(msg, sizeof msg, "%s%s%s: %s", t->top, *rel ? "/" : "", rel, what);
+    send_result(t->ci, t->id, err ? err : EIO, msg);
+    return -1;
+}
+
+static int tree_entry(struct tree *t, char kind, mode_t mode, uint64_t size, const char *rel,
+                      const char *target) {
+    size_t rl = strlen(rel), tl = strlen(target);
+    uint8_t *b = malloc(22 + rl + tl);
+    if (!b) return tree_fail(t, ENOMEM, rel, "out of memory");
+    b[0] = 'E';
+    b[1] = (uint8_t)kind;
+    put32(b + 2, (uint32_t)(mode & 07777));
+    put64(b + 6, size);
+    put32(b + 14, (uint32_t)rl);
+    memcpy(b + 18, rel, rl);
+    put32(b + 18 + rl, (uint32_t)tl);
+    memcpy(b + 22 + rl, target, tl);
+    int rc = send_frame(t->ci, T_DATA, t->id, b, 22 + rl + tl, NULL, 0);
+    free(b);
+    return rc;
+}
+
+/* Only the data extents are read and sent (SEEK_DATA/SEEK_HOLE), so a sparse file's holes
+ * cost nothing; reads stop at the size taken when the file was opened. */
+static int tree_file(struct tree *t, int fd, uint64_t size, const char *rel) {
+    off_t off = 0;
+    while ((uint64_t)off < size) {
+        off_t data = lseek(fd, off, SEEK_DATA);
+        if (data < 0 && errno == ENXIO) return 0;
+        if (data < 0) data = off;  /* no SEEK_DATA here: everything is data */
+        if ((uint64_t)data >= size) return 0;
+        off_t hole = lseek(fd, data, SEEK_HOLE);
+        if (hole < 0 || (uint64_t)hole > size) hole = (off_t)size;
+        for (off_t p = data; p < hole;) {
+            size_t want = (size_t)(hole - p) < TREE_CHUNK ? (size_t)(hole - p) : TREE_CHUNK;
+            ssize_t r = pread(fd, tree_buf + 9, want, p);
+            if (r < 0 && errno == EINTR) continue;
+            if (r < 0) return tree_fail(t, errno, rel, strerror(errno));
+            if (r == 0) return 0;  /* shrank while read: the rest stays a hole */
+            tree_buf[0] = 'C';
+            put64(tree_buf + 1, (uint64_t)p);
+            if (send_frame(t->ci, T_DATA, t->id, tree_buf, 9 + (size_t)r, NULL, 0) != 0) return -1;
+            p += r;
+        }
+        off = hole;
+    }
+    return 0;
+}
+
+static int tree_walk(struct tree *t, int at, const char *name, char *rel, int depth) {
+    struct stat st;
+    if (fstatat(at, name, &st, AT_SYMLINK_NOFOLLOW) != 0)
+        return tree_fail(t, errno, rel, strerror(errno));
+    if (S_ISLNK(st.st_mode)) {
+        char target[4097];
+        ssize_t n = readlinkat(at, name, target, sizeof target - 1);
+        if (n < 0) return tree_fail(t, errno, rel, strerror(errno));
+        target[n] = 0;
+        return tree_entry(t, 'l', 0777, 0, rel, target);
+    }
+    if (!S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode)) {
+        char what[128];
+        snprintf(what, sizeof what, "is %s: only regular files, directories and symlinks "
+                 "can be copied", kind_name(st.st_mode));
+        return tree_fail(t, EINVAL, rel, what);
+    }
+    int fd = openat(at, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY |
+                    (S_ISDIR(st.st_mode) ? O_DIRECTORY : 0));
+    if (fd < 0) return tree_fail(t, errno, rel, strerror(errno));
+    /* what was opened is what counts: the entry may have been swapped since the fstatat */
+    if (fstat(fd, &st) != 0 || (!S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode))) {
+        close(fd);
+        return tree_fail(t, EINVAL, rel, "changed type while being copied");
+    }
+    if (S_ISREG(st.st_mode)) {
+        int rc = tree_entry(t, 'f', st.st_mode, (uint64_t)st.st_size, rel, "");
+        if (rc == 0) rc = tree_file(t, fd, (uint64_t)st.st_size, rel);
+        close(fd);
+        return rc;
+    }
+    if (depth >= TREE_DEPTH) { close(fd); return tree_fail(t, ELOOP, rel, "nested too deep"); }
+    if (tree_entry(t, 'd', st.st_mode, 0, rel, "") != 0) { close(fd); return -1; }
+    DIR *d = fdopendir(fd);
+    if (!d) { close(fd); return tree_fail(t, errno, rel, strerror(errno)); }
+    size_t rl = strlen(rel);
+    struct dirent *de;
+    int rc = 0;
+    while (rc == 0 && (errno = 0, de = readdir(d)) != NULL) {
+        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+        size_t nl = strlen(de->d_name);
+        if (rl + nl + 2 > 4096) { rc = tree_fail(t, ENAMETOOLONG, rel, "path too long"); break; }
+        if (rl) rel[rl] = '/';
+        memcpy(rel + rl + (rl ? 1 : 0), de->d_name, nl + 1);
+        rc = tree_walk(t, dirfd(d), de->d_name, rel, depth + 1);
+        rel[rl] = 0;
+    }
+    if (rc == 0 && errno != 0) rc = tree_fail(t, errno, rel, strerror(errno));
+    closedir(d);
+    return rc;
+}
+
+static void do_tree(int ci, uint32_t id, const uint8_t *p, size_t n) {
+    char *path = malloc(n + 1);
+    if (!path) { send_result(ci, id, ENOMEM, "out of memory"); return; }
+    memcpy(path, p, n);
+    path[n] = 0;
+    if (!*path || strlen(path) != n) {
+        send_result(ci, id, EINVAL, "malformed tree request");
+        free(path);
+        return;
+    }
+    struct tree t = {ci, id, path};
+    char rel[4096] = "";
+    if (tree_walk(&t, AT_FDCWD, path, rel, 0) == 0) send_result(ci, id, 0, NULL);
+    free(path);
+}
+
 static void handle_frame(int ci, uint8_t type, uint32_t id, const uint8_t *p, size_t n) {
     switch (type) {
     case T_EXEC: do_exec(ci, id, p, n); break;
     case T_STDIN: do_stdin(ci, id, p, n); break;
     case T_PUT: do_put(ci, id, p, n); break;
     case T_GET: do_get(ci, id, p, n); break;
+    case T_TREE: do_tree(ci, id, p, n); break;
     case T_PING: {
         char msg[64];
         snprintf(msg, sizeof msg, "dsec-agent %d pid %d", PROTO_VERSION, (int)getpid());
@@ -504,22 +683,24 @@ static void on_signal(int sig) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: dsec-agent (--listen PATH | --fd N | --serial PATH) [--ready-fd N]\n");
+    fprintf(stderr, "usage: dsec-agent (--listen PATH | --listen-fd N | --fd N | --serial PATH) "
+            "[--ready-fd N]\n");
     exit(2);
 }
 
 int main(int argc, char **argv) {
     const char *listen_path = NULL;
-    int serve_fd = -1, ready_fd = -1;
+    int serve_fd = -1, ready_fd = -1, bound_fd = -1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--listen") && i + 1 < argc) listen_path = argv[++i];
+        else if (!strcmp(argv[i], "--listen-fd") && i + 1 < argc) bound_fd = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--fd") && i + 1 < argc) serve_fd = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--serial") && i + 1 < argc) serial_path = argv[++i];
         else if (!strcmp(argv[i], "--ready-fd") && i + 1 < argc) ready_fd = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--version")) { printf("dsec-agent %d\n", PROTO_VERSION); return 0; }
         else usage();
     }
-    if (!listen_path && serve_fd < 0 && !serial_path) usage();
+    if (!listen_path && bound_fd < 0 && serve_fd < 0 && !serial_path) usage();
     for (int i = 0; i < MAX_CONN; i++) conns[i].fd = -1;
     for (int i = 0; i < MAX_EXEC; i++) execs[i].out = execs[i].err = execs[i].in = -1;
 
@@ -546,6 +727,14 @@ int main(int argc, char **argv) {
             perror("dsec-agent: listen");
             return 1;
         }
+        set_nonblock(listen_fd, 1);
+    }
+    if (bound_fd >= 0) {
+        /* a socket the host bound in a directory the sandbox cannot see: listening here
+         * makes this process the peer the host's SO_PEERCRED check sees */
+        fcntl(bound_fd, F_SETFD, FD_CLOEXEC);
+        if (listen(bound_fd, 128) != 0) { perror("dsec-agent: listen"); return 1; }
+        listen_fd = bound_fd;
         set_nonblock(listen_fd, 1);
     }
     if (serve_fd >= 0) {

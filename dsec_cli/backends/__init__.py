@@ -18,11 +18,12 @@ from .base import (
     RootfsSpec,
     SandboxHandle,
     SandboxSpec,
+    TreeSink,
 )
 
 __all__ = [
     "Backend", "ExecRequest", "ExecResult", "Limits", "OutputCallback", "RootfsSpec",
-    "SandboxHandle", "SandboxSpec", "get_backend", "BACKENDS",
+    "SandboxHandle", "SandboxSpec", "TreeSink", "get_backend", "BACKENDS",
 ]
 
 BACKENDS: dict[str, tuple[str, str]] = {

@@ -2,18 +2,29 @@
 sandbox (so a warm exec is one round trip), and exec and file transfer through it.
 
 `AgentBackend` needs only `_connect`; `CgroupAgentBackend` adds what sandboxes whose
-processes share one cgroup have in common (freezer pause, limit accounting on exec)."""
+processes share one cgroup have in common (freezer pause, limit accounting on exec), and
+the one way their agents are reached: a unix socket that the host binds in the sandbox's
+private state directory (which no sandbox can see) and hands to the agent as an open fd,
+whose listener must be a process of the sandbox's own cgroup (SO_PEERCRED)."""
 
 from __future__ import annotations
 
 import abc
+import contextlib
+import fcntl
+import os
+import socket
 import threading
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from ..agent.client import AgentClient
 from . import _cgroups, _rootfs
-from .base import Backend, ExecRequest, ExecResult, OutputCallback, SandboxHandle
+from .base import Backend, ExecRequest, ExecResult, OutputCallback, SandboxHandle, TreeSink
+
+#: the fd number at which a sandbox's agent receives its bound socket (`--listen-fd`)
+AGENT_SOCKET_FD = 4
 
 
 class AgentBackend(Backend):
@@ -52,7 +63,7 @@ class AgentBackend(Backend):
     def exec(self, handle: SandboxHandle, request: ExecRequest,
              on_output: OutputCallback | None = None) -> ExecResult:
         return self.client(handle).exec(request.argv, request.env, request.cwd, request.stdin,
-                                        request.timeout, on_output)
+                                        request.timeout, on_output, request.capture_limit)
 
     def put_file(self, handle: SandboxHandle, path: str, data: bytes, mode: int = 0o644) -> None:
         self.client(handle).put_file(path, data, mode)
@@ -60,13 +71,63 @@ class AgentBackend(Backend):
     def get_file(self, handle: SandboxHandle, path: str) -> bytes:
         return self.client(handle).get_file(path)
 
+    def put_stream(self, handle: SandboxHandle, path: str, src: BinaryIO,
+                   mode: int = 0o644) -> int:
+        return self.client(handle).put_stream(path, src, mode)
+
+    def get_tree(self, handle: SandboxHandle, path: str, sink: TreeSink) -> None:
+        self.client(handle).get_tree(path, sink)
+
+
+def bind_agent_socket(path: Path) -> socket.socket:
+    """A unix socket bound at `path` but not listening: the agent is handed it as fd
+    AGENT_SOCKET_FD and listens on it itself, so the listener the host's SO_PEERCRED check
+    sees is the agent. `path` must be in a directory no sandbox can see or write."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dir_fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        # sun_path holds 108 bytes: bind long paths through an O_PATH fd of the dir
+        sock.bind(f"/proc/self/fd/{dir_fd}/{path.name}")
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.close(dir_fd)
+    # above the fds a spawn places (0-4), so no placement overwrites it before its own
+    high = fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD_CLOEXEC, 10)
+    sock.close()
+    return socket.socket(fileno=high)
+
+
+def in_cgroup(pid: int, cgroup: str) -> bool:
+    """Whether process `pid` is in `cgroup` (or below it) in any hierarchy."""
+    want = "/" + cgroup.strip("/")
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    return any(p == want or p.startswith(want + "/")
+               for p in (ln.split(":", 2)[-1] for ln in lines))
+
 
 class CgroupAgentBackend(AgentBackend):
-    """Sandboxes on this kernel, in one cgroup each, with the agent on a unix socket in
-    ``state["run_dir"]``."""
+    """Sandboxes on this kernel, in one cgroup each, with the agent listening on a socket
+    the host bound at ``state["agent_sock"]``, outside anything the sandbox can see."""
 
     def _connect(self, handle: SandboxHandle) -> AgentClient:
-        return AgentClient.connect_unix(Path(handle.state["run_dir"]) / "agent.sock")
+        st = handle.state
+        # sandboxes created before the socket moved out of their reach listened in run_dir:
+        # still reachable, and the peer check below is what keeps that path honest
+        path = st.get("agent_sock") or str(Path(st["run_dir"]) / "agent.sock")
+        pid, cgroup = st.get("pid"), st.get("cgroup")
+
+        def ours(peer: int) -> bool:
+            return peer == pid or (bool(cgroup) and in_cgroup(peer, cgroup))
+
+        return AgentClient.connect_unix(path, peer=ours, what=f"sandbox {handle.sandbox_id}")
 
     def pause(self, handle: SandboxHandle) -> None:
         _cgroups.Cgroup(handle.state["cgroup"]).freeze()
@@ -94,7 +155,7 @@ def exec_with_accounting(client: AgentClient, handle: SandboxHandle, request: Ex
     before = cg.limit_events() if cg else (0, 0)
     t0 = time.monotonic()
     res = client.exec(request.argv, request.env, request.cwd, request.stdin, request.timeout,
-                      on_output)
+                      on_output, request.capture_limit)
     if cg is None:
         return res
     after = cg.limit_events()
@@ -102,4 +163,6 @@ def exec_with_accounting(client: AgentClient, handle: SandboxHandle, request: Ex
     if not (oom or pids_hit):
         return res
     return ExecResult(res.exit_code, res.stdout, res.stderr, time.monotonic() - t0,
-                      res.timed_out, oom_killed=oom, pids_limited=pids_hit)
+                      res.timed_out, oom_killed=oom, pids_limited=pids_hit,
+                      stdout_truncated=res.stdout_truncated,
+                      stderr_truncated=res.stderr_truncated)

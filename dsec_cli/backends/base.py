@@ -12,7 +12,7 @@ import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, BinaryIO, ClassVar, Literal, Protocol
 
 #: called with ("stdout" | "stderr", bytes) as output arrives
 OutputCallback = Callable[[str, bytes], None]
@@ -61,6 +61,9 @@ class ExecRequest:
     cwd: str | None = None
     stdin: bytes | None = None
     timeout: float | None = None
+    #: bytes of each of stdout and stderr kept in the result (None: all); output past it
+    #: still reaches the output callback
+    capture_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,20 @@ class ExecResult:
     timed_out: bool = False
     oom_killed: bool = False  # the sandbox's memory limit killed a process during the exec
     pids_limited: bool = False  # a fork failed on the pids limit (where the kernel counts it)
+    stdout_truncated: bool = False  # stdout went past the request's capture_limit
+    stderr_truncated: bool = False
+
+
+class TreeSink(Protocol):
+    """Receives a file, symlink or directory copied out of a sandbox, entry by entry, parents
+    before children. Everything it is given comes from the sandbox: hostile input."""
+
+    def entry(self, kind: str, mode: int, size: int, rel: bytes, target: bytes) -> None:
+        """kind 'f' (regular file of `size` bytes), 'd' or 'l' (symlink to `target`); `rel`
+        is the path below the copied root, b"" for the root itself."""
+
+    def chunk(self, offset: int, data: memoryview) -> None:
+        """Content of the last regular file at `offset`; gaps between chunks are holes."""
 
 
 class Backend(abc.ABC):
@@ -116,3 +133,14 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def get_file(self, handle: SandboxHandle, path: str) -> bytes: ...
+
+    def put_stream(self, handle: SandboxHandle, path: str, src: BinaryIO,
+                   mode: int = 0o644) -> int:
+        """Write a host file into the sandbox without holding it in memory; its size."""
+        data = src.read()
+        self.put_file(handle, path, data, mode)
+        return len(data)
+
+    def get_tree(self, handle: SandboxHandle, path: str, sink: TreeSink) -> None:
+        """Copy a file, symlink or directory out of the sandbox into `sink`, streamed."""
+        raise NotImplementedError(f"{self.name} cannot copy files out")

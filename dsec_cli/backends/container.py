@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from ..agent import agent_binary
 from ..core.errors import BackendError
 from . import _cgroups, _rootfs, seccomp
-from .agented import CgroupAgentBackend
+from .agented import AGENT_SOCKET_FD, CgroupAgentBackend, bind_agent_socket
 from .base import (
     SandboxHandle,
     SandboxSpec,
@@ -97,7 +97,7 @@ def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [_rootfs.AGENT_IN_SANDBOX, "--listen", _rootfs.SOCKET_IN_SANDBOX,
+            "args": [_rootfs.AGENT_IN_SANDBOX, "--listen-fd", str(AGENT_SOCKET_FD),
                      "--ready-fd", "3"],
             "env": [f"{k}={v}" for k, v in env.items()],
             "cwd": spec.workdir or "/",
@@ -143,6 +143,7 @@ class ContainerBackend(CgroupAgentBackend):
             "runc_root": runc_root, "upper": str(upper),
             "state_dir": str(sdir), "network": spec.network,
             "limited": bool(spec.limits.memory or spec.limits.pids),
+            "agent_sock": str(sdir / "agent.sock"),  # host-private: see agented.py
         })
         if spec.limits.disk:
             handle.state["disk"] = str(disk)
@@ -170,8 +171,9 @@ class ContainerBackend(CgroupAgentBackend):
 
     def _runc_run(self, sid: str, sdir: Path, runc_root: str) -> int:
         r, w = os.pipe()
+        sock = bind_agent_socket(sdir / "agent.sock")
         log_path = sdir / "runc.log"
-        argv = [runc_binary(), "--root", runc_root, "run", "--detach", "--preserve-fds", "1",
+        argv = [runc_binary(), "--root", runc_root, "run", "--detach", "--preserve-fds", "2",
                 "--bundle", str(sdir), "--pid-file", str(sdir / "pid"), sid]
         try:
             with open(log_path, "wb") as logf, open(os.devnull, "rb") as null:
@@ -182,9 +184,11 @@ class ContainerBackend(CgroupAgentBackend):
                     (os.POSIX_SPAWN_DUP2, logf.fileno(), 1),
                     (os.POSIX_SPAWN_DUP2, logf.fileno(), 2),
                     (os.POSIX_SPAWN_DUP2, w, 3),
+                    (os.POSIX_SPAWN_DUP2, sock.fileno(), AGENT_SOCKET_FD),
                 ])
         finally:
             os.close(w)
+            sock.close()
         _, status = os.waitpid(pid, 0)
         if os.waitstatus_to_exitcode(status) != 0:
             os.close(r)

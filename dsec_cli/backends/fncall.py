@@ -23,9 +23,11 @@ from typing import Any, ClassVar
 from ..agent import agent_binary
 from ..core.errors import BackendError, UsageError
 from . import _cgroups, _rootfs, seccomp
-from .agented import CgroupAgentBackend
+from .agented import AGENT_SOCKET_FD, CgroupAgentBackend, bind_agent_socket
 from .base import SandboxHandle, SandboxSpec
 from .container import DEFAULT_PATH
+
+SECCOMP_FD = 5  # bwrap reads the seccomp program here; fd 4 carries the agent's socket
 
 
 def bwrap_binary() -> str:
@@ -66,7 +68,8 @@ class FncallBackend(CgroupAgentBackend):
         handle = SandboxHandle(spec.sandbox_id, self.name, {
             "rootfs": str(rootfs), "run_dir": str(run_dir), "cgroup": cgroup,
             "state_dir": str(sdir), "network": spec.network,
-            "limited": bool(spec.limits.memory or spec.limits.pids)})
+            "limited": bool(spec.limits.memory or spec.limits.pids),
+            "agent_sock": str(sdir / "agent.sock")})  # host-private: see agented.py
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             if self.shared_dir:
@@ -89,10 +92,10 @@ class FncallBackend(CgroupAgentBackend):
 
     def _spawn(self, spec: SandboxSpec, rootfs: Path, run_dir: Path, cg: _cgroups.Cgroup) -> int:
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}
-        # fd 4 in bwrap: the seccomp program; /tmp is the only writable place, sized by --disk
+        # fd SECCOMP_FD in bwrap: the seccomp program (fd 4 is the agent's socket); /tmp is the only writable place, sized by --disk
         tmp_size = ["--size", str(spec.limits.disk)] if spec.limits.disk else []
         argv = [bwrap_binary(), "--bind", str(rootfs), "/", "--proc", "/proc",
-                *_rootfs.bwrap_walls(4), "--dev", "/dev",
+                *_rootfs.bwrap_walls(SECCOMP_FD), "--dev", "/dev",
                 *tmp_size, "--tmpfs", "/tmp", "--bind", str(run_dir), "/.dsec/run",
                 "--ro-bind", str(agent_binary()), _rootfs.AGENT_IN_SANDBOX,
                 "--unshare-all", "--hostname", spec.hostname, "--new-session",
@@ -101,10 +104,11 @@ class FncallBackend(CgroupAgentBackend):
             argv.append("--share-net")
         for k, v in env.items():
             argv += ["--setenv", k, v]
-        argv += ["--chdir", spec.workdir or "/", "--", _rootfs.AGENT_IN_SANDBOX, "--listen",
-                 _rootfs.SOCKET_IN_SANDBOX, "--ready-fd", "3"]
+        argv += ["--chdir", spec.workdir or "/", "--", _rootfs.AGENT_IN_SANDBOX, "--listen-fd",
+                 str(AGENT_SOCKET_FD), "--ready-fd", "3"]
         r, w = os.pipe()
         filt = seccomp.bpf_fd()
+        sock = bind_agent_socket(spec.state_dir / "agent.sock")
         log_path = spec.state_dir / "bwrap.log"
         try:
             with open(log_path, "wb") as logf, open(os.devnull, "rb") as null:
@@ -113,11 +117,13 @@ class FncallBackend(CgroupAgentBackend):
                     (os.POSIX_SPAWN_DUP2, logf.fileno(), 1),
                     (os.POSIX_SPAWN_DUP2, logf.fileno(), 2),
                     (os.POSIX_SPAWN_DUP2, w, 3),
-                    (os.POSIX_SPAWN_DUP2, filt, 4),
+                    (os.POSIX_SPAWN_DUP2, sock.fileno(), AGENT_SOCKET_FD),
+                    (os.POSIX_SPAWN_DUP2, filt, SECCOMP_FD),
                 ])
         finally:
             os.close(w)
             os.close(filt)
+            sock.close()
         try:
             # join the cgroup at once, so a crash from here on leaves nothing outside it
             # (what bwrap forked before this is added again once it is ready)

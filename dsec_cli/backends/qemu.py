@@ -209,7 +209,10 @@ class QemuBackend(AgentBackend):
         guest still booting has not opened the port yet). Fails early if QEMU exits."""
         deadline = time.monotonic() + timeout
         try:
-            client = AgentClient.connect_unix(handle.state["agent_sock"])
+            # the host end of the guest's virtio-serial port: only QEMU itself may serve it
+            client = AgentClient.connect_unix(
+                handle.state["agent_sock"], peer=lambda pid: pid == handle.state.get("pid"),
+                what=f"sandbox {handle.sandbox_id}")
         except AgentError as e:
             raise SandboxError(f"cannot reach the agent of sandbox {handle.sandbox_id}: {e}") \
                 from e
@@ -349,7 +352,7 @@ class QemuBackend(AgentBackend):
         env = {**handle.state.get("env", {}), **request.env}
         cwd = request.cwd or handle.state.get("workdir") or "/"
         return self.client(handle).exec(request.argv, env, cwd, request.stdin, request.timeout,
-                                        on_output)
+                                        on_output, request.capture_limit)
 
 
 

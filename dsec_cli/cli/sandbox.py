@@ -11,6 +11,10 @@ from typing import Annotated, Any
 import typer
 
 STATE_HELP = "node state directory (default: DSEC_STATE_DIR or the config's state_dir)"
+#: bytes of each of stdout and stderr that `--json` puts in its document; past it the
+#: field holds the first JSON_OUTPUT_LIMIT bytes and `stdout_truncated` / `stderr_truncated`
+#: say so (without --json, output streams through and nothing is kept)
+JSON_OUTPUT_LIMIT = 8 << 20
 
 
 def _node(state_dir: str | None, sid: str | None = None, node: str | None = None) -> Any:
@@ -65,7 +69,9 @@ def _report(res: Any, json_out: bool, sid: str | None = None) -> None:
     if json_out:
         doc = {"exit_code": res.exit_code, "stdout": res.stdout.decode(errors="replace"),
                "stderr": res.stderr.decode(errors="replace"), "duration": res.duration,
-               "timed_out": res.timed_out, "oom_killed": res.oom_killed}
+               "timed_out": res.timed_out, "oom_killed": res.oom_killed,
+               "stdout_truncated": res.stdout_truncated,
+               "stderr_truncated": res.stderr_truncated}
         if sid:
             doc["id"] = sid
         print_json(doc)
@@ -149,7 +155,7 @@ def register(app: typer.Typer) -> None:
             rec = node.create(image, opts)
         if detach:
             if cmd:
-                node.exec(rec.id, cmd, timeout=timeout)
+                node.exec(rec.id, cmd, timeout=timeout, capture_limit=0)
             if json_out:
                 print_json(rec.public())
             else:
@@ -158,7 +164,8 @@ def register(app: typer.Typer) -> None:
         assert cmd
         try:
             res = node.exec(rec.id, cmd, stdin=_stdin_source(), timeout=timeout,
-                            on_output=None if json_out else _stream)
+                            on_output=None if json_out else _stream,
+                            capture_limit=JSON_OUTPUT_LIMIT if json_out else 0)
         finally:
             node.remove(rec.id)
         _report(res, json_out, rec.id)
@@ -183,7 +190,8 @@ def register(app: typer.Typer) -> None:
             raise UsageError("exec needs a command, e.g. `dsec exec ID -- ls /`")
         res = _node(state_dir, sandbox, node).exec(sandbox, cmd, env=_parse_env(env), cwd=workdir,
                                     stdin=_stdin_source(), timeout=timeout,
-                                    on_output=None if json_out else _stream)
+                                    on_output=None if json_out else _stream,
+                                    capture_limit=JSON_OUTPUT_LIMIT if json_out else 0)
         _report(res, json_out)
 
     @app.command()
@@ -194,7 +202,9 @@ def register(app: typer.Typer) -> None:
         state_dir: StateOpt = None,
         node: NodeOpt = None,
     ) -> None:
-        """Copy a file into or out of a sandbox (one side is [NODE/]SANDBOX:PATH)."""
+        """Copy a file into a sandbox, or a file, symlink or directory out of one (one side
+        is [NODE/]SANDBOX:PATH). Out of a sandbox: symlinks stay symlinks, setuid/setgid/
+        sticky bits are dropped, FIFOs, sockets and devices are refused."""
         from ..run.transfer import copy
         from .render import print_json
 

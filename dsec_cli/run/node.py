@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from ..backends import (
     Backend,
@@ -32,6 +32,7 @@ from ..backends import (
     RootfsSpec,
     SandboxHandle,
     SandboxSpec,
+    TreeSink,
     _cgroups,
     _rootfs,
     get_backend,
@@ -334,14 +335,17 @@ class Node:
 
     def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
              cwd: str | None = None, stdin: bytes | Iterable[bytes] | None = None,
-             timeout: float | None = None, on_output: OutputCallback | None = None
-             ) -> ExecResult:
+             timeout: float | None = None, on_output: OutputCallback | None = None,
+             capture_limit: int | None = None) -> ExecResult:
+        """Run argv in the sandbox. Output goes to `on_output` as it arrives and is kept in
+        the result up to `capture_limit` bytes per stream (None: all of it)."""
         if not argv:
             raise UsageError("exec needs a command")
         if timeout is not None and timeout <= 0:
             raise UsageError(f"invalid timeout {timeout}: must be positive")
         _, b, h = self._live(sid)
-        req = ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout)  # type: ignore[arg-type]
+        req = ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout,  # type: ignore[arg-type]
+                          capture_limit)
         return b.exec(h, req, on_output)
 
     def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
@@ -351,6 +355,16 @@ class Node:
     def get_file(self, sid: str, path: str) -> bytes:
         _, b, h = self._live(sid)
         return b.get_file(h, _sandbox_path(path))
+
+    def put_stream(self, sid: str, path: str, src: BinaryIO, mode: int = 0o644) -> int:
+        """Write a host file into the sandbox, streamed; its size."""
+        _, b, h = self._live(sid)
+        return b.put_stream(h, _sandbox_path(path), src, mode)
+
+    def get_tree(self, sid: str, path: str, sink: TreeSink) -> None:
+        """Copy a file, symlink or directory out of the sandbox into `sink`, streamed."""
+        _, b, h = self._live(sid)
+        b.get_tree(h, _sandbox_path(path), sink)
 
     def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
         _, b, h = self._live(sid)

@@ -22,7 +22,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentClien
                             pass_fds=(w,))
     __import__("os").close(w)
     assert __import__("os").read(r, 1) == b"R"
-    client = AgentClient.connect_unix(d / "s")
+    client = AgentClient.connect_unix(d / "s", peer=lambda pid: pid == proc.pid)
     yield client, d
     client.close()
     proc.kill()

@@ -112,11 +112,14 @@ class AgentService:
         stdin = unb64(args["stdin"]) if args.get("stdin") is not None else None
         res = self.node.exec(str(args["id"]), list(args["argv"]), env=args.get("env") or {},
                              cwd=args.get("cwd"), stdin=stdin, timeout=args.get("timeout"),
-                             on_output=on_output if stream else None)
+                             on_output=on_output if stream else None,
+                             capture_limit=_capture_limit(args.get("capture_limit")))
         return {"exit_code": res.exit_code, "duration": res.duration,
                 "stdout": "" if stream else b64(res.stdout),
                 "stderr": "" if stream else b64(res.stderr), "timed_out": res.timed_out,
-                "oom_killed": res.oom_killed, "pids_limited": res.pids_limited}
+                "oom_killed": res.oom_killed, "pids_limited": res.pids_limited,
+                "stdout_truncated": res.stdout_truncated,
+                "stderr_truncated": res.stderr_truncated}
 
     def put(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         self.node.put_file(str(args["id"]), str(args["path"]), unb64(args["data"]),
@@ -243,3 +246,12 @@ def serve_unix(path: str, state_dir: str | None = None) -> None:
                 serve_stream(service, r, w)
 
         threading.Thread(target=one, daemon=True).start()
+
+
+def _capture_limit(value: Any) -> int | None:
+    """A request's capture_limit: None, or a non-negative int."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(f"invalid capture_limit {value!r}")
+    return value

@@ -277,16 +277,19 @@ class RemoteNode:
 
     def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
              cwd: str | None = None, stdin: Any = None, timeout: float | None = None,
-             on_output: OutputCallback | None = None) -> ExecResult:
+             on_output: OutputCallback | None = None,
+             capture_limit: int | None = None) -> ExecResult:
         if stdin is not None and not isinstance(stdin, bytes | bytearray):
             stdin = b"".join(stdin)  # a chunk iterator (piped CLI stdin): sent whole
         r = self.call("exec", {"id": self.local_id(sid), "argv": list(argv), "env": env or {},
                                "cwd": cwd, "stdin": None if stdin is None else b64(stdin),
-                               "timeout": timeout, "stream": on_output is not None},
+                               "timeout": timeout, "stream": on_output is not None,
+                               "capture_limit": capture_limit},
                       on_event=on_output)
         return ExecResult(int(r["exit_code"]), unb64(r["stdout"]), unb64(r["stderr"]),
                           float(r["duration"]), bool(r["timed_out"]), bool(r["oom_killed"]),
-                          bool(r["pids_limited"]))
+                          bool(r["pids_limited"]), bool(r.get("stdout_truncated")),
+                          bool(r.get("stderr_truncated")))
 
     def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
         self.call("put", {"id": self.local_id(sid), "path": path, "data": b64(data),
