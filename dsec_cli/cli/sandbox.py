@@ -132,7 +132,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Create a sandbox; run CMD in it and remove it, or leave it running with -d."""
         from ..core import validate
-        from ..core.config import parse_duration, parse_size
         from ..core.errors import UsageError
         from ..run.node import CreateOptions
         from .render import print_json
@@ -145,8 +144,9 @@ def register(app: typer.Typer) -> None:
         if not detach and not cmd:
             raise UsageError("give a command after -- or use -d to leave the sandbox running")
         opts = CreateOptions(
-            backend=backend, cpus=cpus, memory=parse_size(memory, "--memory") if memory else None,
-            pids=pids, ttl=parse_duration(ttl, "--ttl") if ttl else None,
+            backend=backend, cpus=cpus,
+            memory=None if memory is None else validate.size(memory, "--memory"),
+            pids=pids, ttl=None if ttl is None else validate.duration(ttl, "--ttl"),
             network=network, env=_parse_env(env), workdir=workdir,  # type: ignore[arg-type]
             fetch=fetch)
         if node_name:
