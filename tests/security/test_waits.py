@@ -20,10 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from dsec_cli.core.config import net_timeouts
 from dsec_cli.format.refs import delete_ref
-from dsec_cli.push.lease import DELETING, GcMarker, WriterLease, read_marker
-from dsec_cli.push.retry import RetryPolicy
+from dsec_cli.push.lease import DELETING, WriterLease, read_marker
 from dsec_cli.push.stores import open_store
 from dsec_cli.push.stores.base import Store
 from dsec_cli.run.cluster.ssh import Address, SshTarget
@@ -106,6 +104,9 @@ def assert_bounded(p: subprocess.CompletedProcess[str], took: float, where: str,
 # -- the defaults ---------------------------------------------------------------------------
 def test_default_waits_fail_a_dead_endpoint_within_30s(monkeypatch: pytest.MonkeyPatch,
                                                         tmp_path: Path) -> None:
+    from dsec_cli.core.config import net_timeouts
+    from dsec_cli.push.retry import RetryPolicy
+
     for var in ("DSEC_CONNECT_TIMEOUT", "DSEC_READ_TIMEOUT", "DSEC_SSH_TIMEOUT"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("DSEC_CONFIG", str(tmp_path / "none.yaml"))
@@ -120,6 +121,8 @@ def test_default_waits_fail_a_dead_endpoint_within_30s(monkeypatch: pytest.Monke
 
 def test_timeouts_come_from_config_and_bad_ones_are_usage_errors(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from dsec_cli.core.config import net_timeouts
+
     cfg = tmp_path / "config.yaml"
     cfg.write_text("connect_timeout: 3s\nread_timeout: 7s\n")
     monkeypatch.setenv("DSEC_CONFIG", str(cfg))
@@ -256,6 +259,8 @@ def test_live_gc_marker_of_another_machine_still_blocks(tmp_path: Path) -> None:
 
 
 def test_gc_marker_is_a_short_heartbeat(tmp_path: Path) -> None:
+    from dsec_cli.push.lease import GcMarker
+
     store = open_store(_garbage_store(tmp_path, packs=1))
     with GcMarker(store, ttl=1.2) as marker:
         first = read_marker(store)
