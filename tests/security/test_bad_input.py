@@ -261,3 +261,18 @@ def test_sdk_push_refuses_bad_refs_before_touching_a_store(store: Path, tmp_path
         with pytest.raises(UsageError):
             api.push(refs, to)
     assert not dst.exists()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"image": ""}, {"image": "a@1\n"}, {"image": "a@1", "cpus": float("nan")},
+    {"image": "a@1", "memory": "nan"}, {"image": "a@1", "ttl": "-1h"},
+    {"image": "a@1", "pids": 0}, {"image": "a@1", "node": ""},
+], ids=["empty", "newline", "cpus", "memory", "ttl", "pids", "node"])
+def test_sdk_sandbox_refuses_bad_options(kwargs: dict[str, object], store: Path) -> None:
+    from dsec_cli.run.sdk import Sandbox
+
+    image = kwargs.pop("image")
+    with pytest.raises(UsageError):
+        Sandbox(image, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(UsageError):
+        Sandbox.attach("a\nb")

@@ -145,7 +145,7 @@ def test_silent_s3_endpoint_fails_within_the_bound(silent: SilentServer, local_s
     before = sorted(p.name for p in Path(local_store.removeprefix("file://")).rglob("*"))
     p, took = dsec(*args, env=env)
     assert_bounded(p, took, endpoint, 20)
-    assert "did not answer" in p.stderr
+    assert "did not answer" in " ".join(p.stderr.split())  # rich wraps long lines
     assert silent.accepted >= 1  # it did connect: the read timeout, not a refusal, fired
     assert sorted(p.name for p in Path(local_store.removeprefix("file://")).rglob("*")) == before
 
@@ -155,7 +155,7 @@ def test_silent_oci_registry_fails_within_the_bound(silent: SilentServer,
     host = f"127.0.0.1:{silent.port}"
     p, took = dsec("push", "a@1", "--to", f"oci://{host}/x", "--insecure", env=FAST)
     assert_bounded(p, took, host, 20)
-    assert "did not answer" in p.stderr
+    assert "did not answer" in " ".join(p.stderr.split())
     p, took = dsec("pull", "a@1", "--from", f"oci://{host}/x", "--insecure", env=FAST)
     assert_bounded(p, took, host, 20)
 
@@ -235,7 +235,7 @@ def test_push_after_a_killed_gc_proceeds_at_once(tmp_path: Path, local_store: st
     p, took = dsec("push", "a@1", "--to", remote, timeout=60)
     assert p.returncode == 0, p.stderr
     assert took < 15, f"push waited {took:.1f}s for a dead gc"
-    assert "no longer runs" in p.stderr  # the stale marker is reported
+    assert "no longer runs" in " ".join(p.stderr.split())  # the stale marker is reported
     p, _ = dsec("gc", "--store", remote, "--grace", "0")  # the next gc finishes the job
     assert p.returncode == 0, p.stderr
     assert store.stat(DELETING) is None
