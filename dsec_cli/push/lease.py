@@ -103,7 +103,16 @@ def process_gone(proc: object) -> bool:
     pid, start = proc.get("pid"), proc.get("start")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not start:
         return False
-    return _start_time(pid) != start
+    now = _start_time(pid)
+    if now:
+        return now != start
+    try:  # /proc/PID hidden (hidepid) or gone: ask the kernel whether the pid exists
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # it exists but is not ours to signal
+    return False  # it exists and its start time cannot be read: cannot tell
 
 
 @dataclass(frozen=True)
