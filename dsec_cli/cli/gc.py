@@ -39,13 +39,20 @@ def register(app: typer.Typer) -> None:
         """Delete what nothing references: store objects no ref or pin reaches (safe while
         others push), and with --node this node's expired sandboxes and least recently used
         layers."""
+        import math
+
+        from ..core.errors import UsageError
+
+        if not math.isfinite(repack_threshold):
+            raise UsageError(f"invalid --repack-threshold {repack_threshold}: expected a "
+                             "number from 0 to 1")
         out: dict[str, Any] = {}
         if all_nodes:
             from ..core.config import parse_size
             from ..run.cluster.api import gc_all
 
             results = [r.to_dict() for r in gc_all(
-                parse_size(budget, "--budget") if budget else None, dry_run)]
+                None if budget is None else parse_size(budget, "--budget"), dry_run)]
             failed = [r for r in results if not r["ok"]]
             if as_json:
                 print_json({"nodes": results})
@@ -64,7 +71,7 @@ def register(app: typer.Typer) -> None:
             from ..run.node import local_node
 
             out["node"] = local_node(state_dir).gc(
-                parse_size(budget, "--budget") if budget else None, dry_run)
+                None if budget is None else parse_size(budget, "--budget"), dry_run)
         if store is not None or not node:
             from ..core.config import parse_duration
             from ..push.api import _options

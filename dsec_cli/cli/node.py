@@ -65,8 +65,12 @@ def _rows(results: list[Any]) -> list[tuple[Any, ...]]:
 
 
 def _status(names: list[str] | None, json_out: bool, timeout: float | None) -> None:
+    from ..core import validate
     from ..run.cluster.api import node_status
 
+    validate.positive_float(timeout, "--timeout")
+    for name in names or []:
+        validate.node_name(name)
     results = node_status(timeout, names)
     if json_out:
         print_json([r.to_dict() for r in results])

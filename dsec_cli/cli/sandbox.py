@@ -19,6 +19,11 @@ JSON_OUTPUT_LIMIT = 8 << 20
 
 def _node(state_dir: str | None, sid: str | None = None, node: str | None = None) -> Any:
     """This node, or the cluster node a NODE/ID sandbox id or --node names."""
+    from ..core import validate
+
+    validate.node_option(node)
+    if sid is not None:
+        validate.sandbox_id(sid)
     if node or (sid and "/" in sid):
         from ..run.cluster.api import node_for
 
@@ -134,16 +139,22 @@ def register(app: typer.Typer) -> None:
                              ] = None,
     ) -> None:
         """Create a sandbox; run CMD in it and remove it, or leave it running with -d."""
-        from ..core.config import parse_duration, parse_size
+        from ..core import validate
         from ..core.errors import UsageError
         from ..run.node import CreateOptions
         from .render import print_json
 
+        validate.image(image)
+        validate.node_option(node_name)
+        validate.positive_float(cpus, "--cpus")
+        validate.positive_int(pids, "--pids")
+        validate.positive_float(timeout, "--timeout")
         if not detach and not cmd:
             raise UsageError("give a command after -- or use -d to leave the sandbox running")
         opts = CreateOptions(
-            backend=backend, cpus=cpus, memory=parse_size(memory, "--memory") if memory else None,
-            pids=pids, ttl=parse_duration(ttl, "--ttl") if ttl else None,
+            backend=backend, cpus=cpus,
+            memory=None if memory is None else validate.size(memory, "--memory"),
+            pids=pids, ttl=None if ttl is None else validate.duration(ttl, "--ttl"),
             network=network, env=_parse_env(env), workdir=workdir,  # type: ignore[arg-type]
             fetch=fetch, disk=parse_size(disk, "--disk") if disk else None)
         if node_name:
@@ -182,8 +193,10 @@ def register(app: typer.Typer) -> None:
         node: NodeOpt = None,
     ) -> None:
         """Run a command in a sandbox: streams output, forwards stdin, exits with its code."""
+        from ..core import validate
         from ..core.errors import UsageError
 
+        validate.positive_float(timeout, "--timeout")
         if cmd and cmd[0] == "--":
             cmd = cmd[1:]
         if not cmd:

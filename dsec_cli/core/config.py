@@ -3,6 +3,7 @@ DSEC_* environment < command-line flags. Errors name the file and the key."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -13,6 +14,8 @@ import yaml
 from .errors import ConfigError
 
 SYSTEM_FILE = Path("/etc/dsec/config.yaml")
+MAX_SIZE = 1 << 60  # 1 EiB: more than any memory or disk; runtimes take int64 bytes
+MAX_DURATION = 100 * 365 * 86400.0
 
 
 def data_home() -> Path:
@@ -33,6 +36,10 @@ class Config:
     state_dir: str = ""
     cache_budget: str = "20G"
     kernel: str = ""  # guest kernel for the microvm and vm backends (else the setup cache)
+    # network waits (durations): a dead store endpoint or SSH node fails within about
+    # connect_timeout + read_timeout, retries included (docs/stores.md, docs/cluster.md)
+    connect_timeout: str = "10s"
+    read_timeout: str = "20s"
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # key -> where it was set
 
@@ -49,7 +56,8 @@ class Config:
 
 _KEYS = {f.name for f in fields(Config)} - {"sources"}
 _ENV = {"DSEC_STORE": "store", "DSEC_DATA_DIR": "data_dir", "DSEC_STATE_DIR": "state_dir",
-        "DSEC_CACHE_BUDGET": "cache_budget", "DSEC_KERNEL": "kernel"}
+        "DSEC_CACHE_BUDGET": "cache_budget", "DSEC_KERNEL": "kernel",
+        "DSEC_CONNECT_TIMEOUT": "connect_timeout", "DSEC_READ_TIMEOUT": "read_timeout"}
 
 
 def user_config_file() -> Path:
@@ -114,6 +122,8 @@ def parse_size(text: str, what: str = "size") -> int:
         value = float(num) * units[unit]
     except ValueError:
         raise ConfigError(f"invalid {what} {text!r}: expected a number with K, M, G or T") from None
+    if not math.isfinite(value) or value > MAX_SIZE:
+        raise ConfigError(f"invalid {what} {text!r}: must be a finite size of at most 1E")
     if value < 0:
         raise ConfigError(f"invalid {what} {text!r}: must not be negative")
     return int(value)
@@ -128,6 +138,53 @@ def parse_duration(text: str, what: str = "duration") -> float:
         value = float(num) * units[unit]
     except ValueError:
         raise ConfigError(f"invalid {what} {text!r}: expected e.g. 30s, 15m, 2h, 7d") from None
+    if not math.isfinite(value) or value > MAX_DURATION:
+        raise ConfigError(f"invalid {what} {text!r}: must be a finite duration of at most "
+                          "100 years")
     if value < 0:
         raise ConfigError(f"invalid {what} {text!r}: must not be negative")
     return value
+
+
+@dataclass(frozen=True)
+class NetTimeouts:
+    """How long one network operation may wait: to connect, and for each answer."""
+
+    connect: float
+    read: float
+
+    @property
+    def total(self) -> float:
+        """The most one operation spends waiting on a silent endpoint, retries included."""
+        return self.connect + self.read
+
+
+def _positive_duration(cfg: Config, key: str) -> float:
+    text = getattr(cfg, key)
+    where = cfg.sources.get(key, "the default")
+    try:
+        value = parse_duration(text, key)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e.message}") from None
+    if not 0 < value <= 3600:
+        raise ConfigError(f"{where}: {key} {text!r} must be more than 0 and at most 1h")
+    return value
+
+
+def net_timeouts() -> NetTimeouts:
+    """The resolved network timeouts (config keys connect_timeout / read_timeout, or
+    DSEC_CONNECT_TIMEOUT / DSEC_READ_TIMEOUT)."""
+    cfg = load_config()
+    return NetTimeouts(_positive_duration(cfg, "connect_timeout"),
+                       _positive_duration(cfg, "read_timeout"))
+
+
+def debug_delay(name: str) -> float:
+    """Seconds to pause at a named point, from ``DSEC_DEBUG_DELAY_<NAME>`` (tests use it to
+    stop a process at a chosen step; unset or malformed means no pause)."""
+    raw = os.environ.get(f"DSEC_DEBUG_DELAY_{name.upper()}", "")
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        return 0.0
+    return value if 0 < value < 3600 else 0.0

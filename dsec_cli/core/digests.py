@@ -16,9 +16,9 @@ import xxhash
 from .errors import IntegrityError, UsageError
 
 KINDS = ("packs", "indexes", "manifests")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_REF_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
-_KEY = re.compile(r"^[A-Za-z0-9._+@-]+(/[A-Za-z0-9._+@-]+)*$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
+_REF_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}\Z")
+_KEY = re.compile(r"^[A-Za-z0-9._+@-]+(/[A-Za-z0-9._+@-]+)*\Z")
 
 
 def sha256_hex(data: bytes | memoryview) -> str:

@@ -70,6 +70,17 @@ class TransientStoreError(StoreError):
     """A store failure worth retrying: connection errors, throttling, 5xx."""
 
 
+class StoreTimeoutError(TransientStoreError):
+    """An endpoint accepted a connection (or not) and did not answer in time.
+
+    ``waited`` is how long this one attempt waited; the retry policy uses it so that
+    retries of a silent endpoint do not multiply the wait past one overall bound."""
+
+    def __init__(self, message: str, *, waited: float, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.waited = waited
+
+
 class StoreUnavailableError(StoreError):
     """The store cannot be reached at all."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..core import validate
 from ..core.errors import UsageError
 from ..format.refs import delete_ref, get_ref
 from .retry import open_retrying
@@ -24,16 +25,20 @@ def _options(endpoint_url: str | None, insecure: bool) -> dict[str, object]:
     return opts
 
 
-def _check(refs: Sequence[str]) -> None:
+def _check(refs: Sequence[str], jobs: int = DEFAULT_JOBS) -> None:
+    """Every argument checked before any store is opened."""
     if not refs:
         raise UsageError("name at least one NAME@VERSION")
+    for r in refs:
+        validate.ref(r)
+    validate.positive_int(jobs, "--jobs")
 
 
 def push(refs: Sequence[str], to: str, *, store: str | None = None, jobs: int = DEFAULT_JOBS,
          endpoint_url: str | None = None, insecure: bool = False,
          progress: ProgressFn | None = None) -> TransferReport:
     """Copy refs from the local store (default: the configured one) to the store at `to`."""
-    _check(refs)
+    _check(refs, jobs)
     with open_retrying(store) as src, open_retrying(to, **_options(endpoint_url, insecure)) as dst:
         return copy_refs(src, dst, refs, jobs=jobs, progress=progress)
 
@@ -42,7 +47,7 @@ def pull(refs: Sequence[str], frm: str, *, store: str | None = None, jobs: int =
          endpoint_url: str | None = None, insecure: bool = False,
          progress: ProgressFn | None = None) -> TransferReport:
     """Copy refs from the store at `frm` into the local store."""
-    _check(refs)
+    _check(refs, jobs)
     with open_retrying(frm, **_options(endpoint_url, insecure)) as src, \
             open_retrying(store) as dst:
         return copy_refs(src, dst, refs, jobs=jobs, progress=progress)

@@ -30,7 +30,7 @@ from ..core.digests import check_digest, parse_object_key
 from ..core.errors import DsecError, NotFoundError
 from ..format.closure import closure
 from ..format.refs import get_ref
-from .lease import DELETING, _holder, _ttl, read_leases
+from .lease import GcMarker, _ttl, read_leases
 from .retry import RetryingStore
 from .stores.base import ObjectInfo, Store
 
@@ -237,9 +237,7 @@ def _delete_phase(store: Store, due: list[str], objects: dict[str, ObjectInfo],
                   pending: dict[str, float], report: GcReport, jobs: int) -> None:
     ttl = _ttl()
     started = time.time()
-    marker = {"purpose": "gc", "holder": _holder(), "started": started, "expires": started + ttl}
-    store.put(DELETING, json.dumps(marker).encode())  # first the marker, then the leases
-    try:
+    with GcMarker(store) as marker:  # first the marker, then the leases
         live_leases = [le for le in read_leases(store) if le.live()]
         if live_leases:
             report.deferred = (f"{len(live_leases)} writer(s) hold a lease "
@@ -259,7 +257,8 @@ def _delete_phase(store: Store, due: list[str], objects: dict[str, ObjectInfo],
         deadline = started + ttl / 2  # stop well before writers stop waiting for us
 
         def delete(key: str) -> str | None:
-            if time.time() > deadline:
+            # and only while the marker's heartbeat is fresh (a stalled gc stops itself)
+            if time.time() > deadline or not marker.may_delete():
                 return None
             store.delete(key)
             return key
@@ -273,8 +272,6 @@ def _delete_phase(store: Store, due: list[str], objects: dict[str, ObjectInfo],
         if len(gone) < len(doomed):
             report.deferred = "stopped deleting before the gc marker expired; run gc again"
         _save_pending(store, pending)
-    finally:
-        store.delete(DELETING)
 
 
 def _remove_stale_temp(store: Store, before: float) -> int:

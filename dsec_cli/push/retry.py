@@ -4,6 +4,11 @@ Only `TransientStoreError` (connection refused or reset, timeouts, 429, 5xx) is 
 bounded number of times with exponential backoff and jitter; every other error (a missing
 object, a missing bucket, an authentication failure, corruption) is raised at once. A store
 that keeps failing transiently becomes a `StoreUnavailableError`.
+
+Timeouts get one more bound: an endpoint that never answers costs each attempt a whole
+timeout, so a timed-out operation is retried only while the time spent so far plus one more
+timeout stays within ``connect_timeout + read_timeout`` (30 s by default). A dead endpoint
+thus fails one operation within that bound, and the message says how long it waited.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from ..core.errors import StoreUnavailableError, TransientStoreError
+from ..core.errors import StoreTimeoutError, StoreUnavailableError, TransientStoreError
 from .stores.base import ObjectInfo, Store
 
 log = logging.getLogger(__name__)
@@ -29,14 +34,19 @@ class RetryPolicy:
     attempts: int = 5  # total tries, the first included
     base_delay: float = 0.2  # seconds before the second try; doubles each time
     max_delay: float = 5.0
+    timeout_budget: float = 30.0  # seconds of timed-out attempts one operation may spend
 
     @classmethod
     def from_env(cls) -> RetryPolicy:
-        """`DSEC_STORE_RETRIES` overrides the number of attempts (>= 1)."""
+        """`DSEC_STORE_RETRIES` overrides the number of attempts (>= 1); the timeout budget
+        is the configured connect + read timeout."""
+        from ..core.config import net_timeouts
+
+        budget = net_timeouts().total
         raw = os.environ.get("DSEC_STORE_RETRIES")
         if raw and raw.isdigit() and int(raw) >= 1:
-            return cls(attempts=int(raw))
-        return cls()
+            return cls(attempts=int(raw), timeout_budget=budget)
+        return cls(timeout_budget=budget)
 
     def delay(self, attempt: int) -> float:
         """Full jitter (AWS architecture blog): spreads clients that failed together."""
@@ -46,10 +56,18 @@ class RetryPolicy:
 def call(fn: Callable[[], T], what: str, policy: RetryPolicy | None = None) -> T:
     """Run ``fn``; retry it while it raises `TransientStoreError`."""
     policy = policy or RetryPolicy.from_env()
+    start = time.monotonic()
     for attempt in range(policy.attempts):
         try:
             return fn()
         except TransientStoreError as e:
+            spent = time.monotonic() - start
+            if isinstance(e, StoreTimeoutError) and spent + e.waited > policy.timeout_budget:
+                raise StoreUnavailableError(
+                    f"{e.message} (gave up after {spent:.0f}s and {attempt + 1} attempt(s))",
+                    hint=e.hint or "check that the store's server is up and answering; "
+                                   "DSEC_CONNECT_TIMEOUT and DSEC_READ_TIMEOUT set the waits",
+                ) from e
             if attempt + 1 >= policy.attempts:
                 raise StoreUnavailableError(
                     f"{e.message} (still failing after {policy.attempts} attempts)",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 BACKEND_CHOICES = ("container", "fncall", "microvm", "vm")
 MIN_MEMORY = 8 << 20
 MIN_DISK = _rootfs.MIN_DISK
+MAX_SIZE = 1 << 60
 
 
 @dataclass
@@ -69,14 +71,17 @@ class CreateOptions:
         if self.cpus is not None and not (0.01 <= self.cpus <= ncpu):
             raise UsageError(f"invalid --cpus {self.cpus}: must be between 0.01 and {ncpu} "
                              "(the CPUs of this node)")
-        if self.memory is not None and self.memory < MIN_MEMORY:
-            raise UsageError(f"invalid --memory {self.memory}: must be at least 8 MiB")
+        if self.memory is not None and not MIN_MEMORY <= self.memory <= MAX_SIZE:
+            raise UsageError(f"invalid --memory {self.memory}: must be at least 8 MiB and at "
+                             "most 1 EiB")
         if self.pids is not None and self.pids < 2:
             raise UsageError(f"invalid --pids {self.pids}: must be at least 2")
-        if self.disk is not None and self.disk < MIN_DISK:
-            raise UsageError(f"invalid --disk {self.disk}: must be at least 16 MiB")
-        if self.ttl is not None and self.ttl <= 0:
-            raise UsageError(f"invalid --ttl {self.ttl}: must be positive")
+        if self.disk is not None and not MIN_DISK <= self.disk <= MAX_SIZE:
+            raise UsageError(f"invalid --disk {self.disk}: must be at least 16 MiB and at "
+                             "most 1 EiB")
+        if self.ttl is not None and not (math.isfinite(self.ttl) and self.ttl > 0):
+            raise UsageError(f"invalid --ttl {self.ttl}: must be a finite number of seconds "
+                             "above 0")
         if self.network not in ("none", "host"):
             raise UsageError(f"invalid --network {self.network!r}: choose none or host")
         if self.workdir is not None and not self.workdir.startswith("/"):
@@ -341,8 +346,9 @@ class Node:
         the result up to `capture_limit` bytes per stream (None: all of it)."""
         if not argv:
             raise UsageError("exec needs a command")
-        if timeout is not None and timeout <= 0:
-            raise UsageError(f"invalid timeout {timeout}: must be positive")
+        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+            raise UsageError(f"invalid timeout {timeout}: must be a finite number of seconds "
+                             "above 0")
         _, b, h = self._live(sid)
         req = ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout,  # type: ignore[arg-type]
                           capture_limit)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from ..backends.base import ExecResult, OutputCallback
 from ..backends.fnpool import FunctionCallError, FunctionPool
-from ..core.config import parse_duration, parse_size
+from ..core import validate
 from .node import CreateOptions, Node, local_node
 from .state import SandboxRecord
 
@@ -24,12 +24,12 @@ __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "run",
 
 
 def _size(v: int | str | None, what: str) -> int | None:
-    return None if v is None else v if isinstance(v, int) else parse_size(v, what)
+    return None if v is None else v if isinstance(v, int) else validate.size(v, what)
 
 
 def _secs(v: float | str | None, what: str) -> float | None:
     return None if v is None else float(v) if isinstance(v, int | float) \
-        else parse_duration(v, what)
+        else validate.duration(v, what)
 
 
 class Sandbox:
@@ -50,6 +50,11 @@ class Sandbox:
         """``node``: a configured cluster node's name, ``"auto"`` (placed by free capacity
         and cached image bytes) or ``None``/``"local"`` for this machine. ``disk``: bytes
         (or "1G") the sandbox may write; past it writes fail with ENOSPC inside."""
+        if isinstance(image, str):
+            validate.image(image, "image")
+        validate.node_option(node, "node")
+        validate.positive_float(cpus, "cpus")
+        validate.positive_int(pids, "pids")
         opts = CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, "memory"),
                              pids=pids, ttl=_secs(ttl, "ttl"), network=network,
                              env=dict(env or {}), workdir=workdir, disk=_size(disk, "disk"))
@@ -91,6 +96,7 @@ class Sandbox:
 
     @classmethod
     def attach(cls, sandbox_id: str, *, state_dir: str | Path | None = None) -> Sandbox:
+        validate.sandbox_id(sandbox_id)
         if "/" in sandbox_id:  # NODE/ID: a cluster node's sandbox
             from .cluster.api import node_for
 

@@ -110,3 +110,24 @@ def test_bootstrap_installs_dsec_without_network(cluster: SshCluster, run_dsec, 
     p = run_dsec("run", "--node", "fresh", "-b", "fncall", "busybox@1.35-1", "--", "echo", "hi",
                  env=cluster.client_env())
     assert p.stdout == "hi\n"
+
+
+def test_agent_that_never_greets_fails_within_the_read_timeout(  # type: ignore[no-untyped-def]
+        cluster: SshCluster, run_dsec, tmp_path: Path) -> None:
+    """sshd answers, but the command it runs never writes the protocol's first line: the
+    wait for it is bounded by the read timeout, and the message names the node."""
+    import time
+
+    silent = tmp_path / "silent-dsec"
+    silent.write_text("#!/bin/sh\nexec sleep 30\n")
+    silent.chmod(0o755)
+    env = {**cluster.client_env(), "DSEC_CONNECT_TIMEOUT": "5s", "DSEC_READ_TIMEOUT": "2s"}
+    t0 = time.monotonic()
+    p = run_dsec("node", "add", "mute", cluster.nodes[0].address, "--identity",
+                 str(cluster.identity), "--known-hosts", str(cluster.known_hosts),
+                 "--dsec", str(silent), check=1, env=env)
+    took = time.monotonic() - t0
+    err = " ".join(p.stderr.split())  # rich wraps long lines
+    assert "did not answer the protocol greeting within 2s" in err, err
+    assert cluster.nodes[0].address in err
+    assert took < 15, f"took {took:.1f}s"

@@ -31,8 +31,13 @@ def default_store_url() -> str:
 
 
 def open_store(url: str | None = None, **options: object) -> Store:
-    """Open the store a URL names; a bare path is a ``file://`` store."""
-    url = url or default_store_url()
+    """Open the store a URL names; a bare path is a ``file://`` store; None is the
+    configured default. A malformed URL is a `UsageError` naming it."""
+    from ...core import validate
+
+    url = default_store_url() if url is None else validate.store_url(url)
+    if options.get("endpoint_url") is not None:
+        validate.endpoint_url(str(options["endpoint_url"]))
     if "://" not in url:
         url = Path(os.path.expanduser(url)).resolve().as_uri()
     scheme = urlparse(url).scheme

@@ -36,12 +36,14 @@ import oras.provider
 import requests
 import urllib3
 
+from ...core.config import NetTimeouts, net_timeouts
 from ...core.digests import parse_object_key, validate_key
 from ...core.errors import (
     DsecError,
     IntegrityError,
     NotFoundError,
     StoreError,
+    StoreTimeoutError,
     TransientStoreError,
     UsageError,
 )
@@ -62,11 +64,24 @@ ARTIFACT_TYPES = {"refs": "application/vnd.dsec.ref.v1", "pins": "application/vn
 KEY_ANNOTATION = "dev.dsec.key"
 TIME_ANNOTATION = "dev.dsec.mtime"
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"  # the distribution spec's grammar
-_REPO = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
-_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_REPO = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*\Z")
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
 _ESC = {"_": "__", "/": "_s", "@": "_a", "+": "_p"}
 _UNESC = {v[1]: k for k, v in _ESC.items()}
-TIMEOUT = (5, 120)  # connect, read seconds
+
+
+class _TimeoutAdapter(requests.adapters.HTTPAdapter):
+    """Every request on the session gets the configured timeouts, including the ones oras
+    makes itself (bearer token requests), which pass none."""
+
+    def __init__(self, timeouts: NetTimeouts, **kw: Any) -> None:
+        self.timeouts = timeouts
+        super().__init__(**kw)
+
+    def send(self, request: Any, *args: Any, **kw: Any) -> Any:  # type: ignore[override]
+        if kw.get("timeout") is None:
+            kw["timeout"] = (self.timeouts.connect, self.timeouts.read)
+        return super().send(request, *args, **kw)
 
 
 # -- tag escaping ---------------------------------------------------------------------------
@@ -116,8 +131,10 @@ class OCIStore(Store):
         self.insecure = insecure
         self.base = f"{'http' if insecure else 'https'}://{host}/v2/{repo}"
         self.reg = oras.provider.Registry(hostname=host, insecure=insecure)
-        self.reg.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=32))
-        self.reg.session.mount("https://", requests.adapters.HTTPAdapter(pool_maxsize=32))
+        self.timeouts = net_timeouts()
+        self.timeout = (self.timeouts.connect, self.timeouts.read)
+        for prefix in ("http://", "https://"):
+            self.reg.session.mount(prefix, _TimeoutAdapter(self.timeouts, pool_maxsize=32))
         # credentials from ~/.docker/config.json (and credential helpers), as docker and oras do
         self.reg.auth.load_configs(oras.container.Container(repo, registry=host))
         self._have_empty = False
@@ -148,7 +165,15 @@ class OCIStore(Store):
         except requests.exceptions.SSLError as e:
             raise StoreError(f"{what}: TLS failed with {self.host}: {e}",
                              hint="for a plain-HTTP registry pass --insecure") from e
-        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
+        except requests.exceptions.ConnectTimeout as e:
+            raise StoreTimeoutError(f"{what}: cannot connect to {self.host} within "
+                                    f"{self.timeouts.connect:g}s",
+                                    waited=self.timeouts.connect) from e
+        except (requests.exceptions.Timeout, urllib3.exceptions.ReadTimeoutError) as e:
+            raise StoreTimeoutError(f"{what}: {self.host} accepted the connection but did not "
+                                    f"answer within {self.timeouts.read:g}s",
+                                    waited=self.timeouts.read) from e
+        except requests.exceptions.ConnectionError as e:
             raise TransientStoreError(f"{what}: cannot reach {self.host}: "
                                       f"{type(e).__name__}") from e
         except (oras.auth.AuthenticationException, ValueError) as e:
@@ -167,14 +192,14 @@ class OCIStore(Store):
             token = getattr(self.reg.auth, "token", None)
             if token:
                 headers.update(self.reg.auth.get_auth_header())
-            r = self.reg.session.request(method, url, headers=headers, timeout=TIMEOUT, **kw)
+            r = self.reg.session.request(method, url, headers=headers, timeout=self.timeout, **kw)
             if r.status_code in (401, 403):
                 headers, changed = self.reg.auth.authenticate_request(r, headers)
                 if changed:
                     body: Any = kw.get("data")
                     if hasattr(body, "seek"):
                         body.seek(0)  # a streamed upload is sent again from its start
-                    r = self.reg.session.request(method, url, headers=headers, timeout=TIMEOUT,
+                    r = self.reg.session.request(method, url, headers=headers, timeout=self.timeout,
                                                  **kw)
         if r.status_code in ok:
             return r
@@ -209,7 +234,7 @@ class OCIStore(Store):
         """Fail early on a registry that does not answer or does not speak the v2 API."""
         url = f"{'http' if self.insecure else 'https'}://{self.host}/v2/"
         with self._errors(f"opening {self.url}"):
-            r = self.reg.session.get(url, timeout=TIMEOUT)
+            r = self.reg.session.get(url, timeout=self.timeout)
         if r.status_code == 429 or r.status_code >= 500:
             raise self._status_error(r, f"opening {self.url}")
         if r.status_code not in (200, 401):

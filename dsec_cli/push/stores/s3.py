@@ -24,17 +24,19 @@ import botocore.exceptions as bexc
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
+from ...core.config import net_timeouts
 from ...core.digests import validate_key
 from ...core.errors import (
     DsecError,
     NotFoundError,
     StoreError,
+    StoreTimeoutError,
     TransientStoreError,
     UsageError,
 )
 from .base import ObjectInfo, Store
 
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
                     "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
                     "RequestLimitExceeded", "TooManyRequests"}
@@ -53,12 +55,14 @@ class S3Store(Store):
         self.bucket = bucket
         self.prefix = prefix  # "" or "some/prefix/"
         self.endpoint_url = endpoint_url
+        self.timeouts = net_timeouts()
         session = boto3.session.Session()
         region = session.region_name or "us-east-1"
         self.client: Any = session.client(
             "s3", endpoint_url=endpoint_url, region_name=region,
-            config=Config(retries={"max_attempts": 1, "mode": "standard"},
-                          connect_timeout=5, read_timeout=60, max_pool_connections=32,
+            config=Config(retries={"total_max_attempts": 1, "mode": "standard"},
+                          connect_timeout=self.timeouts.connect,
+                          read_timeout=self.timeouts.read, max_pool_connections=32,
                           s3={"addressing_style": "path" if endpoint_url else "auto"}),
         )
         self.transfer = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD,
@@ -93,8 +97,16 @@ class S3Store(Store):
             yield
         except DsecError:
             raise
-        except (bexc.EndpointConnectionError, bexc.ConnectTimeoutError, bexc.ReadTimeoutError,
-                bexc.ConnectionClosedError, bexc.ConnectionError) as e:
+        except bexc.ConnectTimeoutError as e:
+            raise StoreTimeoutError(
+                f"{what}: cannot connect to {self._where()} within {self.timeouts.connect:g}s",
+                waited=self.timeouts.connect) from e
+        except bexc.ReadTimeoutError as e:
+            raise StoreTimeoutError(
+                f"{what}: {self._where()} accepted the connection but did not answer within "
+                f"{self.timeouts.read:g}s", waited=self.timeouts.read) from e
+        except (bexc.EndpointConnectionError, bexc.ConnectionClosedError,
+                bexc.ConnectionError) as e:
             raise TransientStoreError(f"{what}: cannot reach {self._where()}: {e}") from e
         except bexc.NoCredentialsError as e:
             raise UsageError(f"{what}: no AWS credentials found",

@@ -10,6 +10,7 @@ and skipped, never waited on.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ...core.errors import DsecError, NodeUnreachableError, NotFoundError, UsageError
+from ...core.errors import ConfigError, DsecError, NodeUnreachableError, NotFoundError, UsageError
 from ..node import CreateOptions, Node, local_node
 from .errors import CapacityError
 from .placement import FastPlacer, NodeView, Placer
@@ -31,7 +32,14 @@ T = TypeVar("T")
 
 
 def fanout_timeout() -> float:
-    return float(os.environ.get("DSEC_NODE_TIMEOUT", "15"))
+    raw = os.environ.get("DSEC_NODE_TIMEOUT", "15")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"$DSEC_NODE_TIMEOUT: {raw!r} must be a number of seconds above 0")
+    return value
 
 
 @dataclass

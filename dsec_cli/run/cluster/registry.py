@@ -20,7 +20,7 @@ from ...core.errors import ConfigError, NotFoundError, UsageError
 from .remote import NodeEntry, RemoteNode, drop_channel
 from .ssh import SshTarget, parse_address
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 RESERVED = {"local", "auto"}
 
 

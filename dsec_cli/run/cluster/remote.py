@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import shlex
 import subprocess
 import threading
 import time
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...backends.base import ExecResult, OutputCallback
+from ...core.config import net_timeouts
 from ...core.errors import DsecError, NodeUnreachableError
 from ..node import CreateOptions
 from .protocol import PROTOCOL_VERSION, b64, decode, encode, error_from_wire, unb64
@@ -70,10 +72,22 @@ class Channel:
         self.closed = False
         threading.Thread(target=self._read, daemon=True, name=f"dsec-ch-{self.name}").start()
         threading.Thread(target=self._drain_err, daemon=True).start()
+        # the agent's first line is awaited no longer than one read timeout: a node whose
+        # sshd answers but whose agent never speaks fails like a silent endpoint
+        greet = min(timeout, net_timeouts().read)
         try:
-            self.hello = self.call("hello", {"version": PROTOCOL_VERSION}, timeout=timeout)
-        except BaseException:
+            self.hello = self.call("hello", {"version": PROTOCOL_VERSION}, timeout=greet)
+        except NodeUnreachableError as e:
             self.close()  # no session left behind by a node that never greeted
+            if "no answer to hello" not in e.message:
+                raise
+            raise NodeUnreachableError(
+                f"{self.name} ({entry.target.address}): `{shlex.join(entry.remote_command())}` "
+                f"did not answer the protocol greeting within {greet:g}s",
+                hint="check the node with `dsec node check`; DSEC_READ_TIMEOUT sets the wait"
+            ) from e
+        except BaseException:
+            self.close()
             raise
 
     def _drain_err(self) -> None:
@@ -234,11 +248,14 @@ class RemoteNode:
     def call(self, op: str, args: dict[str, Any] | None = None, *,
              timeout: float | None = None, on_event: OutputCallback | None = None) -> Any:
         delay = 0.2
+        start = time.monotonic()
+        budget = net_timeouts().total  # a silent node fails within this, retries included
         for attempt in range(RETRIES):
             try:
                 ch = channel(self.entry, self.timeout)
             except NodeUnreachableError:
-                if attempt == RETRIES - 1:
+                spent = time.monotonic() - start
+                if attempt == RETRIES - 1 or spent * (attempt + 2) / (attempt + 1) > budget:
                     raise
                 time.sleep(delay)
                 delay *= 2

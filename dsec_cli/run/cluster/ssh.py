@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import math
 import os
 import re
 import shlex
@@ -26,14 +27,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...core.errors import NodeUnreachableError, UsageError
+from ...core.config import net_timeouts
+from ...core.errors import ConfigError, NodeUnreachableError, UsageError
 from .errors import HostKeyError, NodeCommandError
 
 log = logging.getLogger(__name__)
 
-_USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
-_HOST = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                   r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\Z")
+_HOST = re.compile(r"^(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                   r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z")
 _HOSTKEY_SIGNS = ("Host key verification failed", "REMOTE HOST IDENTIFICATION HAS CHANGED",
                   "No ED25519 host key is known", "host key for", "Permission denied",
                   "Too many authentication failures")
@@ -82,7 +84,21 @@ def control_dir() -> Path:
 
 
 def _timeout() -> int:
-    return int(os.environ.get("DSEC_SSH_TIMEOUT", "10"))
+    """Seconds ssh may take to connect and exchange banners: ``DSEC_SSH_TIMEOUT`` if set,
+    else the configured connect_timeout (10 s)."""
+    raw = os.environ.get("DSEC_SSH_TIMEOUT")
+    if raw:
+        if not raw.isdigit() or not 0 < int(raw) <= 3600:
+            raise ConfigError(f"$DSEC_SSH_TIMEOUT: {raw!r} must be a whole number of seconds "
+                              "between 1 and 3600")
+        return int(raw)
+    return max(1, math.ceil(net_timeouts().connect))
+
+
+def _alive_interval() -> int:
+    """ssh drops a connection whose server stops answering after 3 unanswered keepalives,
+    one every read_timeout / 3 seconds: about read_timeout (20 s) in all."""
+    return max(1, math.ceil(net_timeouts().read / 3))
 
 
 @dataclass(frozen=True)
@@ -104,7 +120,7 @@ class SshTarget:
         argv = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
                 "-o", f"UserKnownHostsFile={self.known_hosts_file}",
                 "-o", f"ConnectTimeout={_timeout()}",
-                "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
+                "-o", f"ServerAliveInterval={_alive_interval()}", "-o", "ServerAliveCountMax=3",
                 "-o", f"ControlPath={self.control_path}", "-o", f"ControlMaster={master}",
                 "-p", str(self.address.port), "-l", self.address.user]
         if os.environ.get("DSEC_SSH_CONFIG"):  # tests: never the developer's ~/.ssh/config
