@@ -92,7 +92,8 @@ class FncallBackend(CgroupAgentBackend):
 
     def _spawn(self, spec: SandboxSpec, rootfs: Path, run_dir: Path, cg: _cgroups.Cgroup) -> int:
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}
-        # fd SECCOMP_FD in bwrap: the seccomp program (fd 4 is the agent's socket); /tmp is the only writable place, sized by --disk
+        # bwrap reads the seccomp program from SECCOMP_FD; /tmp is the only writable place,
+        # sized by --disk
         tmp_size = ["--size", str(spec.limits.disk)] if spec.limits.disk else []
         argv = [bwrap_binary(), "--bind", str(rootfs), "/", "--proc", "/proc",
                 *_rootfs.bwrap_walls(SECCOMP_FD), "--dev", "/dev",

@@ -156,7 +156,7 @@ def register(app: typer.Typer) -> None:
             memory=None if memory is None else validate.size(memory, "--memory"),
             pids=pids, ttl=None if ttl is None else validate.duration(ttl, "--ttl"),
             network=network, env=_parse_env(env), workdir=workdir,  # type: ignore[arg-type]
-            fetch=fetch, disk=parse_size(disk, "--disk") if disk else None)
+            fetch=fetch, disk=None if disk is None else validate.size(disk, "--disk"))
         if node_name:
             from ..run.cluster.api import create
 
