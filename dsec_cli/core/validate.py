@@ -106,8 +106,8 @@ def store_url(value: object, what: str = "store URL") -> str:
         return s  # a path: a file:// store
     scheme = s.split("://", 1)[0]
     if scheme not in _SCHEMES:
-        raise UsageError(f"invalid {what} {shown(s)}: unknown scheme {scheme!r}; "
-                         f"use one of {', '.join(f'{x}://' for x in _SCHEMES)}")
+        raise UsageError(f"invalid {what} {shown(s)}: unknown store URL scheme {scheme!r}; "
+                         f"known: {', '.join(f'{x}://' for x in sorted(_SCHEMES))}")
     if scheme != "file":
         try:
             port = urlparse(s).port

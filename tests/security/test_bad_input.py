@@ -272,7 +272,12 @@ def test_sdk_sandbox_refuses_bad_options(kwargs: dict[str, object], store: Path)
     from dsec_cli.run.sdk import Sandbox
 
     image = kwargs.pop("image")
-    with pytest.raises(UsageError):
-        Sandbox(image, **kwargs)  # type: ignore[arg-type]
+    try:
+        made = Sandbox(image, **kwargs)  # type: ignore[arg-type]
+    except UsageError:
+        pass
+    else:
+        made.remove()  # accepted: leave nothing behind, then fail
+        pytest.fail(f"Sandbox({image!r}, **{kwargs!r}) was created")
     with pytest.raises(UsageError):
         Sandbox.attach("a\nb")

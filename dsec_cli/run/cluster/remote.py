@@ -249,12 +249,14 @@ class RemoteNode:
              timeout: float | None = None, on_event: OutputCallback | None = None) -> Any:
         delay = 0.2
         start = time.monotonic()
-        budget = net_timeouts().total  # a silent node fails within this, retries included
         for attempt in range(RETRIES):
             try:
                 ch = channel(self.entry, self.timeout)
             except NodeUnreachableError:
+                # a silent node fails within connect + read timeout, retries included: stop
+                # when one more attempt, as long as the average one, would go past it
                 spent = time.monotonic() - start
+                budget = net_timeouts().total
                 if attempt == RETRIES - 1 or spent * (attempt + 2) / (attempt + 1) > budget:
                     raise
                 time.sleep(delay)
