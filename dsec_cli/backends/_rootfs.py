@@ -96,7 +96,8 @@ def umount(target: Path) -> None:
 def mounts_under(prefix: Path) -> list[Path]:
     """Mount points below a directory (from /proc/self/mountinfo), deepest first."""
     out = []
-    pre = str(prefix).rstrip("/") + "/"
+    # mountinfo shows resolved paths: a state dir reached through a symlink must match too
+    pre = os.path.realpath(prefix).rstrip("/") + "/"
     with open("/proc/self/mountinfo") as f:
         for line in f:
             mp = line.split()[4].replace("\\040", " ")
@@ -119,7 +120,7 @@ def remove_tree(path: Path) -> None:
 
 def mounts_at(path: Path) -> set[Path]:
     """{path} if something is mounted exactly there, else the empty set."""
-    want = str(path).rstrip("/")
+    want = os.path.realpath(path).rstrip("/")
     with open("/proc/self/mountinfo") as f:
         for line in f:
             if line.split()[4].replace("\\040", " ") == want:
