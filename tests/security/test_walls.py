@@ -285,3 +285,20 @@ def test_seccomp_in_function_pool(probe: bytes) -> None:
     with FunctionPool(1, cgroup_parent=None) as pool:
         r = pool.run([sys.executable, "-c", code])
     assert r.exit_code == 0 and r.stdout.split() == [b"-1", b"1"], r  # keyctl: EPERM
+
+
+def test_sealed_dirs_are_removed_through_a_symlinked_state_dir(
+        node_env: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+    """The seal is a mount: rm must find it in mountinfo (resolved paths) even when the state
+    dir is named through a symlink, or the dir and its mount would stay behind."""
+    from dsec_cli.run.node import CreateOptions, Node
+
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    n = Node(link, node_env["DSEC_STORE"])
+    rec = n.create(IMAGE, CreateOptions(backend="fncall"))  # runc refuses symlinked roots
+    assert any(str(m).startswith(str(real)) for m in leaks(str(real))["mounts"])
+    n.remove(rec.id)
+    assert leaks(str(real)) == {"mounts": [], "cgroups": [], "dirs": []}
