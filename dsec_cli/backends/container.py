@@ -149,7 +149,8 @@ class ContainerBackend(CgroupAgentBackend):
             handle.state["disk"] = str(disk)
         try:
             if spec.limits.disk:
-                _rootfs.make_disk(sdir / "disk.img", disk, spec.limits.disk)
+                _rootfs.make_disk(sdir / "disk.img", disk, spec.limits.disk,
+                                  Path(self.shared_dir) / "disks" if self.shared_dir else None)
             for d in (run_dir, upper, work):
                 d.mkdir(parents=True, exist_ok=True)
             if self.shared_dir:

@@ -212,8 +212,10 @@ class Node:
                            image_digest=img.digest)
         try:
             sdir.mkdir(mode=0o700)
-            # setuid files and device nodes made inside are inert on the host
-            _rootfs.seal_dir(sdir)
+            if os.geteuid() == 0:
+                # setuid files and device nodes made inside are inert on the host (without
+                # root nothing inside can make a setuid-root file or a device node anyway)
+                _rootfs.seal_dir(sdir)
             if fetch != "eager":
                 self._mount_lazy(sdir, img, fetch, opts.record_seconds)
             handle = backend.create(spec)

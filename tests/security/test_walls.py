@@ -60,14 +60,15 @@ def sb(request: pytest.FixtureRequest, node_env: dict[str, str]) -> Iterator[San
         yield s
 
 
-def _mounts(sb: Sandbox) -> dict[str, str]:
-    """Mount point → options of the mount seen there (the last one mounted over it)."""
+def _mounts(sb: Sandbox, with_root: bool = False) -> dict[str, str]:
+    """Mount point → options of the mount seen there (the last one mounted over it); with
+    `with_root`, the options are prefixed by the mount's root inside its filesystem."""
     r = sb.exec(["cat", "/proc/self/mountinfo"])
     assert r.exit_code == 0, r.stderr
     out: dict[str, str] = {}
     for line in r.stdout.decode().splitlines():
         f = line.split()
-        out[f[4]] = f[5]
+        out[f[4]] = f"{f[3]} {f[5]}" if with_root else f[5]
     return out
 
 
@@ -79,6 +80,13 @@ def test_sys_and_sysctls_are_read_only(sb: Sandbox) -> None:
     assert writable == {}
     # /proc/sys: a sandbox's root is uid 0, which the kernel lets write most sysctls
     assert "ro" in mounts.get("/proc/sys", "").split(","), mounts
+    # every other mount below /proc is read-only too, except masks (binds of /dev/null)
+    rooted = _mounts(sb, with_root=True)
+    under_proc = {mp: v for mp, v in rooted.items() if mp.startswith("/proc/")}
+    assert {"/proc/sys"} <= set(under_proc)
+    writable = {mp: v for mp, v in under_proc.items()
+                if "ro" not in v.split()[1].split(",") and not v.split()[0].endswith("/null")}
+    assert writable == {}
     # opening for writing (without writing) is refused by the read-only mount
     r = sb.exec(["sh", "-c", "exec 3>>/proc/sys/kernel/core_pattern && echo OPENED"])
     assert r.exit_code != 0 and b"OPENED" not in r.stdout
@@ -277,3 +285,20 @@ def test_seccomp_in_function_pool(probe: bytes) -> None:
     with FunctionPool(1, cgroup_parent=None) as pool:
         r = pool.run([sys.executable, "-c", code])
     assert r.exit_code == 0 and r.stdout.split() == [b"-1", b"1"], r  # keyctl: EPERM
+
+
+def test_sealed_dirs_are_removed_through_a_symlinked_state_dir(
+        node_env: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+    """The seal is a mount: rm must find it in mountinfo (resolved paths) even when the state
+    dir is named through a symlink, or the dir and its mount would stay behind."""
+    from dsec_cli.run.node import CreateOptions, Node
+
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    n = Node(link, node_env["DSEC_STORE"])
+    rec = n.create(IMAGE, CreateOptions(backend="fncall"))  # runc refuses symlinked roots
+    assert any(str(m).startswith(str(real)) for m in leaks(str(real))["mounts"])
+    n.remove(rec.id)
+    assert leaks(str(real)) == {"mounts": [], "cgroups": [], "dirs": []}
