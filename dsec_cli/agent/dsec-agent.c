@@ -446,8 +446,10 @@ static void do_get(int ci, uint32_t id, const uint8_t *p, size_t n) {
     if (fd < 0) { send_errno(ci, id, "open", path); goto out; }
     if (fstat(fd, &st) != 0) { send_errno(ci, id, "stat", path); goto out; }
     if (!S_ISREG(st.st_mode)) {
-        errno = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
-        send_errno(ci, id, "read", path);
+        char msg[4200];
+        snprintf(msg, sizeof msg, "%s is %s: only regular files can be read", path,
+                 kind_name(st.st_mode));
+        send_result(ci, id, S_ISDIR(st.st_mode) ? EISDIR : EINVAL, msg);
         goto out;
     }
     uint8_t mode[4];
