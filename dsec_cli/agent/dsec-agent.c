@@ -481,7 +481,9 @@ struct tree { int ci; uint32_t id; const char *top; };
 
 static int tree_fail(struct tree *t, int err, const char *rel, const char *what) {
     char msg[8400];
-    snprintf(msg, sizeof msg, "%s%s%s: %s", t->top, *rel ? "/" : "", rel, what);
+    size_t tl = strlen(t->top);
+    int slash = *rel && !(tl > 0 && t->top[tl - 1] == '/');
+    snprintf(msg, sizeof msg, "%s%s%s: %s", t->top, slash ? "/" : "", rel, what);
     send_result(t->ci, t->id, err ? err : EIO, msg);
     return -1;
 }
