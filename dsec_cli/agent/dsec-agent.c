@@ -446,8 +446,10 @@ static void do_get(int ci, uint32_t id, const uint8_t *p, size_t n) {
     if (fd < 0) { send_errno(ci, id, "open", path); goto out; }
     if (fstat(fd, &st) != 0) { send_errno(ci, id, "stat", path); goto out; }
     if (!S_ISREG(st.st_mode)) {
-        errno = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
-        send_errno(ci, id, "read", path);
+        char msg[4200];
+        snprintf(msg, sizeof msg, "%s is %s: only regular files can be read", path,
+                 kind_name(st.st_mode));
+        send_result(ci, id, S_ISDIR(st.st_mode) ? EISDIR : EINVAL, msg);
         goto out;
     }
     uint8_t mode[4];
@@ -479,7 +481,9 @@ struct tree { int ci; uint32_t id; const char *top; };
 
 static int tree_fail(struct tree *t, int err, const char *rel, const char *what) {
     char msg[8400];
-    snprintf(msg, sizeof msg, "%s%s%s: %s", t->top, *rel ? "/" : "", rel, what);
+    size_t tl = strlen(t->top);
+    int slash = *rel && !(tl > 0 && t->top[tl - 1] == '/');
+    snprintf(msg, sizeof msg, "%s%s%s: %s", t->top, slash ? "/" : "", rel, what);
     send_result(t->ci, t->id, err ? err : EIO, msg);
     return -1;
 }

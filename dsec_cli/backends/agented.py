@@ -122,7 +122,7 @@ class CgroupAgentBackend(AgentBackend):
         # sandboxes created before the socket moved out of their reach listened in run_dir:
         # still reachable, and the peer check below is what keeps that path honest
         path = st.get("agent_sock") or str(Path(st["run_dir"]) / "agent.sock")
-        pid, cgroup = st.get("pid"), st.get("cgroup")
+        pid, cgroup = st.get("pid"), str(st.get("cgroup") or "")
 
         def ours(peer: int) -> bool:
             return peer == pid or (bool(cgroup) and in_cgroup(peer, cgroup))

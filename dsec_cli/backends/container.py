@@ -84,8 +84,6 @@ def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup
         # the sandbox's own cgroups, read-only (tools read their limits there)
         {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
          "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
-        {"destination": "/.dsec/run", "type": "bind", "source": str(run_dir),
-         "options": ["bind", "rw", "nosuid", "nodev"]},
         {"destination": _rootfs.AGENT_IN_SANDBOX, "type": "bind", "source": str(agent),
          "options": ["bind", "ro"]},
     ]

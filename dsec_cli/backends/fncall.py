@@ -97,7 +97,7 @@ class FncallBackend(CgroupAgentBackend):
         tmp_size = ["--size", str(spec.limits.disk)] if spec.limits.disk else []
         argv = [bwrap_binary(), "--bind", str(rootfs), "/", "--proc", "/proc",
                 *_rootfs.bwrap_walls(SECCOMP_FD), "--dev", "/dev",
-                *tmp_size, "--tmpfs", "/tmp", "--bind", str(run_dir), "/.dsec/run",
+                *tmp_size, "--tmpfs", "/tmp",
                 "--ro-bind", str(agent_binary()), _rootfs.AGENT_IN_SANDBOX,
                 "--unshare-all", "--hostname", spec.hostname, "--new-session",
                 "--cap-drop", "ALL", "--clearenv"]

@@ -20,10 +20,13 @@ import secrets
 import shutil
 import stat
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import DsecError, NotFoundError, UsageError
 from .node import Node
+
+if TYPE_CHECKING:
+    from .cluster.remote import RemoteNode
 
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CREATE_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -36,7 +39,7 @@ def _split(arg: str) -> tuple[str | None, str]:
     return None, arg
 
 
-def copy(node: Node, src: str, dst: str) -> dict[str, Any]:
+def copy(node: Node | RemoteNode, src: str, dst: str) -> dict[str, Any]:
     s_id, s_path = _split(src)
     d_id, d_path = _split(dst)
     if (s_id is None) == (d_id is None):
@@ -48,7 +51,7 @@ def copy(node: Node, src: str, dst: str) -> dict[str, Any]:
     return _copy_out(node, s_id, s_path, Path(d_path))
 
 
-def _copy_in(node: Node, host: Path, sid: str, path: str) -> dict[str, Any]:
+def _copy_in(node: Node | RemoteNode, host: Path, sid: str, path: str) -> dict[str, Any]:
     """Host -> sandbox: one regular file, streamed."""
     if not host.exists():
         raise NotFoundError(f"no such file on the host: {host}")
@@ -56,11 +59,17 @@ def _copy_in(node: Node, host: Path, sid: str, path: str) -> dict[str, Any]:
         raise UsageError(f"cannot copy {host} into a sandbox: only regular files can be")
     target = path + host.name if path.endswith("/") else path
     with open(host, "rb") as f:
-        size = node.put_stream(sid, target, f, os.fstat(f.fileno()).st_mode & 0o7777)
+        mode = os.fstat(f.fileno()).st_mode & 0o7777
+        if hasattr(node, "put_stream"):
+            size = node.put_stream(sid, target, f, mode)
+        else:  # a cluster node's service takes whole files
+            data = f.read()
+            node.put_file(sid, target, data, mode)
+            size = len(data)
     return {"sandbox": node.lookup(sid).id, "to": target, "bytes": size}
 
 
-def _copy_out(node: Node, sid: str, path: str, dest: Path) -> dict[str, Any]:
+def _copy_out(node: Node | RemoteNode, sid: str, path: str, dest: Path) -> dict[str, Any]:
     """Sandbox -> host: a file, symlink or directory, into DEST (or DEST/NAME when DEST is
     an existing directory)."""
     name = PurePosixPath(path).name
@@ -73,7 +82,12 @@ def _copy_out(node: Node, sid: str, path: str, dest: Path) -> dict[str, Any]:
         raise UsageError(f"cannot write into {parent}: {e.strerror}") from e
     writer = HostTreeWriter(parent_fd, f".{dest.name}.dsec-{secrets.token_hex(4)}", str(dest))
     try:
-        node.get_tree(sid, path, writer)
+        if hasattr(node, "get_tree"):
+            node.get_tree(sid, path, writer)
+        else:  # a cluster node's service sends one regular file whole
+            data, mode = node.get_file_with_mode(sid, path)
+            writer.entry("f", mode, len(data), b"", b"")
+            writer.chunk(0, memoryview(data))
         writer.commit(dest.name)
     except BaseException:
         writer.abort()

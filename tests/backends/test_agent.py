@@ -108,3 +108,70 @@ def test_single_stream_mode_over_an_inherited_fd() -> None:
     finally:
         client.close()
         assert proc.wait() == 0  # EOF on its only stream ends the agent
+
+
+class _Collect:
+    """A TreeSink that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, int, int, bytes, bytes]] = []
+        self.chunks: list[tuple[int, bytes]] = []
+
+    def entry(self, kind: str, mode: int, size: int, rel: bytes, target: bytes) -> None:
+        self.entries.append((kind, mode, size, rel, target))
+
+    def chunk(self, offset: int, data: memoryview) -> None:
+        self.chunks.append((offset, bytes(data)))
+
+
+def test_tree_sends_extents_and_symlinks_and_refuses_fifos(agent: tuple[AgentClient, Path]
+                                                           ) -> None:
+    import os
+
+    c, d = agent
+    root = d / "tree"
+    (root / "sub").mkdir(parents=True)
+    with open(root / "sub" / "sparse", "wb") as f:
+        f.truncate(64 << 20)
+        f.seek(32 << 20)
+        f.write(b"x" * 10)
+    (root / "link").symlink_to("/")
+    sink = _Collect()
+    c.get_tree(str(root), sink)
+    kinds = {rel: (kind, size, target) for kind, _, size, rel, target in sink.entries}
+    assert kinds == {b"": ("d", 0, b""), b"sub": ("d", 0, b""), b"link": ("l", 0, b"/"),
+                     b"sub/sparse": ("f", 64 << 20, b"")}
+    # only the data extent travels (filesystems round it to their block size)
+    assert sum(len(b) for _, b in sink.chunks) <= 1 << 20
+    assert any(b"x" * 10 in b for _, b in sink.chunks)
+    os.mkfifo(root / "sub" / "fifo")
+    with pytest.raises(UsageError, match="sub/fifo: is a FIFO"):
+        c.get_tree(str(root), _Collect())
+    with pytest.raises(UsageError, match="is a FIFO"):
+        c.get_file(str(root / "sub" / "fifo"))  # returns at once: opened non-blocking
+    assert c.ping().startswith("dsec-agent 1")
+
+
+def test_put_stream_keeps_holes(agent: tuple[AgentClient, Path], tmp_path: Path) -> None:
+    c, d = agent
+    src = tmp_path / "sparse"
+    with open(src, "wb") as f:
+        f.truncate(256 << 20)
+        f.seek(100 << 20)
+        f.write(b"middle")
+    with open(src, "rb") as f:
+        assert c.put_stream(str(d / "in" / "sparse"), f, 0o600) == 256 << 20
+    st = (d / "in" / "sparse").stat()
+    assert st.st_size == 256 << 20 and st.st_blocks * 512 <= 1 << 20
+    with open(d / "in" / "sparse", "rb") as f:
+        f.seek(100 << 20)
+        assert f.read(6) == b"middle"
+
+
+def test_connect_refuses_a_listener_that_is_not_the_expected_one(
+        agent: tuple[AgentClient, Path]) -> None:
+    from dsec_cli.agent.client import AgentError
+
+    _, d = agent
+    with pytest.raises(AgentError, match="refusing the agent socket of sandbox x"):
+        AgentClient.connect_unix(d / "s", peer=lambda pid: False, what="sandbox x")

@@ -56,10 +56,11 @@ def test_symlinked_socket_does_not_redirect_exec_or_cp(pair: tuple[str, str], no
     a, b = pair
     fncall = node.lookup(a).backend == "fncall"
     b_sock = _agent_socket(node, b)
-    # from inside A: every agent-socket path A can see now points at B's socket
+    # from inside A: every agent-socket path A can see now points at B's socket (fncall's
+    # root is read-only: there the attempt itself fails, which is as good)
     r = node.exec(a, ["sh", "-c", f"mkdir -p /.dsec/run && rm -f /.dsec/run/agent.sock && "
                                   f"ln -s {b_sock} /.dsec/run/agent.sock"])
-    assert r.exit_code == 0, r.stderr
+    assert r.exit_code == 0 or fncall, r.stderr
     node.backend(node.lookup(a).backend)._drop_client(a)  # the next call connects afresh
 
     p = dsec(node_env, "exec", a, "--", "cat", _marker(fncall), check=None)
