@@ -34,11 +34,11 @@ def test_identical_content_in_another_layer_stores_nothing_new(tmp_path: Path, s
     _corpus(a / "tree")
     shutil.copytree(a / "tree", b / "tree")
     build([_layer_spec(a, "first", "1")], store)
-    before = sum(store_snapshot(store.root).values())
+    before = sum(store_snapshot(tmp_path / "store").values())
     report = build([_layer_spec(b, "second", "1")], store)
     item = report.items[0]
     assert item.new_bytes == 0 and item.reused_chunks > 0
-    grown = sum(store_snapshot(store.root).values()) - before
+    grown = sum(store_snapshot(tmp_path / "store").values()) - before
     assert grown < 20_000, f"second identical layer added {grown} bytes (index+manifest only)"
 
 

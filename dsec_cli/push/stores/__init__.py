@@ -1,4 +1,9 @@
-"""Store implementations, selected by URL scheme through a lazy registry."""
+"""Store implementations, selected by URL scheme through a lazy registry.
+
+`open_store` is the only way in, and what it returns always retries transient errors
+(`dsec_cli.push.retry.RetryingStore`): the lazy mount daemon, builds, image resolution and
+transfers all read through the same retries. The bare backend is opened only by the retry
+layer, through `open_backend`."""
 
 from __future__ import annotations
 
@@ -31,7 +36,15 @@ def default_store_url() -> str:
 
 
 def open_store(url: str | None = None, **options: object) -> Store:
-    """Open the store a URL names; a bare path is a ``file://`` store."""
+    """Open the store a URL names (a bare path is a ``file://`` store), retrying transient
+    errors of every request, the connection check some stores make on open included."""
+    from ..retry import open_retrying
+
+    return open_retrying(url, **options)
+
+
+def open_backend(url: str | None = None, **options: object) -> Store:
+    """The bare store a URL names, without retries: for `dsec_cli.push.retry` only."""
     url = url or default_store_url()
     if "://" not in url:
         url = Path(os.path.expanduser(url)).resolve().as_uri()
