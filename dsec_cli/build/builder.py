@@ -39,6 +39,12 @@ if TYPE_CHECKING:  # the writer loads the compiled chunker: only when something 
 
 
 
+#: what the steps make of a spec's inputs; bumped when that changes, so that a cached result
+#: of the old rules is not taken for a build under the new ones (2: copy and extract get
+#: fixed timestamps)
+BUILD_RULES = 2
+
+
 @dataclass
 class Built:
     ref: str
@@ -209,7 +215,7 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
         started = time.monotonic()
         deps = [dep_digest(r) for r, _ in spec.deps]
         key = hashlib.sha256(canonical.dumps({
-            "format": INDEX_VERSION, "spec": spec.doc, "deps": deps,
+            "format": INDEX_VERSION, "rules": BUILD_RULES, "spec": spec.doc, "deps": deps,
             "inputs": _fingerprint(spec) if spec.kind == "layer" else "",
             "sde": os.environ.get("SOURCE_DATE_EPOCH", "0"), "sha": chunk_sha256})).hexdigest()
         hit = None if force else cache.get(key)
