@@ -54,3 +54,16 @@ def test_build_resolve_and_lazy_read_survive_transient_errors(
     assert (img.lower_dirs[-1] / "bin/hello").read_bytes() == \
         (lazy_tree / "bin/hello").read_bytes()
     assert proxy.failed > after_lazy
+
+
+def test_open_store_is_the_only_way_in(tmp_path: Path) -> None:
+    from dsec_cli.push.retry import RetryingStore
+    from dsec_cli.push.stores import open_store
+
+    st = open_store(str(tmp_path / "store"))
+    assert isinstance(st, RetryingStore)
+    # the bare store is not handed out: no attribute leads around the retries
+    for name in ("inner", "raw", "root", "client"):
+        assert not hasattr(st, name), name
+    again = RetryingStore(st)
+    assert not isinstance(again._inner, RetryingStore)  # one layer: never retries of retries
