@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..core.config import load_config
 from ..core.digests import object_key
-from ..core.errors import NotFoundError, SpecError
+from ..core.errors import NotFoundError, RefConflictError, SpecError
 from ..format import canonical
 from ..format.index import INDEX_VERSION
 from ..format.manifest import Manifest, load_manifest
@@ -38,6 +38,12 @@ if TYPE_CHECKING:  # the writer loads the compiled chunker: only when something 
 
 
 
+#: what the steps make of a spec's inputs; bumped when that changes, so that a cached result
+#: of the old rules is not taken for a build under the new ones (2: copy and extract get
+#: fixed timestamps)
+BUILD_RULES = 2
+
+
 @dataclass
 class Built:
     ref: str
@@ -52,6 +58,7 @@ class Built:
     reused_chunks: int = 0
     seconds: float = 0.0
     spec: str = ""
+    replaced: str = ""  # with --replace: the manifest the ref named before this build
 
 
 @dataclass
@@ -173,11 +180,13 @@ class _BuildCache:
 def build(paths: list[Path] | None = None, store: str | Store | None = None, *,
           force: bool = False, progress: Progress | None = None,
           on_log: Callable[[str], None] | None = None,
-          chunk_sha256: bool = False) -> BuildReport:
+          chunk_sha256: bool = False, replace: bool = False) -> BuildReport:
     """Build the specs in ``paths`` (default ``layerspecs/``) into a store.
 
-    ``chunk_sha256`` adds a sha256 per chunk to new layers, for stores shared across trust
-    domains (docs/format.md)."""
+    A ``name@version`` is immutable: a build whose result differs from what the store's ref
+    already names raises `RefConflictError` (exit 2, both digests named) unless ``replace``
+    is given; an unchanged rebuild is a cache hit. ``chunk_sha256`` adds a sha256 per chunk
+    to new layers, for stores shared across trust domains (docs/format.md)."""
     from ..push.lease import WriterLease
 
     st = store if isinstance(store, Store) else open_store(store)
@@ -185,13 +194,13 @@ def build(paths: list[Path] | None = None, store: str | Store | None = None, *,
     # deleting them until its refs are written (docs/stores.md, "gc protocol")
     with WriterLease(st, "build"):
         return _build(paths, st, force=force, progress=progress, on_log=on_log,
-                      chunk_sha256=chunk_sha256)
+                      chunk_sha256=chunk_sha256, replace=replace)
 
 
 def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
            force: bool = False, progress: Progress | None = None,
            on_log: Callable[[str], None] | None = None,
-           chunk_sha256: bool = False) -> BuildReport:
+           chunk_sha256: bool = False, replace: bool = False) -> BuildReport:
     cfg = load_config()
     st = store if isinstance(store, Store) else open_store(store)
     specs = [load_spec(p) for p in find_specs(paths or [Path("layerspecs")])]
@@ -208,16 +217,16 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
         started = time.monotonic()
         deps = [dep_digest(r) for r, _ in spec.deps]
         key = hashlib.sha256(canonical.dumps({
-            "format": INDEX_VERSION, "spec": spec.doc, "deps": deps,
+            "format": INDEX_VERSION, "rules": BUILD_RULES, "spec": spec.doc, "deps": deps,
             "inputs": _fingerprint(spec) if spec.kind == "layer" else "",
             "sde": os.environ.get("SOURCE_DATE_EPOCH", "0"), "sha": chunk_sha256})).hexdigest()
         hit = None if force else cache.get(key)
         if hit and st.has(object_key("manifests", hit)):
             m = load_manifest(st, hit)
-            _point_ref(st, spec, hit, report)
+            replaced = _point_ref(st, spec, hit, replace)
             digests[spec.ref] = hit
             report.items.append(Built(spec.ref, spec.kind, hit, m.content_digest, True, m.size,
-                                      m.stored_size, spec=str(spec.path)))
+                                      m.stored_size, spec=str(spec.path), replaced=replaced))
             continue
         if spec.kind == "image":
             digest, m, warnings = _build_image(st, spec, deps)
@@ -230,7 +239,7 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
                                             on_log, chunk_sha256)
             item = Built(spec.ref, "layer", digest, m.content_digest, False, m.size,
                          m.stored_size, stats.new_bytes, stats.new_chunks, stats.reused_chunks)
-        _point_ref(st, spec, digest, report)
+        item.replaced = _point_ref(st, spec, digest, replace)
         cache.put(key, digest)
         digests[spec.ref] = digest
         item.seconds = time.monotonic() - started
@@ -239,18 +248,20 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
     return report
 
 
-def _point_ref(st: Store, spec: Spec, digest: str, report: BuildReport) -> None:
+def _point_ref(st: Store, spec: Spec, digest: str, replace: bool) -> str:
+    """Commit the spec's ref; returns the manifest it named before, if ``replace`` moved it.
+    A ref that names other content is never moved silently (versions are immutable)."""
     try:
         current = get_ref(st, spec.ref).manifest
     except NotFoundError:
         current = None
     if current == digest:
-        return
-    if current is not None:
-        msg = (f"{spec.ref} already pointed at {current[:12]}; it now points at {digest[:12]} "
-               "(bump `version:` to keep both)")
-        report.warnings.append(msg)
+        return ""
+    if current is not None and not replace:
+        raise RefConflictError(spec.ref, st.url, current, digest,
+                               verb=f"this build of {spec.path} made")
     set_ref(st, spec.name, spec.version, digest)
+    return current or ""
 
 
 def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, data_dir: Path,

@@ -17,8 +17,8 @@ from ..format import canonical
 LAYER_KEYS = {"layer", "version", "from", "steps", "env", "workdir", "description"}
 IMAGE_KEYS = {"image", "version", "layers", "env", "workdir", "description"}
 STEP_KEYS = {
-    "copy": {"src", "dst", "owner", "mode"},
-    "extract": {"src", "dst"},
+    "copy": {"src", "dst", "owner", "mode", "keep_mtime"},
+    "extract": {"src", "dst", "owner", "keep_mtime"},
     "run": {"cmd", "network", "env"},
 }
 
@@ -208,9 +208,16 @@ def _step(d: _Doc, node: yaml.Node, spec_dir: Path) -> tuple[Step, dict[str, Any
                                                      ".tar.xz")):
             raise d.err(src_node, f"extract src {src!r} must be a .tar, .tar.gz, .tar.zst "
                         "or .tar.xz file")
+    # what a copy or extract writes is the same wherever the spec is checked out: fixed
+    # timestamps (SOURCE_DATE_EPOCH, else 0) unless `keep_mtime: true`; copies are owned by
+    # root unless `owner:` says otherwise (an archive keeps the owners it records)
     if "owner" in args:
-        out["owner"] = _owner(d, args["owner"][1], d.string(args["owner"][1], "copy.owner"))
+        out["owner"] = _owner(d, args["owner"][1], d.string(args["owner"][1], f"{kind}.owner"))
         doc["owner"] = list(out["owner"])
+    if "keep_mtime" in args:
+        out["keep_mtime"] = d.boolean(args["keep_mtime"][1], f"{kind}.keep_mtime")
+        if out["keep_mtime"]:  # the default adds nothing: `false` and absent are one spec
+            doc["keep_mtime"] = True
     if "mode" in args:
         text = d.string(args["mode"][1], "copy.mode")
         try:

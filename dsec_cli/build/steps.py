@@ -33,7 +33,8 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def source_date_epoch() -> int:
-    """Timestamp (ns) for files that `run` steps write; SOURCE_DATE_EPOCH when set."""
+    """Timestamp (ns) for what `copy`, `extract` and `run` steps write; SOURCE_DATE_EPOCH
+    (seconds) when set, else 0."""
     return int(os.environ.get("SOURCE_DATE_EPOCH", "0")) * 1_000_000_000
 
 
@@ -307,7 +308,21 @@ def _read_source(s: Scanned) -> Iterator[bytes]:
 
 def _step_entries(step: Step, spool: Path, sde: int) -> list[Scanned]:
     if step.kind == "copy":
-        return copy_entries(step, sde)
+        return reproducible(copy_entries(step, sde), step, sde)
     if step.kind == "extract":
-        return read_tar(step.args["src"], step.args["dst"], spool)
+        return reproducible(read_tar(step.args["src"], step.args["dst"], spool), step, sde)
     raise AssertionError(step.kind)
+
+
+def reproducible(scanned: list[Scanned], step: Step, sde: int) -> list[Scanned]:
+    """A copy's or extract's entries made independent of when and by whom the sources were
+    checked out: every mtime becomes ``sde`` unless the step says ``keep_mtime: true``, and
+    the step's ``owner:`` (if any) owns every entry."""
+    owner = step.args.get("owner")
+    keep = step.args.get("keep_mtime", False)
+    for s in scanned:
+        if not keep:
+            s.entry.mtime = sde
+        if owner is not None:
+            s.entry.uid, s.entry.gid = owner
+    return scanned

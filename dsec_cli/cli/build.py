@@ -19,6 +19,9 @@ def register(app: typer.Typer) -> None:
         specs: Annotated[list[Path] | None, typer.Argument(help="spec files or folders")] = None,  # noqa: UP007
         store: StoreOpt = None,
         force: Annotated[bool, typer.Option("--force", help="rebuild even if cached")] = False,
+        replace: Annotated[bool, typer.Option(
+            "--replace", help="move a NAME@VERSION the store holds with other content "
+            "(versions are immutable otherwise)")] = False,
         chunk_sha256: Annotated[bool, typer.Option(
             "--chunk-sha256", help="also store a sha256 per chunk (stores shared across trust "
             "domains)")] = False,
@@ -40,7 +43,7 @@ def register(app: typer.Typer) -> None:
                     err_console().print(f"  | {line}", style="dim", highlight=False, markup=False)
 
             report = sdk.build(specs or None, store, force=force, progress=tick, on_log=log_line,
-                               chunk_sha256=chunk_sha256)
+                               chunk_sha256=chunk_sha256, replace=replace)
         if json_:
             print_json({"store": report.store, "items": [i.__dict__ for i in report.items],
                         "warnings": report.warnings})
@@ -51,6 +54,10 @@ def register(app: typer.Typer) -> None:
                 for i in report.items]
         table(f"built into {report.store}", ["ref", "kind", "digest", "time", "size", "stored",
                                              "new"], rows)
+        for i in report.items:
+            if i.replaced:
+                err_console().print(f"replaced: {i.ref} named {i.replaced[:12]}, now "
+                                    f"{i.manifest[:12]}", highlight=False)
         for w in report.warnings:
             err_console().print(f"[yellow]warning:[/] {w}", highlight=False)
 

@@ -16,6 +16,8 @@ INSECURE = typer.Option(False, "--insecure", help="plain HTTP for an oci:// regi
 STORE = typer.Option(None, "--store", help="the local store (default: the configured one)")
 JOBS = typer.Option(8, "--jobs", "-j", min=1, max=64, help="objects in flight at once")
 JSON = typer.Option(False, "--json", help="machine-readable output")
+REPLACE = typer.Option(False, "--replace", help="move a NAME@VERSION the destination holds "
+                       "with other content (versions are immutable otherwise)")
 
 
 def _run(verb: str, as_json: bool, fn: Callable[..., Any], **kw: Any) -> Any:
@@ -37,7 +39,8 @@ def _render(verb: str, report: Any, as_json: bool) -> None:
         return
     rate = report.bytes_sent / report.seconds if report.seconds else 0
     for r in report.refs:
-        typer.echo(f"{verb} {r.ref} ({r.manifest[:12]}): {r.sent} of {r.objects} objects sent")
+        typer.echo(f"{verb} {r.ref} ({r.manifest[:12]}): {r.sent} of {r.objects} objects sent"
+                   + (f"; replaced {r.replaced[:12]}" if r.replaced else ""))
     typer.echo(f"{report.objects_sent} objects, {human_bytes(report.bytes_sent)} in "
                f"{report.seconds:.1f}s ({human_bytes(rate)}/s); "
                f"{report.objects_present} already in {report.destination}")
@@ -49,24 +52,26 @@ def register(app: typer.Typer) -> None:
              to: str = typer.Option(..., "--to", help="destination store URL",
                                     show_default=False),
              store: str | None = STORE, endpoint_url: str | None = ENDPOINT,
-             insecure: bool = INSECURE, jobs: int = JOBS, as_json: bool = JSON) -> None:
+             insecure: bool = INSECURE, jobs: int = JOBS, replace: bool = REPLACE,
+             as_json: bool = JSON) -> None:
         """Copy layers or images (with their layers) to a store; sends only what it lacks."""
         from ..push import api
 
         report = _run("push", as_json, api.push, refs=refs, to=to, store=store, jobs=jobs,
-                      endpoint_url=endpoint_url, insecure=insecure)
+                      endpoint_url=endpoint_url, insecure=insecure, replace=replace)
         _render("pushed", report, as_json)
 
     @app.command()
     def pull(refs: list[str] = REFS,
              frm: str = typer.Option(..., "--from", help="source store URL", show_default=False),
              store: str | None = STORE, endpoint_url: str | None = ENDPOINT,
-             insecure: bool = INSECURE, jobs: int = JOBS, as_json: bool = JSON) -> None:
+             insecure: bool = INSECURE, jobs: int = JOBS, replace: bool = REPLACE,
+             as_json: bool = JSON) -> None:
         """Copy layers or images from a store into the local one; verifies everything read."""
         from ..push import api
 
         report = _run("pull", as_json, api.pull, refs=refs, frm=frm, store=store, jobs=jobs,
-                      endpoint_url=endpoint_url, insecure=insecure)
+                      endpoint_url=endpoint_url, insecure=insecure, replace=replace)
         _render("pulled", report, as_json)
 
     @app.command()

@@ -50,6 +50,20 @@ class NotFoundError(UsageError):
     """A reference, object or sandbox that does not exist."""
 
 
+class RefConflictError(UsageError):
+    """A ``name@version`` that a store already holds with other content: versions are
+    immutable, so writing it again is refused unless the caller asks to replace it."""
+
+    def __init__(self, ref: str, store: str, current: str, new: str, *, verb: str) -> None:
+        super().__init__(
+            f"{ref} in {store} already names {current}; {verb} {new}",
+            hint="versions are immutable: bump the version, or pass --replace to move "
+                 f"{ref} to the new content")
+        self.ref = ref
+        self.current = current
+        self.new = new
+
+
 class BuildError(DsecError):
     """A build step failed at run time (a `run` command exited non-zero, I/O failed)."""
 

@@ -36,21 +36,22 @@ def _check(refs: Sequence[str], jobs: int = DEFAULT_JOBS) -> None:
 
 def push(refs: Sequence[str], to: str, *, store: str | None = None, jobs: int = DEFAULT_JOBS,
          endpoint_url: str | None = None, insecure: bool = False,
-         progress: ProgressFn | None = None) -> TransferReport:
-    """Copy refs from the local store (default: the configured one) to the store at `to`."""
+         progress: ProgressFn | None = None, replace: bool = False) -> TransferReport:
+    """Copy refs from the local store (default: the configured one) to the store at `to`.
+    A ref `to` holds with other content is refused (`RefConflictError`) unless ``replace``."""
     _check(refs, jobs)
     with open_retrying(store) as src, open_retrying(to, **_options(endpoint_url, insecure)) as dst:
-        return copy_refs(src, dst, refs, jobs=jobs, progress=progress)
+        return copy_refs(src, dst, refs, jobs=jobs, progress=progress, replace=replace)
 
 
 def pull(refs: Sequence[str], frm: str, *, store: str | None = None, jobs: int = DEFAULT_JOBS,
          endpoint_url: str | None = None, insecure: bool = False,
-         progress: ProgressFn | None = None) -> TransferReport:
-    """Copy refs from the store at `frm` into the local store."""
+         progress: ProgressFn | None = None, replace: bool = False) -> TransferReport:
+    """Copy refs from the store at `frm` into the local store (same rule as `push`)."""
     _check(refs, jobs)
     with open_retrying(frm, **_options(endpoint_url, insecure)) as src, \
             open_retrying(store) as dst:
-        return copy_refs(src, dst, refs, jobs=jobs, progress=progress)
+        return copy_refs(src, dst, refs, jobs=jobs, progress=progress, replace=replace)
 
 
 @dataclass

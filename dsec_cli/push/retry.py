@@ -80,56 +80,57 @@ def call(fn: Callable[[], T], what: str, policy: RetryPolicy | None = None) -> T
 
 
 class RetryingStore(Store):
-    """Wraps a store so that each primitive is retried under a `RetryPolicy`."""
+    """Wraps a store so that each primitive is retried under a `RetryPolicy`.
+
+    The wrapped store is private: callers get the `Store` interface and nothing else, so no
+    code path can reach around the retries (store-specific extras are not forwarded)."""
 
     def __init__(self, inner: Store, policy: RetryPolicy | None = None) -> None:
+        if isinstance(inner, RetryingStore):  # one layer of retries, never retries of retries
+            policy = policy or inner.policy
+            inner = inner._inner
         super().__init__(inner.url)
-        self.inner = inner
+        self._inner = inner
         self.policy = policy or RetryPolicy.from_env()
         self.preferred_read_size = inner.preferred_read_size  # type: ignore[misc]
 
     @classmethod
     def from_url(cls, url: str, **options: object) -> RetryingStore:
-        from .stores import open_store
-
-        return cls(open_store(url, **options))
+        return open_retrying(url, **options)
 
     def _call(self, fn: Callable[[], T], what: str) -> T:
         return call(fn, f"{what} ({self.url})", self.policy)
 
     def _get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
-        return self._call(lambda: self.inner.get(key, start, length), f"reading {key}")
+        return self._call(lambda: self._inner.get(key, start, length), f"reading {key}")
 
     def _put(self, key: str, data: bytes) -> None:
-        self._call(lambda: self.inner.put(key, data), f"writing {key}")
+        self._call(lambda: self._inner.put(key, data), f"writing {key}")
 
     def put_file(self, key: str, path: Path) -> None:
-        self._call(lambda: self.inner.put_file(key, path), f"writing {key}")
+        self._call(lambda: self._inner.put_file(key, path), f"writing {key}")
 
     def _stat(self, key: str) -> ObjectInfo | None:
-        return self._call(lambda: self.inner.stat(key), f"checking {key}")
+        return self._call(lambda: self._inner.stat(key), f"checking {key}")
 
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:
         # listings are materialised so that a retry restarts them from the beginning
-        return iter(self._call(lambda: list(self.inner.list(prefix)), f"listing {prefix!r}"))
+        return iter(self._call(lambda: list(self._inner.list(prefix)), f"listing {prefix!r}"))
 
     def _delete(self, key: str) -> None:
-        self._call(lambda: self.inner.delete(key), f"deleting {key}")
+        self._call(lambda: self._inner.delete(key), f"deleting {key}")
 
     def staging_dir(self) -> Path:
-        return self.inner.staging_dir()
+        return self._inner.staging_dir()
 
     def close(self) -> None:
-        self.inner.close()
-
-    def __getattr__(self, name: str) -> object:
-        # store-specific extras (staging_dir, bucket, ...) stay reachable through the wrapper
-        return getattr(self.inner, name)
+        self._inner.close()
 
 
-def open_retrying(url: str | None = None, **options: object) -> Store:
-    """`open_store` with retries, including the connection check some stores make on open."""
-    from .stores import open_store
+def open_retrying(url: str | None = None, **options: object) -> RetryingStore:
+    """Open a store with retries, including the connection check some stores make on open.
+    `dsec_cli.push.stores.open_store` is this function."""
+    from .stores import open_backend
 
-    store = call(lambda: open_store(url, **options), f"opening {url or 'the default store'}")
-    return store if isinstance(store, RetryingStore) else RetryingStore(store)
+    store = call(lambda: open_backend(url, **options), f"opening {url or 'the default store'}")
+    return RetryingStore(store)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..core.digests import parse_object_key, parse_ref, verify_sha256
-from ..core.errors import StoreError
+from ..core.errors import NotFoundError, RefConflictError, StoreError
 from ..format.closure import closure
 from ..format.refs import get_ref, set_ref
 from .lease import WriterLease
@@ -50,6 +50,7 @@ class RefResult:
     manifest: str
     objects: int  # in the closure
     sent: int  # of those, copied by this run
+    replaced: str = ""  # with replace: the manifest the destination's ref named before
 
 
 @dataclass
@@ -103,12 +104,29 @@ def _parallel(jobs: int, fn: Callable[[str], Any], items: Sequence[str]) -> list
         return [f.result() for f in futures]
 
 
+def _existing(dst: Store, ref: str) -> str:
+    try:
+        return get_ref(dst, ref).manifest
+    except NotFoundError:
+        return ""
+
+
 def copy_refs(src: Store, dst: Store, refs: Sequence[str], *, jobs: int = DEFAULT_JOBS,
-              progress: ProgressFn | None = None, lease: bool = True) -> TransferReport:
-    """Copy each ``name@version`` (a layer or an image with its layers) from src to dst."""
+              progress: ProgressFn | None = None, lease: bool = True,
+              replace: bool = False) -> TransferReport:
+    """Copy each ``name@version`` (a layer or an image with its layers) from src to dst.
+
+    Versions are immutable: a ref that dst already holds with another manifest is a
+    `RefConflictError`, raised before anything is copied, unless ``replace`` is given."""
     t0 = time.monotonic()
     src, dst = _retrying(src), _retrying(dst)
     wanted = [(parse_ref(r), get_ref(src, r).manifest) for r in dict.fromkeys(refs)]
+    before = {f"{n}@{v}": _existing(dst, f"{n}@{v}") for (n, v), _ in wanted}
+    for (name, version), digest in wanted:
+        current = before[f"{name}@{version}"]
+        if current and current != digest and not replace:
+            raise RefConflictError(f"{name}@{version}", dst.url, current, digest,
+                                   verb=f"{src.url} holds")
     report = TransferReport(src.url, dst.url)
     closures = [closure(src, digest) for _, digest in wanted]
     keys = list(dict.fromkeys(k for c in closures for k in c))
@@ -144,9 +162,11 @@ def copy_refs(src: Store, dst: Store, refs: Sequence[str], *, jobs: int = DEFAUL
                                  "copy could not renew its lease; nothing was published",
                                  hint="run the same command again")
         for ((name, version), digest), keys_of in zip(wanted, closures, strict=True):
+            ref = f"{name}@{version}"
             set_ref(dst, name, version, digest)  # the commit point, last
             sent = len(set(keys_of) & set(missing))
-            report.refs.append(RefResult(f"{name}@{version}", digest, len(keys_of), sent))
+            moved = before[ref] if before[ref] and before[ref] != digest else ""
+            report.refs.append(RefResult(ref, digest, len(keys_of), sent, moved))
     finally:
         if guard:
             guard.__exit__(None, None, None)

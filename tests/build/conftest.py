@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec_cli.push.stores import open_store
-from dsec_cli.push.stores.file import FileStore
+from dsec_cli.push.stores import Store, open_store
 
 
 def make_tree(root: Path, *, owners: bool = True, seed: int = 1) -> Path:
@@ -55,10 +54,9 @@ def tree(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> FileStore:
-    st = open_store(str(tmp_path / "store"))
-    assert isinstance(st, FileStore)
-    return st
+def store(tmp_path: Path) -> Store:
+    """A file store at ``tmp_path / "store"``, opened as every caller opens one."""
+    return open_store(str(tmp_path / "store"))
 
 
 def write_spec(folder: Path, name: str, text: str) -> Path:

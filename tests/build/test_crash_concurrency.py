@@ -38,7 +38,7 @@ def _specs(folder: Path, names: list[str], seed: int = 0) -> None:
     for n, name in enumerate(names):
         _tree(folder / name, seed + n)
         write_spec(folder, name, f'layer: {name}\nversion: "1"\nsteps:\n'
-                   f"  - copy: {{src: ./{name}, dst: /data}}\n")
+                   f"  - copy: {{src: ./{name}, dst: /data, keep_mtime: true}}\n")
 
 
 def _check_store(url: str) -> int:

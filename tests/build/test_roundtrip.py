@@ -54,7 +54,7 @@ def test_extract_step_round_trip(tree: Path, store, tmp_path: Path) -> None:
     subprocess.run(["zstd", "-q", "-3", str(specdir / "root.tar"), "-o",
                     str(specdir / "root.tar.zst")], check=True)
     write_spec(specdir, "x", 'layer: x\nversion: "1"\nsteps:\n'
-               '  - extract: {src: ./root.tar.zst, dst: /}\n')
+               '  - extract: {src: ./root.tar.zst, dst: /, keep_mtime: true}\n')
     build([specdir / "x.yaml"], store)
     out = tmp_path / "out"
     export(store, "x@1", out)

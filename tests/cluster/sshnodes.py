@@ -130,7 +130,9 @@ class SshCluster:
         port = free_port()
         env = {"DSEC_STATE_DIR": str(state), "DSEC_STORE": self.store_url,
                "XDG_DATA_HOME": str(data_dir), "DSEC_CONFIG": str(root / "config.yaml"),
-               "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+               "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               # this checkout's code, even where the venv's dsec is installed from another
+               "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         (root / "authorized_keys").write_text(
             Path(str(self.identity) + ".pub").read_text())
         setenv = " ".join(f"{k}={v}" for k, v in env.items())

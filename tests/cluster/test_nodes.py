@@ -9,6 +9,8 @@ from pathlib import Path
 
 import yaml
 
+from dsec_cli.run.cluster.protocol import PROTOCOL_VERSION
+
 from .sshnodes import SshCluster
 
 DSEC = str(Path(sys.executable).with_name("dsec"))
@@ -35,7 +37,7 @@ def test_add_ls_check_rm(cluster: SshCluster, run_dsec, dsec_home: Path) -> None
     ls = json.loads(run_dsec("node", "ls", "--json", env=cluster.client_env()).stdout)
     assert [r["node"] for r in ls] == ["a", "b"]
     for r in ls:
-        assert r["ok"] and r["result"]["protocol"] == 1
+        assert r["ok"] and r["result"]["protocol"] == PROTOCOL_VERSION
         assert r["result"]["capacity"]["sandboxes"] in (20, 40)
         assert r["result"]["usage"]["sandboxes"] >= 0 and "cache_bytes" in r["result"]
     run_dsec("node", "check", "a", env=cluster.client_env())
@@ -105,7 +107,7 @@ def test_bootstrap_installs_dsec_without_network(cluster: SshCluster, run_dsec, 
         "node", "add", "fresh", cluster.nodes[0].address, "--identity", str(cluster.identity),
         "--known-hosts", str(cluster.known_hosts), "--bootstrap", "--install-dir", str(inst),
         "--json", env=cluster.client_env()).stdout)
-    assert out["dsec"] == f"{inst}/bin/dsec" and out["info"]["protocol"] == 1
+    assert out["dsec"] == f"{inst}/bin/dsec" and out["info"]["protocol"] == PROTOCOL_VERSION
     assert (inst / "site" / "dsec_cli" / "run" / "cluster" / "agentd.py").is_file()
     p = run_dsec("run", "--node", "fresh", "-b", "fncall", "busybox@1.35-1", "--", "echo", "hi",
                  env=cluster.client_env())

@@ -25,7 +25,8 @@ def _spec(folder: Path, name: str, files: dict[str, bytes]) -> Path:
     for f, data in files.items():
         (folder / name / f).write_bytes(data)
     spec = folder / f"{name}.yaml"
-    spec.write_text(f'layer: {name}\nversion: "1"\nsteps:\n  - copy: {{src: ./{name}, dst: /d}}\n')
+    spec.write_text(f'layer: {name}\nversion: "1"\nsteps:\n'
+                    f"  - copy: {{src: ./{name}, dst: /d, keep_mtime: true}}\n")
     return spec
 
 

@@ -1,4 +1,9 @@
-"""Store implementations, selected by URL scheme through a lazy registry."""
+"""Store implementations, selected by URL scheme through a lazy registry.
+
+`open_store` is the only way in, and what it returns always retries transient errors
+(`dsec_cli.push.retry.RetryingStore`): the lazy mount daemon, builds, image resolution and
+transfers all read through the same retries. The bare backend is opened only by the retry
+layer, through `open_backend`."""
 
 from __future__ import annotations
 
@@ -31,8 +36,16 @@ def default_store_url() -> str:
 
 
 def open_store(url: str | None = None, **options: object) -> Store:
-    """Open the store a URL names; a bare path is a ``file://`` store; None is the
-    configured default. A malformed URL is a `UsageError` naming it."""
+    """Open the store a URL names (a bare path is a ``file://`` store; None is the
+    configured default), retrying transient errors of every request, the connection check
+    some stores make on open included. A malformed URL is a `UsageError` naming it."""
+    from ..retry import open_retrying
+
+    return open_retrying(url, **options)
+
+
+def open_backend(url: str | None = None, **options: object) -> Store:
+    """The bare store a URL names, without retries: for `dsec_cli.push.retry` only."""
     from ...core import validate
 
     url = default_store_url() if url is None else validate.store_url(url)

@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, urlparse
 
 import boto3
 import botocore.exceptions as bexc
+from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
@@ -114,6 +115,13 @@ class S3Store(Store):
                                   "~/.aws/credentials") from e
         except bexc.ClientError as e:
             raise self._map_client_error(e, what, key) from e
+        except S3UploadFailedError as e:
+            # the transfer manager wraps the request's error: map what it wraps, so that a
+            # 503 on an upload is retried as on any other request
+            cause = e.__cause__ or e.__context__
+            if isinstance(cause, bexc.ClientError):
+                raise self._map_client_error(cause, what, key) from e
+            raise StoreError(f"{what}: {e}") from e
         except bexc.BotoCoreError as e:
             raise StoreError(f"{what}: {e}") from e
 

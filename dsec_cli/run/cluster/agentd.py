@@ -11,6 +11,7 @@ the same protocol on a unix socket, for a resident service behind SSH socket for
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -26,7 +27,16 @@ from ... import __version__ as _dsec_version
 from ...core.errors import UsageError
 from ..node import CreateOptions, Node, local_node
 from .admission import Admission
-from .protocol import PROTOCOL_VERSION, b64, decode, encode, error_to_wire, unb64
+from .protocol import (
+    PROTOCOL_VERSION,
+    b64,
+    decode,
+    encode,
+    error_to_wire,
+    from_wire,
+    to_wire,
+    unb64,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +100,14 @@ class AgentService:
 
     # -- sandboxes ------------------------------------------------------------------------------
     def create(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
-        o = dict(args.get("opts") or {})
-        opts = CreateOptions(
-            backend=o.get("backend", "container"), cpus=o.get("cpus"), memory=o.get("memory"),
-            pids=o.get("pids"), ttl=o.get("ttl"), network=o.get("network", "none"),
-            env=dict(o.get("env") or {}), workdir=o.get("workdir"), disk=o.get("disk"))
+        opts = from_wire(CreateOptions, args.get("opts") or {})
         opts.validate()  # bad input is refused before anything is reserved
         token = self.admission.reserve(opts.cpus, opts.memory)
         try:
             rec = self.node.create(str(args["image"]), opts)
         finally:
             self.admission.release(token)
-        return rec.public()
+        return to_wire(rec)
 
     def exec(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         stream = bool(args.get("stream"))
@@ -114,12 +120,9 @@ class AgentService:
                              cwd=args.get("cwd"), stdin=stdin, timeout=args.get("timeout"),
                              on_output=on_output if stream else None,
                              capture_limit=_capture_limit(args.get("capture_limit")))
-        return {"exit_code": res.exit_code, "duration": res.duration,
-                "stdout": "" if stream else b64(res.stdout),
-                "stderr": "" if stream else b64(res.stderr), "timed_out": res.timed_out,
-                "oom_killed": res.oom_killed, "pids_limited": res.pids_limited,
-                "stdout_truncated": res.stdout_truncated,
-                "stderr_truncated": res.stderr_truncated}
+        if stream:  # the output went out as events already
+            res = dataclasses.replace(res, stdout=b"", stderr=b"")
+        return to_wire(res)
 
     def put(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         self.node.put_file(str(args["id"]), str(args["path"]), unb64(args["data"]),
@@ -131,16 +134,16 @@ class AgentService:
         return {"data": b64(data), "mode": mode}
 
     def lookup(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
-        return self.node.lookup(str(args["id"])).public()
+        return to_wire(self.node.lookup(str(args["id"])))
 
     def remove(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
-        return self.node.remove(str(args["id"])).public()
+        return to_wire(self.node.remove(str(args["id"])))
 
     def pause(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
-        return self.node.pause(str(args["id"])).public()
+        return to_wire(self.node.pause(str(args["id"])))
 
     def resume(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
-        return self.node.resume(str(args["id"])).public()
+        return to_wire(self.node.resume(str(args["id"])))
 
     def describe(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         return self.node.describe(str(args["id"]))
@@ -149,7 +152,7 @@ class AgentService:
         return self.node.snapshot(str(args["id"]), str(args["ref"]), args.get("push"))
 
     def ps(self, args: dict[str, Any], emit: Emit) -> list[dict[str, Any]]:
-        return [r.public() for r in self.node.sandboxes()]
+        return [to_wire(r) for r in self.node.sandboxes()]
 
     def gc(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         return self.node.gc(args.get("budget"), bool(args.get("dry_run")))

@@ -6,7 +6,7 @@ that ran and failed is an exit code or the agent's own error, never retried eith
 
 from __future__ import annotations
 
-from ...core.errors import DsecError, SandboxError
+from ...core.errors import DsecError, SandboxError, UsageError
 
 
 class HostKeyError(DsecError):
@@ -19,3 +19,8 @@ class NodeCommandError(DsecError):
 
 class CapacityError(SandboxError):
     """The node's agent refused a sandbox: it would exceed the node's capacity."""
+
+
+class ProtocolError(UsageError):
+    """A message from the other side does not fit the protocol: an unknown field, a field of
+    the wrong type, a required field missing. The two sides run different dsec versions."""

@@ -25,7 +25,17 @@ from ...backends.base import ExecResult, OutputCallback
 from ...core.config import net_timeouts
 from ...core.errors import DsecError, NodeUnreachableError
 from ..node import CreateOptions
-from .protocol import PROTOCOL_VERSION, b64, decode, encode, error_from_wire, unb64
+from ..state import SandboxRecord
+from .protocol import (
+    PROTOCOL_VERSION,
+    b64,
+    decode,
+    encode,
+    error_from_wire,
+    from_wire,
+    to_wire,
+    unb64,
+)
 from .ssh import SshTarget, classify
 
 log = logging.getLogger(__name__)
@@ -215,26 +225,26 @@ def close_all() -> None:
 
 @dataclass
 class RemoteRecord:
-    """A sandbox on a remote node; ``id`` is node-qualified."""
+    """A sandbox on a remote node: the node's own record, with a node-qualified ``id``."""
 
     id: str
     node: str
-    doc: dict[str, Any]
+    record: SandboxRecord
 
     @property
     def status(self) -> str:
-        return str(self.doc.get("status"))
+        return self.record.status
 
     @property
     def backend(self) -> str:
-        return str(self.doc.get("backend"))
+        return self.record.backend
 
     @property
     def image(self) -> str:
-        return str(self.doc.get("image"))
+        return self.record.image
 
     def public(self) -> dict[str, Any]:
-        return {**self.doc, "id": self.id, "node": self.node}
+        return {**self.record.public(), "id": self.id, "node": self.node}
 
 
 class RemoteNode:
@@ -272,8 +282,9 @@ class RemoteNode:
                 delay *= 2
         raise AssertionError("unreachable")
 
-    def _rec(self, doc: dict[str, Any]) -> RemoteRecord:
-        return RemoteRecord(f"{self.name}/{doc['id']}", self.name, doc)
+    def _rec(self, doc: Any) -> RemoteRecord:
+        rec = from_wire(SandboxRecord, doc)
+        return RemoteRecord(f"{self.name}/{rec.id}", self.name, rec)
 
     @staticmethod
     def local_id(sid: str) -> str:
@@ -284,11 +295,7 @@ class RemoteNode:
         return dict(self.call("info", {"image": image}, timeout=timeout or self.timeout))
 
     def create(self, image: str, opts: CreateOptions | None = None) -> RemoteRecord:
-        o = opts or CreateOptions()
-        doc = self.call("create", {"image": image, "opts": {
-            "backend": o.backend, "cpus": o.cpus, "memory": o.memory, "pids": o.pids,
-            "ttl": o.ttl, "network": o.network, "env": o.env, "workdir": o.workdir,
-            "disk": o.disk}})
+        doc = self.call("create", {"image": image, "opts": to_wire(opts or CreateOptions())})
         return self._rec(doc)
 
     def lookup(self, sid: str) -> RemoteRecord:
@@ -305,10 +312,7 @@ class RemoteNode:
                                "timeout": timeout, "stream": on_output is not None,
                                "capture_limit": capture_limit},
                       on_event=on_output)
-        return ExecResult(int(r["exit_code"]), unb64(r["stdout"]), unb64(r["stderr"]),
-                          float(r["duration"]), bool(r["timed_out"]), bool(r["oom_killed"]),
-                          bool(r["pids_limited"]), bool(r.get("stdout_truncated")),
-                          bool(r.get("stderr_truncated")))
+        return from_wire(ExecResult, r)
 
     def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
         self.call("put", {"id": self.local_id(sid), "path": path, "data": b64(data),

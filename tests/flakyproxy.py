@@ -1,0 +1,117 @@
+"""An HTTP proxy on loopback that fails the first tries of every distinct request.
+
+Put in front of a real S3 server (moto), it answers the first ``failures`` tries of each
+(method, path and query, range) with ``503 SlowDown`` and forwards every later try
+unchanged, so each store request meets that many transient errors in a row: code that
+retries succeeds, code that does not fails at its first request. Two failures by default:
+botocore makes one extra attempt of its own even when configured with ``max_attempts: 1``
+(that setting counts retries), and the test must not depend on it. Request and response
+bodies are relayed byte for byte.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlparse
+
+SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+            b"<Message>Please reduce your request rate.</Message></Error>")
+HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
+       "upgrade"}
+
+
+class FlakyProxy:
+    def __init__(self, upstream: str, failures: int = 2) -> None:
+        up = urlparse(upstream)
+        self.up_host, self.up_port = up.hostname or "127.0.0.1", up.port or 80
+        self.tries: dict[tuple[str, str, str], int] = {}
+        self.failed = 0
+        self.forwarded = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _body(self) -> tuple[bytes, bool]:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    raw = b""
+                    while True:  # relay the chunked body as it came, trailers included
+                        line = self.rfile.readline()
+                        raw += line
+                        size = int(line.split(b";")[0].strip() or b"0", 16)
+                        if size == 0:
+                            while True:
+                                t = self.rfile.readline()
+                                raw += t
+                                if t in (b"\r\n", b"\n", b""):
+                                    return raw, True
+                        raw += self.rfile.read(size + 2)
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else b"", False
+
+            def _handle(self) -> None:
+                body, chunked = self._body()
+                key = (self.command, self.path, self.headers.get("Range", ""))
+                with proxy._lock:
+                    proxy.tries[key] = proxy.tries.get(key, 0) + 1
+                    fail = proxy.tries[key] <= failures
+                    if fail:
+                        proxy.failed += 1
+                    else:
+                        proxy.forwarded += 1
+                if fail:
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(SLOWDOWN)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(SLOWDOWN)
+                    return
+                conn = http.client.HTTPConnection(proxy.up_host, proxy.up_port, timeout=60)
+                try:
+                    conn.putrequest(self.command, self.path, skip_host=True,
+                                    skip_accept_encoding=True)
+                    for k, v in self.headers.items():
+                        if k.lower() not in HOP or (chunked and k.lower() == "transfer-encoding"):
+                            conn.putheader(k, v)
+                    conn.endheaders()
+                    if body:
+                        conn.send(body)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    self.send_response(resp.status, resp.reason)
+                    for k, v in resp.getheaders():
+                        if k.lower() in HOP or (k.lower() == "content-length"
+                                                and self.command != "HEAD"):
+                            continue
+                        self.send_header(k, v)
+                    if self.command != "HEAD":
+                        self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                finally:
+                    conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def reset(self) -> None:
+        """Fail the next try of every request again, those already seen included."""
+        with self._lock:
+            self.tries.clear()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
