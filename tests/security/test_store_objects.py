@@ -160,11 +160,13 @@ def test_content_digest_escaping_the_cache_is_refused(store: Store, env: dict[st
 
 
 @root_only
+@pytest.mark.parametrize("fetch", ["eager", "lazy"])
 def test_claiming_another_layers_content_digest_is_refused(
-        store: Store, env: dict[str, str], shared: dict[str, Any], tmp_path: Path) -> None:
+        fetch: str, store: Store, env: dict[str, str], shared: dict[str, Any], tmp_path: Path
+        ) -> None:
     """An attacker's layer (busybox with another /etc/motd) claims the victim's content
-    digest; if the node cached it under that name, every later run of the victim's image
-    would get the attacker's files."""
+    digest; if the node cached it (or a lazy mount's profile) under that name, every later
+    run of the victim's image would get the attacker's files."""
     folder = tmp_path / "evil"
     (folder / "over/etc").mkdir(parents=True)
     (folder / "over/etc/motd").write_text("pwned\n")
@@ -176,10 +178,12 @@ def test_claiming_another_layers_content_digest_is_refused(
     _, victim = manifest_of(store, VICTIM)
     _, own = manifest_of(store, "evilbase@1")
     evil = publish(store, "poison", replace(own, content_digest=victim.content_digest))
-    p = dsec(env, "run", "poison@1", "--backend", "fncall", "--", "cat", "/etc/motd")
+    backend = ["--backend", "fncall"] if fetch == "eager" else ["--backend", "container"]
+    p = dsec(env, "run", "--fetch", fetch, *backend, "poison@1", "--", "cat", "/etc/motd")
     refused(p, f"manifest {evil[:12]}", victim.content_digest, own.content_digest)
     assert "pwned" not in p.stdout
-    p = dsec(env, "run", VICTIM, "--backend", "fncall", "--", "cat", "/etc/motd", check=0)
+    p = dsec(env, "run", "--fetch", fetch, *backend, VICTIM, "--", "cat", "/etc/motd",
+             check=0)
     assert p.stdout == MOTD.decode()
 
 
