@@ -86,6 +86,11 @@ def bounded_zstd(data: bytes | memoryview, limit: int, what: str, setting: str) 
     if declared > limit:
         fail(what, f"decompresses to {declared} bytes, more than the limit of {limit} "
                    f"({setting})")
+    if declared >= 0:  # a declared size within the bound: one allocation of that size
+        try:
+            return zstandard.ZstdDecompressor().decompress(data)
+        except zstandard.ZstdError as e:
+            fail(what, f"does not decompress: {e}")
     out = bytearray()
     try:
         with zstandard.ZstdDecompressor().stream_reader(data) as reader:
@@ -255,75 +260,79 @@ def _validate_entries(ix: LayerIndex, what: str, max_chunk: int) -> None:
     seen: set[str] = set()
     regular: set[str] = set()
     hardlinks: list[tuple[int, str, str]] = []
+    # messages are built only on failure: this loop runs once per file of every index read
     for n, e in enumerate(ix.entries):
         path = e.path
         if type(path) is not str or len(path) > MAX_PATH:
             fail(what, f"entries[{n}]: path is not a string of at most {MAX_PATH} characters")
-        where = f"entries[{n}] ({_short(path)})"
         try:
             check_rel_path(path)
         except FormatError as err:
-            fail(what, f"{where}: {err.message}")
+            fail(what, f"{_at(n, path)}: {err.message}")
         if path in seen:
-            fail(what, f"{where}: the path appears twice")
+            fail(what, f"{_at(n, path)}: the path appears twice")
         seen.add(path)
         t = e.type
         if t not in ENTRY_TYPES:
-            fail(what, f"{where}: unknown type {_short(t)}")
+            fail(what, f"{_at(n, path)}: unknown type {_short(t)}")
         if type(e.mode) is not int or not 0 <= e.mode <= 0o7777:
-            fail(what, f"{where}: mode {_short(e.mode)} is not within 0o7777")
+            fail(what, f"{_at(n, path)}: mode {_short(e.mode)} is not within 0o7777")
         if type(e.uid) is not int or not 0 <= e.uid <= U32:
-            fail(what, f"{where}: uid {_short(e.uid)} is not a 32-bit unsigned integer")
+            fail(what, f"{_at(n, path)}: uid {_short(e.uid)} is not a 32-bit unsigned integer")
         if type(e.gid) is not int or not 0 <= e.gid <= U32:
-            fail(what, f"{where}: gid {_short(e.gid)} is not a 32-bit unsigned integer")
+            fail(what, f"{_at(n, path)}: gid {_short(e.gid)} is not a 32-bit unsigned integer")
         if type(e.mtime) is not int or not -I64 <= e.mtime < I64:
-            fail(what, f"{where}: mtime {_short(e.mtime)} is not a 64-bit integer")
+            fail(what, f"{_at(n, path)}: mtime {_short(e.mtime)} is not a 64-bit integer")
         if type(e.size) is not int or not 0 <= e.size < I64:
-            fail(what, f"{where}: size {_short(e.size)} is not a non-negative integer")
+            fail(what, f"{_at(n, path)}: size {_short(e.size)} is not a non-negative integer")
         if type(e.opaque) is not bool or (e.opaque and t != "dir"):
-            fail(what, f"{where}: opaque is only true on a directory")
+            fail(what, f"{_at(n, path)}: opaque is only true on a directory")
         if t == "reg":
             total = 0
             for k, ext in enumerate(e.chunks):
                 if type(ext) is not tuple or len(ext) != 3:
-                    fail(what, f"{where}: chunks[{k}] is not [chunk, offset, length]")
+                    fail(what, f"{_at(n, path)}: chunks[{k}] is not [chunk, offset, length]")
                 ci, off, ln = ext
                 if type(ci) is not int or not 0 <= ci < nchunks:
-                    fail(what, f"{where}: chunks[{k}] names chunk {_short(ci)} of {nchunks}")
+                    fail(what, f"{_at(n, path)}: chunks[{k}] names chunk {_short(ci)} of {nchunks}")
                 if (type(off) is not int or type(ln) is not int or off < 0 or ln < 0
                         or off + ln > chunks[ci].ulen):
-                    fail(what, f"{where}: chunks[{k}] range {_short(off)}+{_short(ln)} is "
+                    fail(what, f"{_at(n, path)}: chunks[{k}] range {_short(off)}+{_short(ln)} is "
                                f"outside chunk {ci} ({chunks[ci].ulen} bytes)")
                 total += ln
             if total != e.size:
-                fail(what, f"{where}: size {e.size} is not the sum of its chunk lengths "
+                fail(what, f"{_at(n, path)}: size {e.size} is not the sum of its chunk lengths "
                            f"({total})")
             regular.add(path)
         elif e.chunks:
-            fail(what, f"{where}: only a regular file has chunks")
+            fail(what, f"{_at(n, path)}: only a regular file has chunks")
         if t in ("chr", "blk"):
             rd = e.rdev
             if (type(rd) is not tuple or len(rd) != 2 or type(rd[0]) is not int
                     or type(rd[1]) is not int or not 0 <= rd[0] <= U32
                     or not 0 <= rd[1] <= U32):
-                fail(what, f"{where}: rdev {_short(rd)} is not [major, minor]")
+                fail(what, f"{_at(n, path)}: rdev {_short(rd)} is not [major, minor]")
         elif e.rdev is not None:
-            fail(what, f"{where}: only a device has rdev")
+            fail(what, f"{_at(n, path)}: only a device has rdev")
         target = e.target
         if type(target) is not str or len(target) > MAX_PATH or "\x00" in target:
-            fail(what, f"{where}: target is not a path")
+            fail(what, f"{_at(n, path)}: target is not a path")
         if t == "sym" and not target:
-            fail(what, f"{where}: a symlink has an empty target")
+            fail(what, f"{_at(n, path)}: a symlink has an empty target")
         elif t == "hard":
             hardlinks.append((n, path, target))
         elif t != "sym" and target:
-            fail(what, f"{where}: only links have a target")
+            fail(what, f"{_at(n, path)}: only links have a target")
         if e.xattrs:
-            _validate_xattrs(what, where, e.xattrs)
+            _validate_xattrs(what, _at(n, path), e.xattrs)
     for n, path, target in hardlinks:
         if target not in regular:
             fail(what, f"entries[{n}] ({_short(path)}): hardlink target {_short(target)} is "
                        "not a regular file of the index")
+
+
+def _at(n: int, path: object) -> str:
+    return f"entries[{n}] ({_short(path)})"
 
 
 def _validate_xattrs(what: str, where: str, xattrs: object) -> None:
