@@ -28,6 +28,7 @@ _SOURCES: dict[str, dict[str, str]] = {
     },
     "dsec_cli.push.api": {"push_refs": "push", "pull_refs": "pull", "rmi": "rmi"},
     "dsec_cli.push.gc": {"gc_store": "gc_store"},
+    "dsec_cli.push.verify": {"verify_store": "verify_store", "VerifyReport": "VerifyReport"},
     "dsec_cli.run.sdk": {
         "Sandbox": "Sandbox", "ExecResult": "ExecResult", "FunctionPool": "FunctionPool",
         "FunctionCallError": "FunctionCallError", "run_sandbox": "run",
