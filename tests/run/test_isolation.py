@@ -15,8 +15,12 @@ from .conftest import IMAGE
 
 @pytest.fixture(scope="module")
 def sb(node_env: dict[str, str]) -> object:
-    with Sandbox.create(IMAGE, memory="64M", pids=32) as s:
-        yield s
+    # module-scoped: made before the per-test environment, so it sets the node's itself
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in node_env.items():
+            mp.setenv(k, v)
+        with Sandbox.create(IMAGE, memory="64M", pids=32) as s:
+            yield s
 
 
 def test_exec_result_and_files(sb: Sandbox) -> None:
