@@ -398,9 +398,13 @@ def test_lazy_fs_duplicates_and_children_of_links(tmp_path: Path) -> None:
     ix = LayerIndex(entries=[D("."), D("a"), F("a/x"), S("a", "/tmp"), F("a/y"), F("b"),
                              F("b", 0o600), S("c", "t"), F("c/z"), H("h", "a/x")],
                     chunks=[], packs=[])
+    latin = os.fsdecode(b"caf\xe9")  # what the kernel's bytes decode to in mfusepy
+    ix.entries.append(S(latin, os.fsdecode(b"t\xff")))
     fs = LazyFS([ix], [])
     names = [n for n, _, _ in fs.readdir("/0", 0)]
-    assert sorted(names) == [".", "..", "a", "b", "c"]
+    assert sorted(names) == sorted([".", "..", "a", "b", "c", latin])
+    assert fs.getattr(f"/0/{latin}")["st_size"] == 2  # the target's length in bytes
+    assert os.fsencode(fs.readlink(f"/0/{latin}")) == b"t\xff"
     assert stat.S_ISLNK(fs.getattr("/0/a")["st_mode"])
     assert fs.getattr("/0/b")["st_mode"] & 0o777 == 0o600
     for gone in ("/0/a/x", "/0/a/y", "/0/c/z", "/0/h"):
