@@ -312,7 +312,9 @@ def scan_dir(root: Path, *, overlay_upper: bool = False,
                 visit(sub_fd, child, os.path.join(host, child),
                       child if rel == "." else f"{rel}/{child}")
 
-    root_fd = os.open(root_str, _DIR_FLAGS)
+    # the root is the caller's own path (a spec's folder may be a symlink); below it nothing
+    # is followed
+    root_fd = os.open(root_str, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         st = os.fstat(root_fd)
         _visit(root_fd, ".", root_str, ".", st, root_fd)
