@@ -1,12 +1,11 @@
 """Helpers for the adversarial sandbox tests: the sandbox fixtures of tests/run (a store
 with the busybox image, one node per module; star-imported by the test modules) and the
-real `dsec` script with a timeout and its peak RSS (wait4's ru_maxrss of that one process:
-exact, no sampling)."""
+real `dsec` script with a timeout and its peak RSS (the ru_maxrss of that one process, taken
+by a small launcher: exact, no sampling)."""
 
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import tempfile
 import threading
@@ -30,6 +29,21 @@ class Ran:
     timed_out: bool
 
 
+#: A small launcher between pytest and dsec: a child forked from pytest itself would start
+#: with pytest's pages resident, and ru_maxrss keeps that peak across exec. The launcher is
+#: small when it forks, so RUSAGE_CHILDREN's peak is dsec's own.
+_LAUNCHER = """
+import os, resource, subprocess, sys
+limit, report = int(sys.argv[1]), sys.argv[2]
+if limit:
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+rc = subprocess.call(sys.argv[3:])
+with open(report, "w") as f:
+    f.write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024))
+sys.exit(rc)
+"""
+
+
 def dsec_measured(env: dict[str, str], *args: str, timeout: float = 120,
                   address_space: int | None = None) -> Ran:
     """Run the real `dsec` console script; kill it after `timeout` seconds. With
@@ -37,29 +51,28 @@ def dsec_measured(env: dict[str, str], *args: str, timeout: float = 120,
     whole file fails with a MemoryError instead of pressing on the machine)."""
     exe = Path(os.sys.executable).with_name("dsec")  # type: ignore[attr-defined]
 
-    def limit() -> None:
-        if address_space:
-            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
-
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "rss"
         t0 = time.monotonic()
-        p = subprocess.Popen([str(exe), *args], stdout=out, stderr=err,
-                             env={**os.environ, **env}, preexec_fn=limit)
+        p = subprocess.Popen([os.sys.executable, "-S", "-c", _LAUNCHER,  # type: ignore[attr-defined]
+                              str(address_space or 0), str(report), str(exe), *args],
+                             stdout=out, stderr=err, env={**os.environ, **env},
+                             start_new_session=True)
         killed = threading.Event()
 
         def kill() -> None:
             killed.set()
-            p.kill()
+            os.killpg(p.pid, 9)
 
         timer = threading.Timer(timeout, kill)
         timer.start()
         try:
-            _, status, usage = os.wait4(p.pid, 0)
+            p.wait()
         finally:
             timer.cancel()
-        p.returncode = os.waitstatus_to_exitcode(status)
         seconds = time.monotonic() - t0
         out.seek(0)
         err.seek(0)
-        return Ran(p.returncode, out.read(), err.read(), seconds, usage.ru_maxrss * 1024,
-                   killed.is_set())
+        rss = int(report.read_text()) if report.exists() else 0
+        return Ran(p.returncode, out.read(), err.read(), seconds, rss, killed.is_set())
