@@ -7,15 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from dsec_cli.api.sandboxes import Sandbox
 from dsec_cli.core.errors import NotFoundError, UsageError
-from dsec_cli.run.sdk import Sandbox
 
 from .conftest import IMAGE
 
 
 @pytest.fixture(scope="module")
 def sb(node_env: dict[str, str]) -> object:
-    with Sandbox.create(IMAGE, memory="64M", pids=32) as s:
+    # module-scoped, so set up before the per-test environment: name the node explicitly
+    with Sandbox.create(IMAGE, memory="64M", pids=32, state_dir=node_env["DSEC_STATE_DIR"],
+                        store=node_env["DSEC_STORE"]) as s:
         yield s
 
 
