@@ -26,7 +26,8 @@ _SOURCES: dict[str, dict[str, str]] = {
         "prepare_image": "prepare_image", "resolve_image": "resolve_image",
         "BuildReport": "BuildReport", "Built": "Built", "rmi": "rmi",
     },
-    "dsec_cli.api.store": {"push_refs": "push", "pull_refs": "pull", "gc_store": "gc_store"},
+    "dsec_cli.api.store": {"push_refs": "push", "pull_refs": "pull", "gc_store": "gc_store",
+                           "verify_store": "verify_store", "VerifyReport": "VerifyReport"},
     "dsec_cli.api.sandboxes": {
         "Sandbox": "Sandbox", "ExecResult": "ExecResult", "FunctionPool": "FunctionPool",
         "FunctionCallError": "FunctionCallError", "run_sandbox": "run",

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..build.builder import BuildReport, Built, build
-from ..core.errors import UsageError
+from ..core.errors import DsecError, UsageError
 from ..format.manifest import Manifest, load_manifest
 from ..format.refs import list_refs, resolve
 from ..push.api import Removed, rmi
@@ -25,13 +25,14 @@ __all__ = [
 @dataclass
 class ImageInfo:
     ref: str
-    kind: str
+    kind: str  # layer, image, or broken (then `error` says why)
     digest: str
     size: int
     stored_size: int
     files: int
     updated: float
     layers: list[str] = field(default_factory=list)
+    error: str = ""
 
 
 def _store(store: str | Store | None) -> Store:
@@ -39,17 +40,25 @@ def _store(store: str | Store | None) -> Store:
 
 
 def list_images(kind: str = "all", store: str | Store | None = None) -> list[ImageInfo]:
-    """Layers and/or images in a store (``kind``: layers, images or all)."""
+    """Layers and/or images in a store (``kind``: layers, images or all). A ref or manifest
+    that cannot be read is listed as ``broken`` with its error, never hiding the rest."""
     if kind not in ("all", "layers", "images"):
         raise UsageError(f"unknown listing {kind!r}: choose layers, images or all")
     st = _store(store)
     out = []
-    for r in list_refs(st):
-        m = load_manifest(st, r.manifest)
+    errors: list[DsecError] = []
+    for r in list_refs(st, errors):
+        try:
+            m = load_manifest(st, r.manifest)
+        except DsecError as e:
+            out.append(ImageInfo(r.ref, "broken", r.manifest, 0, 0, 0, r.updated,
+                                 error=e.message))
+            continue
         if kind != "all" and m.kind + "s" != kind:
             continue
         out.append(ImageInfo(r.ref, m.kind, r.manifest, m.size, m.stored_size, m.files,
                              r.updated, [d for d in m.layers]))
+    out += [ImageInfo("?", "broken", "", 0, 0, 0, 0.0, error=e.message) for e in errors]
     return out
 
 

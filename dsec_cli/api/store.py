@@ -1,4 +1,5 @@
-"""Stores: push, pull and collect garbage by store URL (what `dsec push/pull/gc` call).
+"""Stores: push, pull, verify and collect garbage by store URL (what `dsec push/pull/verify/gc`
+call).
 
 Remote options: ``endpoint_url`` for ``s3://`` (else ``AWS_ENDPOINT_URL``) and ``insecure``
 for ``oci://`` registries served over plain HTTP.
@@ -11,8 +12,10 @@ from ..push.api import pull, push
 from ..push.gc import GcReport, gc_store
 from ..push.retry import open_retrying
 from ..push.transfer import TransferReport
+from ..push.verify import VerifyReport, verify_store
 
-__all__ = ["GcReport", "TransferReport", "gc", "gc_store", "pull", "push"]
+__all__ = ["GcReport", "TransferReport", "VerifyReport", "gc", "gc_store", "pull", "push",
+           "verify_store"]
 
 
 def gc(store: str | None = None, *, grace: float | str = 3600.0, dry_run: bool = False,

@@ -276,7 +276,7 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
     lowers: list[Path] = []
     if any(s.kind == "run" for s in spec.steps):
         cache = LayerCache(Path(load_config().state_dir))
-        lowers = [cache.ensure(st, b) for b in bases]
+        lowers = [cache.ensure(st, b, d) for d, b in zip(deps, bases, strict=True)]
     tmp_root = data_dir / "tmp"
     clean_stale_staging(tmp_root)  # a build killed before may have left a mounted overlay
     staging = make_staging(tmp_root)

@@ -18,6 +18,7 @@ from . import node as _node
 from . import optimize as _optimize
 from . import sandbox as _sandbox
 from . import store as _store
+from . import verify as _verify
 
 app = typer.Typer(
     name="dsec",
@@ -32,7 +33,7 @@ def _root() -> None:
     """Content-addressed layers and sandboxes for agentic-RL environments."""
 
 
-for _module in (_build, _store, _sandbox, _gc, _node, _optimize):
+for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify):
     _module.register(app)
 
 

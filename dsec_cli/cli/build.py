@@ -76,7 +76,10 @@ def register(app: typer.Typer) -> None:
             return
         table(None, ["ref", "kind", "digest", "files", "size", "stored"],
               [(i.ref, i.kind, i.digest[:12], i.files, human_bytes(i.size),
-                human_bytes(i.stored_size)) for i in items])
+                human_bytes(i.stored_size)) for i in items if not i.error])
+        for i in items:
+            if i.error:
+                typer.echo(f"broken: {i.ref}: {i.error}", err=True)
 
     @app.command()
     def inspect(

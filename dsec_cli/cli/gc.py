@@ -79,11 +79,14 @@ def register(app: typer.Typer) -> None:
                                     endpoint_url=endpoint_url, insecure=insecure)
         if as_json:
             print_json({k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in out.items()})
-            return
-        if "node" in out:
-            _render_node(out["node"], dry_run)
-        if "store" in out:
-            _render_store(out["store"], dry_run, grace)
+        else:
+            if "node" in out:
+                _render_node(out["node"], dry_run)
+            if "store" in out:
+                _render_store(out["store"], dry_run, grace)
+        st = out.get("store")
+        if st is not None and (st.dangling or st.unreadable):
+            raise typer.Exit(1)  # gc kept what it could not read: cron should notice
 
 
 def _render_node(report: dict[str, Any], dry_run: bool) -> None:
@@ -128,5 +131,7 @@ def _render_store(report: Any, dry_run: bool, grace: str) -> None:
         typer.echo(f"{report.leases_live} writer lease(s) live")
     for d in report.dangling:
         typer.echo(f"dangling: {d}", err=True)
+    for d in report.unreadable:
+        typer.echo(f"unreadable: {d}", err=True)
     if report.deferred:
         typer.echo(f"deferred: {report.deferred}")

@@ -41,6 +41,9 @@ class Config:
     connect_timeout: str = "10s"
     read_timeout: str = "20s"
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: bounds on store objects read (`StoreLimits` field -> size or count), e.g.
+    #: ``limits: {index_json_bytes: 1G, index_entries: 8000000}``
+    limits: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # key -> where it was set
 
     def resolve(self) -> Config:
@@ -188,3 +191,52 @@ def debug_delay(name: str) -> float:
     except ValueError:
         return 0.0
     return value if 0 < value < 3600 else 0.0
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """Bounds on what a reader accepts from a store (docs/format.md, "Validation").
+
+    Store objects are hostile input: these keep parsing bounded in memory and time. The
+    defaults hold a multi-GB image of a million files with room to spare (an index of /usr
+    with 20k entries is about 2 MB of JSON). Each can be set as ``limits.<name>`` in a config
+    file or as ``DSEC_MAX_<NAME>`` in the environment (sizes take K, M, G suffixes)."""
+
+    manifest_bytes: int = 4 << 20
+    ref_bytes: int = 64 << 10
+    index_bytes: int = 128 << 20  # stored (compressed) bytes of one index
+    index_json_bytes: int = 512 << 20  # decompressed bytes of one index
+    index_entries: int = 4_000_000
+    index_chunks: int = 8_000_000
+    index_packs: int = 1_000_000
+    chunk_bytes: int = 64 << 20  # uncompressed bytes of one chunk (and of chunker params)
+    pack_trailer_bytes: int = 64 << 20  # decompressed table of contents of one pack
+
+
+_LIMIT_NAMES = tuple(f.name for f in fields(StoreLimits))
+_limits_cache: dict[tuple[str | None, ...], StoreLimits] = {}
+
+
+def store_limits() -> StoreLimits:
+    """The bounds in force: defaults < config files (``limits``) < ``DSEC_MAX_*``.
+
+    Read once per process (and again if a DSEC_MAX_* variable or DSEC_CONFIG changes):
+    indexes are loaded on hot paths."""
+    env = tuple(os.environ.get(f"DSEC_MAX_{n.upper()}") for n in _LIMIT_NAMES)
+    key = (*env, os.environ.get("DSEC_CONFIG"))
+    cached = _limits_cache.get(key)
+    if cached is not None:
+        return cached
+    cfg = load_config()
+    values: dict[str, int] = {}
+    for name, value in cfg.limits.items():
+        if name not in _LIMIT_NAMES:
+            raise ConfigError(f"{cfg.sources.get('limits', 'config')}: unknown key "
+                              f"limits.{name!r}", hint=f"known: {sorted(_LIMIT_NAMES)}")
+        values[name] = parse_size(str(value), f"limits.{name}")
+    for name, text in zip(_LIMIT_NAMES, env, strict=True):
+        if text:
+            values[name] = parse_size(text, f"DSEC_MAX_{name.upper()}")
+    limits = StoreLimits(**values)
+    _limits_cache[key] = limits
+    return limits

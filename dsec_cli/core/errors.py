@@ -72,7 +72,15 @@ class FormatError(DsecError):
     """Stored data is malformed or of an unsupported version."""
 
 
-class IntegrityError(FormatError):
+class CorruptObjectError(FormatError):
+    """A store object (ref, manifest, index, pack, chunk) is malformed, out of bounds or
+    inconsistent with what refers to it. Store objects are hostile input: like other bad
+    input this exits 2, and the message names the object (kind, short digest) and field."""
+
+    exit_code = 2
+
+
+class IntegrityError(CorruptObjectError):
     """Stored data does not match its digest: corruption or tampering."""
 
 

@@ -11,9 +11,10 @@ def dumps(obj: Any) -> bytes:
 
 
 def loads(data: bytes, what: str) -> Any:
-    from ..core.errors import FormatError
+    """Decode a stored object's JSON; malformed bytes are a corrupt object (exit 2)."""
+    from ..core.errors import CorruptObjectError
 
     try:
         return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise FormatError(f"{what} is not valid JSON: {e}") from e
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptObjectError(f"{what} is not valid JSON: {e}") from e

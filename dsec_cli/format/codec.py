@@ -49,6 +49,12 @@ def decode(codec: int, stored: bytes | memoryview, ulen: int) -> bytes:
         return bytes(stored)
     if codec == CODEC_ZSTD:
         try:
+            # zstandard trusts a frame's declared size over max_output_size: a frame that
+            # declares more than the index's ulen is refused before anything is allocated
+            declared = zstandard.frame_content_size(stored)
+            if declared > ulen:
+                raise IntegrityError(f"chunk frame declares {declared} bytes, more than its "
+                                     f"ulen {ulen}")
             return _decompressor().decompress(stored, max_output_size=ulen)
         except zstandard.ZstdError as e:
             raise IntegrityError(f"chunk does not decompress: {e}") from e

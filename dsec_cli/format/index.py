@@ -155,15 +155,15 @@ class LayerIndex:
     _content_digest: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def content_digest(self) -> str:
+        """sha256 of the canonical tree with chunk ids, computed from the entries held (a
+        reader compares it with what a manifest claims; it never trusts the claim)."""
         if self._content_digest is None:
-            self.to_bytes()
+            self._entry_docs()
         assert self._content_digest is not None
         return self._content_digest
 
-    def to_bytes(self) -> bytes:
-        """The stored form; computes the content digest in the same pass."""
-        if self._stored is not None:
-            return self._stored
+    def _entry_docs(self) -> list[dict[str, Any]]:
+        """The stored entry documents; computes the content digest in the same pass."""
         ids = [c.chunk_id.hex() for c in self.chunks]
         stored_entries, content_entries = [], []
         for e in self.entries:
@@ -175,6 +175,13 @@ class LayerIndex:
         content = {"format": INDEX_VERSION, "chunk_hash": self.chunk_hash,
                    "entries": content_entries}
         self._content_digest = hashlib.sha256(canonical.dumps(content)).hexdigest()
+        return stored_entries
+
+    def to_bytes(self) -> bytes:
+        """The stored form; computes the content digest in the same pass."""
+        if self._stored is not None:
+            return self._stored
+        stored_entries = self._entry_docs()
         has_sha = any(c.sha256 for c in self.chunks)
         doc = {
             "format": INDEX_VERSION,
@@ -195,16 +202,32 @@ class LayerIndex:
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str = "index") -> LayerIndex:
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 31)
-        except zstandard.ZstdError as e:
-            raise FormatError(f"{what} is not a zstd frame: {e}") from e
+        """Decode and validate a stored index (format/validate.py); every failure is a
+        CorruptObjectError naming `what`, and memory stays within the configured bounds."""
+        from ..core.config import store_limits
+        from .validate import bounded_zstd, check_size, fail, validate_index
+
+        lim = store_limits()
+        check_size(what, data, lim.index_bytes, "index_bytes")
+        raw = bounded_zstd(data, lim.index_json_bytes, what, "index_json_bytes")
         doc = canonical.loads(raw, what)
+        if not isinstance(doc, dict):
+            fail(what, "not a JSON object")
         if doc.get("format") != INDEX_VERSION:
             raise FormatError(f"{what} has format {doc.get('format')}; this dsec reads "
                               f"{INDEX_VERSION}")
         if doc.get("chunk_hash") != "xxh3-128":
             raise FormatError(f"{what} uses chunk hash {doc.get('chunk_hash')!r}, unsupported")
+        try:
+            ix = cls._from_doc(doc)
+        except FormatError as e:
+            fail(what, e.message)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            fail(what, f"a field is missing or of the wrong type ({type(e).__name__}: {e})")
+        return validate_index(ix, what, lim)
+
+    @classmethod
+    def _from_doc(cls, doc: dict[str, Any]) -> LayerIndex:
         p = doc["params"]
         has_sha = doc.get("chunk_sha256", False)
         chunks = [ChunkLoc(bytes.fromhex(c[0]), c[1], c[2], c[3], c[4], c[5],

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from ..core.digests import object_key, verify_sha256
+from ..core.digests import check_digest, object_key, verify_sha256
 from ..core.errors import FormatError, NotFoundError
 from . import canonical
 
@@ -47,27 +47,33 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str = "manifest") -> Manifest:
+        """Decode and validate (format/validate.py): a CorruptObjectError names `what`."""
+        from ..core.config import store_limits
+        from .validate import check_size, fail, validate_manifest
+
+        check_size(what, data, store_limits().manifest_bytes, "manifest_bytes")
         doc: dict[str, Any] = canonical.loads(data, what)
         if not isinstance(doc, dict) or doc.get("mediaType") != MEDIA_TYPE:
-            raise FormatError(f"{what} is not a dsec manifest")
+            fail(what, "not a dsec manifest (mediaType)")
         if doc.get("format") != MANIFEST_VERSION:
             raise FormatError(f"{what} has format {doc.get('format')}, this dsec reads "
                               f"{MANIFEST_VERSION}; upgrade dsec")
         doc.pop("mediaType")
         try:
-            return cls(**doc)
+            m = cls(**doc)
         except TypeError as e:
-            raise FormatError(f"{what} has unexpected fields: {e}") from e
+            fail(what, f"unexpected or missing fields: {e}")
+        return validate_manifest(m, what)
 
 
 def load_manifest(store: Any, digest: str) -> Manifest:
+    what = f"manifest {check_digest(digest)[:12]}"
     key = object_key("manifests", digest)
     try:
         data = store.get(key)
     except NotFoundError:
         raise NotFoundError(f"manifest {digest[:12]} is missing from {store.url}") from None
-    return Manifest.from_bytes(verify_sha256(data, digest, f"manifest {digest[:12]}"),
-                               f"manifest {digest[:12]}")
+    return Manifest.from_bytes(verify_sha256(data, digest, what), what)
 
 
 def put_manifest(store: Any, manifest: Manifest) -> str:

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import zstandard
 
-from ..core.errors import FormatError
 from . import canonical
 
 HEADER = b"DSECPK\x00\x01"
@@ -88,14 +87,26 @@ class PackWriter:
         self.path.unlink(missing_ok=True)
 
 
-def read_toc(data: bytes) -> list[PackedChunk]:
-    """The table of contents of a whole pack (used by repack and recovery)."""
+def read_toc(data: bytes, what: str = "pack") -> list[PackedChunk]:
+    """The table of contents of a whole pack (used by repack, verify and recovery); every
+    row is validated to lie inside the pack's body (format/validate.py)."""
+    from ..core.config import store_limits
+    from .validate import bounded_zstd, fail, validate_toc
+
     if not data.startswith(HEADER):
-        raise FormatError("not a dsec pack (bad header) or an unsupported pack version")
+        fail(what, "not a dsec pack (bad header) or an unsupported pack version")
+    if len(data) < len(HEADER) + FOOTER.size:
+        fail(what, f"{len(data)} bytes is too short for a pack")
     tlen, magic = FOOTER.unpack_from(data, len(data) - FOOTER.size)
     if magic != FOOTER_MAGIC:
-        raise FormatError("pack trailer is damaged")
-    start = len(data) - FOOTER.size - tlen
-    doc = canonical.loads(zstandard.ZstdDecompressor().decompress(
-        data[start:len(data) - FOOTER.size], max_output_size=64 << 20), "pack trailer")
-    return [PackedChunk(bytes.fromhex(c[0]), c[1], c[2], c[3], c[4]) for c in doc["chunks"]]
+        fail(what, "the trailer is damaged (bad end magic)")
+    body_end = len(data) - FOOTER.size - tlen
+    if not len(HEADER) <= body_end:
+        fail(what, f"trailer length {tlen} is longer than the pack")
+    lim = store_limits()
+    raw = bounded_zstd(memoryview(data)[body_end:len(data) - FOOTER.size],
+                       lim.pack_trailer_bytes, f"{what} trailer", "pack_trailer_bytes")
+    doc = canonical.loads(raw, f"{what} trailer")
+    if not isinstance(doc, dict) or doc.get("format") != 1:
+        fail(what, "the trailer is not a version 1 table of contents")
+    return [PackedChunk(*row) for row in validate_toc(doc.get("chunks"), what, body_end, lim)]

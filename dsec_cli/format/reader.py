@@ -30,7 +30,11 @@ class ChunkReader:
         self.bytes_fetched = 0
 
     def _decode(self, i: int, loc: ChunkLoc, stored: bytes | memoryview) -> bytes:
-        data = decode(loc.codec, stored, loc.ulen)
+        try:
+            data = decode(loc.codec, stored, loc.ulen)
+        except IntegrityError as e:
+            raise IntegrityError(f"chunk {loc.chunk_id.hex()} in pack "
+                                 f"{self.index.packs[loc.pack]} is corrupt: {e.message}") from e
         if len(data) != loc.ulen or chunk_id(data) != loc.chunk_id:
             raise IntegrityError(
                 f"chunk {loc.chunk_id.hex()} in pack {self.index.packs[loc.pack]} is corrupt "

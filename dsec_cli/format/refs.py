@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.digests import check_digest, parse_ref, ref_key
-from ..core.errors import FormatError, NotFoundError
+from ..core.errors import DsecError, NotFoundError
 from . import canonical
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -24,11 +27,13 @@ class Ref:
 
 
 def _decode(data: bytes, name: str, version: str) -> Ref:
-    doc = canonical.loads(data, f"ref {name}@{version}")
-    try:
-        return Ref(name, version, check_digest(doc["manifest"]), float(doc.get("updated", 0)))
-    except (KeyError, TypeError) as e:
-        raise FormatError(f"ref {name}@{version} is malformed") from e
+    from ..core.config import store_limits
+    from .validate import check_size, validate_ref_doc
+
+    what = f"ref {name}@{version}"
+    check_size(what, data, store_limits().ref_bytes, "ref_bytes")
+    manifest, updated = validate_ref_doc(canonical.loads(data, what), what)
+    return Ref(name, version, manifest, updated)
 
 
 def get_ref(store: Any, ref: str) -> Ref:
@@ -63,15 +68,22 @@ def delete_ref(store: Any, ref: str) -> None:
     store.delete(ref_key(name, version))
 
 
-def list_refs(store: Any) -> list[Ref]:
+def list_refs(store: Any, errors: list[DsecError] | None = None) -> list[Ref]:
+    """Every ref of a store. A ref that cannot be read is skipped with a warning naming it
+    (and appended to `errors` when given), so one bad ref does not hide the others."""
     out = []
     for info in store.list("refs/"):
         parts = info.key.split("/")
         if len(parts) != 3:
             continue
         try:
+            parse_ref(f"{parts[1]}@{parts[2]}")
             data = store.get(info.key)
+            out.append(_decode(data, parts[1], parts[2]))
         except NotFoundError:
             continue  # removed between the listing and the read
-        out.append(_decode(data, parts[1], parts[2]))
+        except DsecError as e:
+            log.warning("skipping %s: %s", info.key, e.message)
+            if errors is not None:
+                errors.append(e)
     return sorted(out, key=lambda r: (r.name, r.version))

@@ -13,11 +13,12 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.digests import object_key
+from ..core.digests import check_digest, object_key
 from ..core.errors import DsecError
 from ..format.index import LayerIndex
 from ..format.manifest import load_manifest
 from ..format.refs import list_refs
+from ..format.validate import is_digest
 from .stores.base import Store
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,12 @@ class KnownChunk:
 
 
 def load_index(store: Store, digest: str) -> LayerIndex:
+    """A layer index, checked against its digest and validated field by field."""
     from ..core.digests import verify_sha256
 
+    what = f"index {check_digest(digest)[:12]}"
     data = store.get(object_key("indexes", digest))
-    return LayerIndex.from_bytes(verify_sha256(data, digest, f"index {digest[:12]}"),
-                                 f"index {digest[:12]}")
+    return LayerIndex.from_bytes(verify_sha256(data, digest, what), what)
 
 
 class KnownChunks:
@@ -74,6 +76,24 @@ class KnownChunks:
         return known
 
 
+def _add_table(data: bytes, known: KnownChunks) -> bool:
+    """Add a cached chunk table; False when it is damaged (then the index is read again).
+    It is written only from validated indexes, but a disk can truncate it."""
+    try:
+        npacks = struct.unpack_from("<I", data)[0]
+        off = 4
+        packs = [data[off + 64 * i: off + 64 * (i + 1)].decode() for i in range(npacks)]
+        off += 64 * npacks
+        rows = list(_REC.iter_unpack(data[off:]))
+        if not all(is_digest(p) for p in packs) or any(r[1] >= npacks for r in rows):
+            return False
+    except (struct.error, UnicodeDecodeError):
+        return False
+    for cid, p, o, cl, ul, codec in rows:
+        known.chunks.setdefault(cid, KnownChunk(packs[p], o, cl, ul, codec))
+    return True
+
+
 def _collect(store: Store, digest: str, seen: set[str], known: KnownChunks,
              cache_dir: Path | None) -> None:
     if digest in seen:
@@ -84,21 +104,17 @@ def _collect(store: Store, digest: str, seen: set[str], known: KnownChunks,
         _collect(store, layer, seen, known, cache_dir)
     if m.index and m.index not in seen:
         seen.add(m.index)
-        _add_cached(store, m.index, known, cache_dir)
+        try:
+            _add_cached(store, m.index, known, cache_dir)
+        except DsecError as e:  # one bad index must not stop builds: its chunks go unused
+            log.warning("ignoring index %s of %s for dedup: %s", m.index[:12], m.ref, e)
 
 
 def _add_cached(store: Store, index_digest: str, known: KnownChunks,
                 cache_dir: Path | None) -> None:
     """Chunk tables are kept on disk in a compact binary form keyed by index digest."""
-    path = cache_dir / index_digest if cache_dir else None
-    if path is not None and path.is_file():
-        data = path.read_bytes()
-        npacks = struct.unpack_from("<I", data)[0]
-        off = 4
-        packs = [data[off + 64 * i: off + 64 * (i + 1)].decode() for i in range(npacks)]
-        off += 64 * npacks
-        for cid, p, o, cl, ul, codec in _REC.iter_unpack(data[off:]):
-            known.chunks.setdefault(cid, KnownChunk(packs[p], o, cl, ul, codec))
+    path = cache_dir / check_digest(index_digest) if cache_dir else None
+    if path is not None and path.is_file() and _add_table(path.read_bytes(), known):
         return
     index = load_index(store, index_digest)
     known.add_index(index)

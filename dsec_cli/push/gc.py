@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.digests import check_digest, parse_object_key
+from ..core.digests import check_digest, object_key, parse_object_key
 from ..core.errors import DsecError, NotFoundError
 from ..format.closure import closure
 from ..format.refs import get_ref
@@ -61,6 +61,8 @@ class GcReport:
     would_delete: list[str] = field(default_factory=list)  # --dry-run
     deferred: str = ""  # why phase 2 did not run
     dangling: list[str] = field(default_factory=list)  # refs or pins that cannot be walked
+    #: live indexes that cannot be read: they might reference any pack, so none is deleted
+    unreadable: list[str] = field(default_factory=list)
     leases_live: int = 0
     leases_removed: int = 0
     temp_files_removed: int = 0  # file:// stores: leftovers of killed writers
@@ -92,9 +94,10 @@ def _pin_manifests(store: Store, report: GcReport) -> list[tuple[str, str]]:
     return out
 
 
-def _refs(store: Store) -> list[tuple[str, str]]:
+def _refs(store: Store, report: GcReport) -> list[tuple[str, str]]:
     """(name@version, manifest) of every ref; a ref removed while listing is skipped
-    (`format.refs.list_refs` would fail on it, and gc runs beside `dsec rmi`)."""
+    (`format.refs.list_refs` would fail on it, and gc runs beside `dsec rmi`); a ref that
+    cannot be read is reported as dangling, which stops all deletion."""
     out = []
     for info in store.list("refs/"):
         parts = info.key.split("/")
@@ -105,11 +108,13 @@ def _refs(store: Store) -> list[tuple[str, str]]:
             out.append((ref, get_ref(store, ref).manifest))
         except NotFoundError:
             continue
+        except DsecError as e:  # a ref that cannot be read might reach anything
+            report.dangling.append(f"{info.key}: {e.message}")
     return out
 
 
 def mark(store: Store, report: GcReport) -> set[str]:
-    roots = _refs(store)
+    roots = _refs(store, report)
     report.refs = len(roots)
     roots += _pin_manifests(store, report)
     live: set[str] = set()
@@ -125,21 +130,30 @@ def _pack_usage(store: Store, live: set[str], objects: dict[str, ObjectInfo], re
                 threshold: float) -> None:
     """How much of each live pack reachable indexes still use. A pack is a concatenation
     of independent chunk frames, so its dead fraction is 1 - (bytes of referenced chunks
-    / pack size); packs past `threshold` are reported as repack candidates."""
+    / pack size); packs past `threshold` are reported as repack candidates.
+
+    Fail-safe: every pack a readable live index uses becomes live too (a manifest whose
+    ``packs`` omits one cannot get it deleted), and a live index that cannot be read is
+    reported in ``unreadable``, which keeps every pack this run."""
     from .dedup import load_index
 
     used: dict[str, set[tuple[int, int]]] = {}
-    for key in live:
+    for key in sorted(live):
         kind, digest = parse_object_key(key) or ("", "")
         if kind != "indexes":
             continue
         try:
             index = load_index(store, digest)
-        except DsecError as e:  # a broken index is the closure walk's business, not ours
-            log.warning("cannot read %s for pack usage: %s", key, e)
-            return
+        except NotFoundError:
+            continue  # the closure walk names missing objects through `verify`
+        except DsecError as e:
+            report.unreadable.append(f"{key}: {e.message}")
+            continue
         for c in index.chunks:
             used.setdefault(index.packs[c.pack], set()).add((c.offset, c.clen))
+    live.update(object_key("packs", p) for p in used)
+    if report.unreadable:
+        return  # usage is unknown for what the unreadable indexes use: no repack advice
     for key, info in objects.items():
         kind, digest = parse_object_key(key) or ("", "")
         if kind != "packs" or key not in live or not info.size:
@@ -190,9 +204,9 @@ def gc_store(store: Store, grace: float = 3600.0, dry_run: bool = False, jobs: i
     report.leases_live = sum(1 for le in leases if le.live(now))
     objects = _list_objects(store)  # before marking: anything written later is not listed
     live = mark(store, report)
+    _pack_usage(store, live, objects, report, repack_threshold)
     report.reachable = sum(1 for k in objects if k in live)
     report.reachable_bytes = sum(i.size for k, i in objects.items() if k in live)
-    _pack_usage(store, live, objects, report, repack_threshold)
     pending = _load_pending(store)
     report.resurrected = sum(1 for k in pending if k in live)
     new_pending: dict[str, float] = {}
@@ -212,6 +226,9 @@ def gc_store(store: Store, grace: float = 3600.0, dry_run: bool = False, jobs: i
     if report.dangling:
         report.deferred = "some refs or pins cannot be walked; nothing is deleted until fixed"
         due = []
+    elif report.unreadable:
+        report.deferred = "some live indexes cannot be read; no pack is deleted until fixed"
+        due = [k for k in due if not k.startswith("packs/")]
     if dry_run:
         report.would_delete = sorted(due)
         report.freed_bytes = sum(objects[k].size for k in due)
@@ -220,7 +237,7 @@ def gc_store(store: Store, grace: float = 3600.0, dry_run: bool = False, jobs: i
         if not le.live(now - grace):  # expired longer than the grace ago: its writer is gone
             store.delete(le.key)
             report.leases_removed += 1
-    if repack and report.repack_candidates and not report.dangling:
+    if repack and report.repack_candidates and not report.dangling and not report.unreadable:
         from .repack import repack as do_repack
 
         # the old packs stay live this run (marked above); the next run collects them

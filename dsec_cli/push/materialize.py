@@ -15,14 +15,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.digests import object_key
-from ..core.errors import FormatError, NotFoundError, UsageError
+from ..core.digests import check_digest, object_key
+from ..core.errors import CorruptObjectError, FormatError, NotFoundError, UsageError
 from ..format.index import Entry, LayerIndex
 from ..format.manifest import Manifest, load_manifest
 from ..format.merge import merge
 from ..format.reader import ChunkReader, Fetch
 from ..format.refs import resolve
 from ..format.tree import TreeWriter, check_rel_path, parent_of
+from ..format.validate import check_layer, is_digest
 from .dedup import load_index
 from .stores.base import Store
 
@@ -70,10 +71,13 @@ def resolve_image(store: Store, ref: str) -> ResolvedImage:
     return ResolvedImage(digest, m, [(d, load_manifest(store, d)) for d in m.layers])
 
 
-def _reader_for(store: Store, m: Manifest) -> tuple[LayerIndex, ChunkReader]:
+def _reader_for(store: Store, digest: str, m: Manifest) -> tuple[LayerIndex, ChunkReader]:
+    """The index of a layer, checked against what its manifest claims (content digest,
+    packs, sizes), and a reader over it."""
     if not m.index:
         raise NotFoundError(f"{m.ref} has no index")
     index = load_index(store, m.index)
+    check_layer(m, digest, index)
     return index, ChunkReader(index, store_fetch(store), max_read=store.preferred_read_size)
 
 
@@ -82,8 +86,8 @@ def export(store: Store, ref: str, dest: Path,
     """Write the merged tree of an image (or one layer) to a directory or a ``.tar`` file."""
     img = resolve_image(store, ref)
     indexes, readers = [], []
-    for _, m in img.layers:
-        ix, rd = _reader_for(store, m)
+    for d, m in img.layers:
+        ix, rd = _reader_for(store, d, m)
         indexes.append(ix)
         readers.append(rd)
     entries = merge(indexes)
@@ -186,6 +190,10 @@ def _add_tar_member(tf: tarfile.TarFile, e: Entry, reader: ChunkReader,
 class LayerCache:
     """``<root>/layers/<content digest>``: each layer written once, in overlayfs form.
 
+    The name is the content digest the node computed from the index it loaded, never the
+    one a manifest claims (a store writer could claim another layer's digest and poison
+    every later user of it): ``<root>/verified/<index digest>`` remembers each index's
+    computed content digest, so a cached layer costs one small read, not an index load.
     Directories are created atomically (written under a temporary name, then renamed), so
     concurrent users never see a half-written layer; their mtime records the last use, for
     least-recently-used eviction by node gc."""
@@ -193,17 +201,63 @@ class LayerCache:
     def __init__(self, root: Path) -> None:
         self.root = Path(root) / "layers"
         self.root.mkdir(parents=True, exist_ok=True)
+        self.verified = Path(root) / "verified"
 
     def path(self, m: Manifest) -> Path:
-        return self.root / m.content_digest
+        """Where a layer would be cached if its manifest's claim holds (for estimates such
+        as placement; `ensure` is what checks the claim)."""
+        return self.root / check_digest(m.content_digest)
 
-    def ensure(self, store: Store, m: Manifest) -> Path:
-        dest = self.path(m)
+    def _known_content(self, index_digest: str) -> str | None:
+        try:
+            text = (self.verified / check_digest(index_digest)).read_text().strip()
+        except OSError:
+            return None
+        return text if is_digest(text) else None
+
+    def _remember(self, index_digest: str, content: str) -> None:
+        self.verified.mkdir(parents=True, exist_ok=True)
+        tmp = self.verified / f".{index_digest}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp.write_text(content)
+        os.replace(tmp, self.verified / index_digest)
+
+    def verify(self, store: Store, m: Manifest, digest: str = ""
+               ) -> tuple[str, LayerIndex | None]:
+        """The content digest of layer manifest `m` as this node computed it from the
+        index (remembered per index digest), or CorruptObjectError when the manifest's
+        claim differs. Also returns the index when it had to be loaded."""
+        if m.kind != "layer" or not m.index:
+            raise NotFoundError(f"{m.ref} {digest[:12]} is not a layer")
+        known = self._known_content(m.index)
+        if known is None:
+            index = load_index(store, m.index)
+            check_layer(m, digest, index)
+            known = index.content_digest()
+            self._remember(m.index, known)
+            return known, index
+        if known != m.content_digest:
+            raise CorruptObjectError(
+                f"layer manifest {digest[:12]} ({m.ref}) claims content digest "
+                f"{m.content_digest} but its index {m.index[:12]} has content digest "
+                f"{known}; refusing to use it",
+                hint="a store writer published a manifest that does not match its index")
+        return known, None
+
+    def ensure(self, store: Store, m: Manifest, digest: str = "") -> Path:
+        """The cached directory of layer manifest `m` (named `digest` in messages), written
+        first if needed; named by the content digest `verify` computed."""
+        content, index = self.verify(store, m, digest)
+        dest = self.root / content
         if dest.is_dir():
             os.utime(dest, None)
             return dest
-        index, reader = _reader_for(store, m)
-        tmp = self.root / f".tmp-{m.content_digest[:16]}-{uuid.uuid4().hex[:8]}"
+        if index is None:
+            index = load_index(store, check_digest(str(m.index)))
+            if index.content_digest() != content:  # the index object itself changed
+                raise CorruptObjectError(f"index {str(m.index)[:12]} no longer has content "
+                                         f"digest {content}")
+        reader = ChunkReader(index, store_fetch(store), max_read=store.preferred_read_size)
+        tmp = self.root / f".tmp-{content[:16]}-{uuid.uuid4().hex[:8]}"
         try:
             # the index's entries as they come: the writer applies duplicates last-wins and
             # refuses anything that would leave tmp, whatever the order
@@ -216,7 +270,7 @@ class LayerCache:
             except OSError:
                 if not dest.is_dir():
                     raise
-                log.debug("layer %s was materialized concurrently", m.content_digest[:12])
+                log.debug("layer %s was materialized concurrently", content[:12])
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -248,6 +302,6 @@ def prepare_image(store: Store, ref: str, cache_root: Path) -> PreparedImage:
     img = resolve_image(store, ref)
     cache = LayerCache(cache_root)
     started = time.monotonic()
-    lowers = [cache.ensure(store, m) for _, m in img.layers]
+    lowers = [cache.ensure(store, m, d) for d, m in img.layers]
     log.debug("prepared %s in %.3fs", ref, time.monotonic() - started)
     return PreparedImage(img.digest, lowers, img.env, img.workdir, img)

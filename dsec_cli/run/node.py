@@ -256,14 +256,17 @@ class Node:
         return fetch
 
     def _lazy_image(self, image: str, sid: str) -> Image:
-        from ..push.materialize import resolve_image
+        from ..push.materialize import LayerCache, resolve_image
 
-        img = resolve_image(self.store(), image)
+        store = self.store()
+        img = resolve_image(store, image)
         mnt = self.sandboxes_dir / sid / "lazy" / "mnt"
+        # layers are named by the content digest this node computed, never by a claim
+        cache = LayerCache(self.cache_root)
         return Image(image, img.digest, [mnt / str(n) for n in range(len(img.layers))],
                      dict(img.env), img.workdir or "/", [d for d, _ in img.layers], True,
-                     [{"index": m.index or "", "content_digest": m.content_digest}
-                      for _, m in img.layers])
+                     [{"index": m.index or "", "content_digest": cache.verify(store, m, d)[0]}
+                      for d, m in img.layers])
 
     def _mount_lazy(self, sdir: Path, img: Image, fetch: str, record: float | None) -> None:
         from ..core.config import parse_size

@@ -113,7 +113,7 @@ def test_corrupted_chunk_is_named_on_export(tmp_path: Path, run_dsec) -> None:
     data = bytearray(pack.read_bytes())
     data[len(data) // 3] ^= 0xFF
     pack.write_bytes(bytes(data))
-    p = run_dsec("export", "victim@1", str(tmp_path / "out"), "--store", str(store), check=1)
+    p = run_dsec("export", "victim@1", str(tmp_path / "out"), "--store", str(store), check=2)
     assert "is corrupt" in p.stderr and pack.name in p.stderr, p.stderr
     assert "chunk" in p.stderr
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
@@ -124,7 +124,7 @@ def test_corrupted_metadata_is_named(kind: str, tmp_path: Path, run_dsec) -> Non
     store = _built_store(tmp_path, run_dsec)
     obj = next(p for p in (store / kind).rglob("*") if p.is_file())
     obj.write_bytes(obj.read_bytes()[:-1] + b"X")
-    p = run_dsec("export", "victim@1", str(tmp_path / "out"), "--store", str(store), check=1)
+    p = run_dsec("export", "victim@1", str(tmp_path / "out"), "--store", str(store), check=2)
     assert "corrupt" in p.stderr and obj.name[:12] in p.stderr, p.stderr
 
 
@@ -150,5 +150,5 @@ def test_chunk_sha256_catches_a_forged_chunk(tmp_path: Path, run_dsec) -> None:
     st.put(object_key("indexes", sha256_hex(forged)), forged)
     m.index = sha256_hex(forged)
     set_ref(st, "signed", "2", put_manifest(st, m))
-    p = run_dsec("export", "signed@2", str(tmp_path / "bad"), "--store", str(store), check=1)
+    p = run_dsec("export", "signed@2", str(tmp_path / "bad"), "--store", str(store), check=2)
     assert "sha256 mismatch" in p.stderr

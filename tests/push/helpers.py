@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 from dsec_cli.core.digests import object_key
+from dsec_cli.format.index import ChunkLoc, Entry, LayerIndex
 from dsec_cli.format.manifest import Manifest, put_manifest
 from dsec_cli.format.refs import set_ref
 from dsec_cli.push.stores.base import Store
@@ -19,12 +20,20 @@ def put_object(store: Store, kind: str, data: bytes) -> str:
     return digest
 
 
-def raw_layer(store: Store, name: str, version: str, packs: list[bytes],
-              index: bytes | None = None) -> str:
-    """A layer made of opaque objects: transfer and gc never look inside packs or indexes."""
+def raw_layer(store: Store, name: str, version: str, packs: list[bytes]) -> str:
+    """A layer of opaque packs (transfer and gc never look inside them) and a valid index
+    that reads each pack whole as one raw chunk (gc sees the packs fully used); a unique
+    directory keeps each index distinct."""
     digests = [put_object(store, "packs", p) for p in packs]
-    ix = put_object(store, "indexes", index or os.urandom(64))
-    m = Manifest(kind="layer", name=name, version=version, index=ix, packs=digests)
+    chunks = [ChunkLoc(os.urandom(16), n, 0, len(p), len(p), 0) for n, p in enumerate(packs)]
+    files = [Entry(f"f{n}", "reg", size=len(p), chunks=[(n, 0, len(p))])
+             for n, p in enumerate(packs)]
+    index = LayerIndex(entries=[Entry(".", "dir", 0o755), Entry(os.urandom(8).hex(), "dir"),
+                                *files], chunks=chunks, packs=digests)
+    ix = put_object(store, "indexes", index.to_bytes())
+    m = Manifest(kind="layer", name=name, version=version, index=ix, packs=digests,
+                 content_digest=index.content_digest(), files=len(files),
+                 size=sum(len(p) for p in packs))
     digest = put_manifest(store, m)
     set_ref(store, name, version, digest)
     return digest

@@ -124,7 +124,7 @@ def test_corrupted_object_is_detected_on_pull(make_url: Callable[[str], str]) ->
         with pytest.raises(NotFoundError):
             get_ref(dst, "lib@1")
     out = dsec("pull", "lib@1", "--from", far, "--store", local)
-    assert out.returncode == 1 and "corrupt" in out.stderr
+    assert out.returncode == 2 and "corrupt" in out.stderr  # a corrupt object is bad input
 
 
 def test_unreachable_server_is_a_clear_runtime_error(make_url: Callable[[str], str]) -> None:

@@ -437,7 +437,7 @@ def test_non_utf8_names_build_and_export_exactly(tmp_path: Path, run_dsec) -> No
     os.symlink(b"target-\xfe\xe9", bsrc + b"/link")
     os.symlink(b"caf\xe9", bsrc + b"/link-\x80")
     (tmp_path / "spec" / "names.yaml").write_text(
-        "layer: names\nversion: '1'\nsteps:\n  - copy: {src: ./files, dst: /}\n")
+        "layer: names\nversion: '1'\nsteps:\n  - copy: {src: ./files, dst: /, keep_mtime: true}\n")
     url = (tmp_path / "store").as_uri()
     run_dsec("build", str(tmp_path / "spec" / "names.yaml"), "--store", url)
     out = tmp_path / "out"

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ...core.errors import BackendError
+from ...format.validate import is_digest
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +188,8 @@ def save_profile(state: Path, profiles: Path, sandbox_id: str) -> None:
     except (OSError, ValueError):
         return
     for layer in doc.get("layers", []):
-        if not layer.get("files"):
-            continue
+        if not layer.get("files") or not is_digest(layer.get("content_digest")):
+            continue  # a profile is named by a verified content digest, nothing else
         d = profiles / layer["content_digest"]
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".{sandbox_id}.tmp"

@@ -42,6 +42,7 @@ def main(config_path: str) -> int:
     os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
     import mfusepy
 
+    from ...core.errors import CorruptObjectError
     from ...push.dedup import load_index
     from ...push.materialize import store_fetch
     from ...push.stores import open_store
@@ -51,6 +52,10 @@ def main(config_path: str) -> int:
 
     store = open_store(cfg["store"])
     indexes = [load_index(store, layer["index"]) for layer in cfg["layers"]]
+    for layer, ix in zip(cfg["layers"], indexes, strict=True):
+        if ix.content_digest() != layer["content_digest"]:  # the node checked; so do we
+            raise CorruptObjectError(f"index {layer['index'][:12]} does not have content "
+                                     f"digest {layer['content_digest'][:12]}")
     cache = ChunkCache(Path(cfg["cache"]), int(cfg["budget"]))
     fetcher = Fetcher(store_fetch(store), cache, max_read=int(cfg.get("max_read") or
                                                                 store.preferred_read_size),
