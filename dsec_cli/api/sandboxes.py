@@ -18,12 +18,12 @@ from typing import Any, Literal
 from ..backends.base import ExecResult, OutputCallback
 from ..backends.fnpool import FunctionCallError, FunctionPool
 from ..core import validate
-from ..run.node import CreateOptions, Node, local_node
+from ..run.contract import NodeAPI
+from ..run.node import CreateOptions, local_node
 from ..run.state import SandboxRecord
 
-NodeAPI = Node | Any  # the local Node or a cluster RemoteNode, with the same methods
-
-__all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "CreateOptions", "run",
+__all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "CreateOptions", "NodeAPI",
+           "run",
            "list_sandboxes", "gc_node", "create_many", "create", "create_options", "target",
            "exec_in", "copy", "ps", "remove", "pause", "resume", "snapshot"]
 
@@ -272,7 +272,7 @@ def ps(state_dir: str | Path | None = None, node: str | None = None, *,
     out = []
     for r in node_api.sandboxes():
         doc = r.public()
-        stats = node_api.fetch_stats(r) if hasattr(node_api, "fetch_stats") else None
+        stats = node_api.fetch_stats(r)
         if stats is not None:
             doc["fetch"] = stats  # bytes fetched / from cache, stall time (lazy mounts)
         out.append(doc)

@@ -125,6 +125,7 @@ class Node:
         self.cgroup_parent = "dsec-" + hashlib.sha256(str(self.root).encode()).hexdigest()[:10]
         self._backends: dict[str, Backend] = {}
         self._lock = threading.Lock()
+        self._cache_bytes: tuple[float, int] = (0.0, 0)
 
     # -- plumbing ------------------------------------------------------------------------------
     def backend(self, name: str) -> Backend:
@@ -285,6 +286,50 @@ class Node:
 
         cleanup(state)
         save_profile(state, self.cache_root / "profiles", sdir.name)
+
+    # -- node facts ------------------------------------------------------------------------------
+    def info(self, image: str | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Version, hostname, store, state dir and cached bytes; with ``image``, how many of
+        its bytes the layer cache holds (``image``), or why this node cannot use it
+        (``image_error``, the error in wire form). ``timeout`` is for remote nodes."""
+        import socket
+
+        from .. import __version__
+        from .cluster.protocol import error_to_wire
+
+        out: dict[str, Any] = {"dsec": __version__, "hostname": socket.gethostname(),
+                               "store": self.store_url, "state_dir": str(self.root),
+                               "cache_bytes": self._cached_total()}
+        if image:
+            try:
+                out["image"] = self.image_cache(image)
+            except Exception as e:  # the node cannot see the image: it cannot run it either
+                out["image_error"] = error_to_wire(e)
+        return out
+
+    def _cached_total(self) -> int:
+        """Bytes of the layer cache; walked at most every 30 s (a walk reads every inode)."""
+        import time
+
+        t, size = self._cache_bytes
+        if time.monotonic() - t > 30:
+            from ..push.materialize import LayerCache
+
+            size = sum(s for _, _, s in LayerCache(self.cache_root).entries())
+            self._cache_bytes = (time.monotonic(), size)
+        return size
+
+    def image_cache(self, image: str) -> dict[str, Any]:
+        """How many of an image's bytes this node's layer cache already holds."""
+        from ..push.materialize import LayerCache, resolve_image
+
+        if image.startswith("/"):
+            return {"bytes": 0, "cached_bytes": 0}
+        img = resolve_image(self.store(), image)
+        cache = LayerCache(self.cache_root)
+        total = sum(m.size for _, m in img.layers)
+        cached = sum(m.size for _, m in img.layers if cache.path(m).is_dir())
+        return {"bytes": total, "cached_bytes": cached, "digest": img.digest}
 
     def fetch_stats(self, rec: SandboxRecord) -> dict[str, Any] | None:
         """Bytes fetched and served from cache, stall time: a lazily fetched sandbox's

@@ -17,7 +17,6 @@ import os
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -49,7 +48,6 @@ class AgentService:
     def __init__(self, node: Node) -> None:
         self.node = node
         self.admission = Admission(node)
-        self._cache_bytes: tuple[float, int] = (0.0, 0)
 
     # -- node facts -----------------------------------------------------------------------------
     def hello(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
@@ -60,43 +58,11 @@ class AgentService:
         return {"protocol": PROTOCOL_VERSION, "dsec": _dsec_version,
                 "hostname": socket.gethostname(), "state_dir": str(self.node.root)}
 
-    def _cached_total(self) -> int:
-        """Bytes of the layer cache; walked at most every 30 s (a walk reads every inode)."""
-        t, size = self._cache_bytes
-        if time.monotonic() - t > 30:
-            from ...push.materialize import LayerCache
-
-            size = sum(s for _, _, s in LayerCache(self.node.cache_root).entries())
-            self._cache_bytes = (time.monotonic(), size)
-        return size
-
-    def image_cache(self, image: str) -> dict[str, Any]:
-        """How many of an image's bytes this node's layer cache already holds."""
-        from ...push.materialize import LayerCache, resolve_image
-
-        if image.startswith("/"):
-            return {"bytes": 0, "cached_bytes": 0}
-        img = resolve_image(self.node.store(), image)
-        cache = LayerCache(self.node.cache_root)
-        total = sum(m.size for _, m in img.layers)
-        cached = sum(m.size for _, m in img.layers if cache.path(m).is_dir())
-        return {"bytes": total, "cached_bytes": cached, "digest": img.digest}
-
     def info(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "dsec": _dsec_version, "protocol": PROTOCOL_VERSION,
-            "hostname": socket.gethostname(),
-            "capacity": self.admission.capacity().to_dict(),
-            "usage": self.admission.usage().to_dict(),
-            "cache_bytes": self._cached_total(), "store": self.node.store_url,
-        }
         image = args.get("image")
-        if image:
-            try:
-                out["image"] = self.image_cache(str(image))
-            except Exception as e:  # the node cannot see the image: it cannot run it either
-                out["image_error"] = error_to_wire(e)
-        return out
+        return {**self.node.info(str(image) if image else None), "protocol": PROTOCOL_VERSION,
+                "capacity": self.admission.capacity().to_dict(),
+                "usage": self.admission.usage().to_dict()}
 
     # -- sandboxes ------------------------------------------------------------------------------
     def create(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,7 +249,8 @@ class RemoteRecord:
 
 
 class RemoteNode:
-    """The Node API of one remote node (ids given to it are the node-local part)."""
+    """The node contract (`dsec_cli.run.contract.NodeAPI`) for one remote node: ids given to
+    it may be ``NODE/ID`` or the node-local part."""
 
     def __init__(self, entry: NodeEntry, timeout: float = 30.0) -> None:
         self.entry = entry
@@ -302,8 +304,8 @@ class RemoteNode:
         return self._rec(self.call("lookup", {"id": self.local_id(sid)}, timeout=self.timeout))
 
     def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
-             cwd: str | None = None, stdin: Any = None, timeout: float | None = None,
-             on_output: OutputCallback | None = None,
+             cwd: str | None = None, stdin: bytes | Iterable[bytes] | None = None,
+             timeout: float | None = None, on_output: OutputCallback | None = None,
              capture_limit: int | None = None) -> ExecResult:
         if stdin is not None and not isinstance(stdin, bytes | bytearray):
             stdin = b"".join(stdin)  # a chunk iterator (piped CLI stdin): sent whole
@@ -343,6 +345,14 @@ class RemoteNode:
         out = dict(self.call("snapshot", {"id": self.local_id(sid), "ref": ref, "push": push}))
         out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
         return out
+
+    def fetch_stats(self, rec: RemoteRecord) -> dict[str, Any] | None:
+        """A lazily fetched sandbox's fetch figures, as its node reports them (None for
+        eagerly fetched ones, without asking the node)."""
+        if rec.record.spec.get("fetch", "eager") == "eager":
+            return None
+        stats = self.describe(rec.id).get("fetch")
+        return dict(stats) if stats is not None else None
 
     def sandboxes(self, timeout: float | None = None) -> list[RemoteRecord]:
         return [self._rec(d) for d in self.call("ps", timeout=timeout or self.timeout)]
