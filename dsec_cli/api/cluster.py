@@ -35,15 +35,15 @@ def serve_node(stdio: bool = False, listen: str | None = None,
                state_dir: str | None = None) -> None:
     """Serve this node to the cluster (the node service `dsec agent` runs), on stdin/stdout
     (over ssh) or on a unix socket."""
-    from ..run.cluster import agentd
+    from ..run.cluster import node_service
 
     if stdio == bool(listen):
         raise UsageError("give exactly one of --stdio or --listen PATH")
     if stdio:
-        agentd.serve_stdio(state_dir)
+        node_service.serve_stdio(state_dir)
     else:
         assert listen
-        agentd.serve_unix(listen, state_dir)
+        node_service.serve_unix(listen, state_dir)
 
 
 def gc_nodes(budget: int | str | None = None, dry_run: bool = False) -> list[NodeResult]:

@@ -29,8 +29,8 @@ __all__ = [
 BACKENDS: dict[str, tuple[str, str]] = {
     "fncall": ("dsec_cli.backends.fncall", "FncallBackend"),
     "container": ("dsec_cli.backends.container", "ContainerBackend"),
-    "microvm": ("dsec_cli.backends.qemu", "MicroVMBackend"),
-    "vm": ("dsec_cli.backends.qemu", "VMBackend"),
+    "microvm": ("dsec_cli.backends.vm.qemu", "MicroVMBackend"),
+    "vm": ("dsec_cli.backends.vm.qemu", "VMBackend"),
 }
 
 

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from ..agent.client import AgentClient
 from . import _cgroups, _rootfs
 from .base import Backend, ExecRequest, ExecResult, OutputCallback, SandboxHandle, TreeSink
+from .sandbox_agent.client import AgentClient
 
 #: the fd number at which a sandbox's agent receives its bound socket (`--listen-fd`)
 AGENT_SOCKET_FD = 4

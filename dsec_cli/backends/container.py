@@ -22,7 +22,6 @@ import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..agent import agent_binary
 from ..core.errors import BackendError
 from . import _cgroups, _rootfs, seccomp
 from .agented import AGENT_SOCKET_FD, CgroupAgentBackend, bind_agent_socket
@@ -30,6 +29,7 @@ from .base import (
     SandboxHandle,
     SandboxSpec,
 )
+from .sandbox_agent import agent_binary
 
 log = logging.getLogger(__name__)
 

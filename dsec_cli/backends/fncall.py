@@ -20,12 +20,12 @@ import signal
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..agent import agent_binary
 from ..core.errors import BackendError, UsageError
 from . import _cgroups, _rootfs, seccomp
 from .agented import AGENT_SOCKET_FD, CgroupAgentBackend, bind_agent_socket
 from .base import SandboxHandle, SandboxSpec
 from .container import DEFAULT_PATH
+from .sandbox_agent import agent_binary
 
 SECCOMP_FD = 5  # bwrap reads the seccomp program here; fd 4 carries the agent's socket
 

@@ -37,7 +37,7 @@ def add(
                                         help="reach the node before saving it")] = True,
     json_out: JsonOpt = False,
 ) -> None:
-    """Add a node: checks its host key and its agent, then saves it in the user config."""
+    """Add a node: checks its host key and its node service, then saves it in the user config."""
     from ..api.cluster import add_node
 
     out = add_node(name, address, identity=identity, known_hosts=known_hosts, labels=labels,
@@ -94,7 +94,7 @@ def check_(
     json_out: JsonOpt = False,
     timeout: TimeoutOpt = None,
 ) -> None:
-    """Reach nodes over SSH and ask their agents; exits 1 if any does not answer."""
+    """Reach nodes over SSH and ask their node services; exits 1 if any does not answer."""
     from ..api.cluster import load_nodes
 
     _status(names or list(load_nodes()) or None, json_out, timeout)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec_cli.agent.client import AgentError
+from dsec_cli.backends.sandbox_agent.client import AgentError
 from dsec_cli.run.node import CreateOptions, Node
 from tests.run.conftest import IMAGE, dsec
 

@@ -58,7 +58,7 @@ def _requirements(dist: str, seen: set[str]) -> None:
 
 
 def payload() -> bytes:
-    """A tar of dsec_cli (with its compiled in-sandbox agent) and its dependencies' files."""
+    """A tar of dsec_cli (with its compiled sandbox agent) and its dependencies' files."""
     import dsec_cli
 
     deps: set[str] = set()

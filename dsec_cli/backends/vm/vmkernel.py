@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import BinaryIO
 
-from ..core.errors import UsageError
+from ...core.errors import UsageError
 
 #: modules the guest needs, by name; their dependencies are added from .modinfo
 GUEST_MODULES = (
@@ -243,7 +243,7 @@ def busybox_path() -> Path:
 
 
 def guest_file(name: str) -> bytes:
-    return resources.files("dsec_cli.guest").joinpath(name).read_bytes()
+    return resources.files("dsec_cli.backends.vm.guest").joinpath(name).read_bytes()
 
 
 def build_initramfs(kernel: Kernel, cache_dir: Path, *, agent: Path | None = None,

@@ -28,13 +28,13 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..agent import agent_binary
-from ..agent.client import AgentClient, AgentError
-from ..core.config import load_config
-from ..core.errors import BackendError, SandboxError, UsageError
+from ...core.config import load_config
+from ...core.errors import BackendError, SandboxError, UsageError
+from ..agented import AgentBackend
+from ..base import ExecRequest, ExecResult, OutputCallback, SandboxHandle, SandboxSpec
+from ..sandbox_agent import agent_binary
+from ..sandbox_agent.client import AgentClient, AgentError
 from . import qemu_accel, vmimage
-from .agented import AgentBackend
-from .base import ExecRequest, ExecResult, OutputCallback, SandboxHandle, SandboxSpec
 from .qemu_qmp import QMPError, qmp
 from .vmkernel import Kernel, boot_image, build_initramfs, find_kernel
 

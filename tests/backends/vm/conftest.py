@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec_cli.backends.vmkernel import default_kernel_dir
+from dsec_cli.backends.vm.vmkernel import default_kernel_dir
 
 
 def busybox_layer(dest: Path) -> Path:
