@@ -91,8 +91,24 @@ class TreeSink(Protocol):
         """Content of the last regular file at `offset`; gaps between chunks are holes."""
 
 
+@dataclass(frozen=True)
+class BackendContext:
+    """What a node hands every backend it makes: one object, so the node does not need to
+    know each backend's constructor. Backends take the fields they use."""
+
+    state_dir: Path  # the node's state dir: node-wide files (skeleton layer, VM root images)
+    cgroup_parent: str = "dsec"  # the node's cgroup; each sandbox is a child of it
+    runtime_root: Path | None = None  # the OCI runtime's (runc's) state
+    kernel: str | None = None  # the guest kernel of the VM backends (None: the default)
+
+
 class Backend(abc.ABC):
     name: ClassVar[str] = ""
+
+    @classmethod
+    def from_context(cls, ctx: BackendContext) -> Backend:
+        """The backend as a node makes it; backends that take settings override this."""
+        return cls()
 
     # -- lifecycle -------------------------------------------------------------------------
     @abc.abstractmethod

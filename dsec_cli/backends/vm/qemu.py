@@ -31,7 +31,14 @@ from typing import Any, ClassVar
 from ...core.config import load_config
 from ...core.errors import BackendError, SandboxError, UsageError
 from ..agented import AgentBackend
-from ..base import ExecRequest, ExecResult, OutputCallback, SandboxHandle, SandboxSpec
+from ..base import (
+    BackendContext,
+    ExecRequest,
+    ExecResult,
+    OutputCallback,
+    SandboxHandle,
+    SandboxSpec,
+)
 from ..sandbox_agent import agent_binary
 from ..sandbox_agent.client import AgentClient, AgentError
 from . import qemu_accel, vmimage
@@ -74,6 +81,11 @@ class QemuBackend(AgentBackend):
     blk_dev: ClassVar[str] = ""
     serial_dev: ClassVar[str] = ""
     net_dev: ClassVar[str] = ""
+
+    @classmethod
+    def from_context(cls, ctx: BackendContext) -> QemuBackend:
+        # root images and the accelerator probe are kept per node
+        return cls(ctx.state_dir, ctx.kernel)
 
     def __init__(self, state_dir: str | os.PathLike[str] | None = None,
                  kernel: str | os.PathLike[str] | None = None,
