@@ -124,3 +124,60 @@ def test_the_walk_sees_each_kind_of_import(tmp_path: Path, monkeypatch: pytest.M
     f.write_text(code)
     monkeypatch.setattr(__import__(__name__, fromlist=["PACKAGE"]), "PACKAGE", pkg)
     assert bool(violations()) is bad
+
+
+def _env_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of every ``os.environ.get("DSEC_...")``, ``os.environ["DSEC_..."]`` and
+    ``os.getenv("DSEC_...")`` (f-strings included) in a module."""
+    def dsec_name(arg: ast.expr) -> str | None:
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            text = arg.value
+        elif isinstance(arg, ast.JoinedStr) and arg.values \
+                and isinstance(arg.values[0], ast.Constant):
+            text = str(arg.values[0].value) + "..."
+        else:
+            return None
+        return text if text.startswith("DSEC_") else None
+
+    def is_environ(e: ast.expr) -> bool:
+        return isinstance(e, ast.Attribute) and e.attr == "environ"
+
+    out = []
+    for node in ast.walk(tree):
+        arg = None
+        if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if (f.attr in ("get", "pop", "setdefault") and is_environ(f.value)) \
+                    or f.attr == "getenv":
+                arg = node.args[0]
+        elif isinstance(node, ast.Subscript) and is_environ(node.value):
+            arg = node.slice
+        name = dsec_name(arg) if arg is not None else None
+        if name:
+            out.append((node.lineno, name))
+    return out
+
+
+def test_dsec_settings_are_read_in_config_only() -> None:
+    """Every DSEC_* variable is read in core/config.py (through `config.env` elsewhere), so
+    one module lists every setting dsec looks at."""
+    config = PACKAGE / "core" / "config.py"
+    found = [f"{p.relative_to(PACKAGE.parent)}:{line}: {name}"
+             for p in sorted(PACKAGE.rglob("*.py")) if p != config
+             for line, name in _env_reads(ast.parse(p.read_text()))]
+    assert found == []
+
+
+def test_the_env_scan_sees_each_form() -> None:
+    code = ('import os\nos.environ.get("DSEC_A")\nos.environ["DSEC_B"]\nos.getenv("DSEC_C")\n'
+            'os.environ.get(f"DSEC_D_{x}")\nos.environ.get("HOME")\n')
+    assert [n for _, n in _env_reads(ast.parse(code))] == ["DSEC_A", "DSEC_B", "DSEC_C",
+                                                           "DSEC_D_..."]
+
+
+def test_config_env_refuses_undeclared_settings() -> None:
+    from dsec_cli.core.config import ENV_SETTINGS, env
+
+    assert "DSEC_SSH_TIMEOUT" in ENV_SETTINGS
+    with pytest.raises(KeyError):
+        env("DSEC_NOT_A_SETTING")

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ...core.config import load_config
+from ...core.config import env, load_config
 from ...core.errors import BackendError, SandboxError, UsageError
 from ..agented import AgentBackend
 from ..base import (
@@ -121,7 +121,7 @@ class QemuBackend(AgentBackend):
     def _cmdline(self, spec: SandboxSpec, accel: str) -> str:
         args = ["console=ttyS0", "panic=-1", "rdinit=/init", "dsec.root=erofs",
                 f"dsec.hostname={_safe_hostname(spec.hostname)}"]
-        if not os.environ.get("DSEC_VM_VERBOSE"):  # the full kernel log, for boot problems
+        if not env("DSEC_VM_VERBOSE"):  # the full kernel log, for boot problems
             args.append("quiet")
         if accel == "tcg":
             khz = _host_tsc_khz()

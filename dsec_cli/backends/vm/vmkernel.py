@@ -59,7 +59,9 @@ class Kernel:
 def find_kernel(path: str | os.PathLike[str] | None = None) -> Kernel:
     """Resolve the configured kernel (``kernel:`` / ``DSEC_KERNEL``) or the setup cache into
     a `Kernel`."""
-    given = path or os.environ.get("DSEC_KERNEL")
+    from ...core.config import load_config
+
+    given = path or load_config().kernel or None
     root = Path(given) if given else default_kernel_dir()
     where = f"kernel {str(root)!r}" + ("" if given else " (the default, from scripts/setup.sh)")
     if root.is_file():

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ...core.config import env
 from ...core.errors import ConfigError, DsecError, NodeUnreachableError, NotFoundError, UsageError
 from ..contract import NodeAPI
 from ..node import CreateOptions, local_node
@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 
 def fanout_timeout() -> float:
-    raw = os.environ.get("DSEC_NODE_TIMEOUT", "15")
+    raw = env("DSEC_NODE_TIMEOUT") or "15"
     try:
         value = float(raw)
     except ValueError:
