@@ -184,8 +184,9 @@ class StagedTree:
 
 STAGING_PREFIX = "build-"
 OWNER_FILE = "owner.json"
-#: a staging dir without an owner marker is left alone this long (it is being set up)
-_UNMARKED_GRACE = 600.0
+#: a staging dir without an owner marker is being set up (or was made by an older dsec that
+#: wrote none): it is left alone this long
+_UNMARKED_GRACE = 24 * 3600.0
 
 
 def _start_time(pid: int) -> int | None:

@@ -69,15 +69,17 @@ class BuildError(DsecError):
 
 
 class FormatError(DsecError):
-    """Stored data is malformed or of an unsupported version."""
+    """Stored data (a store object, an archive, a tree to write) is malformed or of an
+    unsupported version. It is hostile input as far as dsec knows: exit 2, like other bad
+    input."""
+
+    exit_code = 2
 
 
 class CorruptObjectError(FormatError):
     """A store object (ref, manifest, index, pack, chunk) is malformed, out of bounds or
-    inconsistent with what refers to it. Store objects are hostile input: like other bad
-    input this exits 2, and the message names the object (kind, short digest) and field."""
-
-    exit_code = 2
+    inconsistent with what refers to it. The message names the object (kind, short digest)
+    and field."""
 
 
 class IntegrityError(CorruptObjectError):

@@ -71,7 +71,7 @@ class _OpenHow(ctypes.Structure):
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
-#: cleared the first time the kernel answers ENOSYS (or by tests, to exercise the walk)
+#: cleared the first time the kernel refuses openat2 (or by tests, to exercise the walk)
 use_openat2 = True
 
 
@@ -126,7 +126,8 @@ def open_dir_beneath(root_fd: int, rel: str, *, create: bool = False) -> int:
             try:
                 return _openat2(root_fd, rel, _DIR_FLAGS)
             except OSError as e:
-                if e.errno == errno.ENOSYS:
+                if e.errno in (errno.ENOSYS, errno.EPERM):
+                    # EPERM: seccomp profiles that predate openat2 refuse it that way
                     use_openat2 = False
                 elif e.errno == errno.ENOENT and create:
                     pass  # the walk makes what is missing
@@ -312,7 +313,9 @@ def scan_dir(root: Path, *, overlay_upper: bool = False,
                 visit(sub_fd, child, os.path.join(host, child),
                       child if rel == "." else f"{rel}/{child}")
 
-    root_fd = os.open(root_str, _DIR_FLAGS)
+    # the root is the caller's own path (a spec's folder may be a symlink); below it nothing
+    # is followed
+    root_fd = os.open(root_str, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         st = os.fstat(root_fd)
         _visit(root_fd, ".", root_str, ".", st, root_fd)

@@ -15,10 +15,12 @@ from .conftest import IMAGE
 
 @pytest.fixture(scope="module")
 def sb(node_env: dict[str, str]) -> object:
-    # module-scoped, so set up before the per-test environment: name the node explicitly
-    with Sandbox.create(IMAGE, memory="64M", pids=32, state_dir=node_env["DSEC_STATE_DIR"],
-                        store=node_env["DSEC_STORE"]) as s:
-        yield s
+    # module-scoped: made before the per-test environment, so it sets the node's itself
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in node_env.items():
+            mp.setenv(k, v)
+        with Sandbox.create(IMAGE, memory="64M", pids=32) as s:
+            yield s
 
 
 def test_exec_result_and_files(sb: Sandbox) -> None:
