@@ -129,6 +129,8 @@ class CgroupAgentBackend(AgentBackend):
 
         return AgentClient.connect_unix(path, peer=ours, what=f"sandbox {handle.sandbox_id}")
 
+    supports_pause = True  # the cgroup freezer
+
     def pause(self, handle: SandboxHandle) -> None:
         _cgroups.Cgroup(handle.state["cgroup"]).freeze()
 

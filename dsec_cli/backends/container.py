@@ -120,6 +120,8 @@ def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup
 class ContainerBackend(CgroupAgentBackend):
     name: ClassVar[str] = "container"
 
+    supports_snapshot = True  # the overlay's upper dir is the diff
+
     @classmethod
     def from_context(cls, ctx: BackendContext) -> ContainerBackend:
         return cls(ctx.cgroup_parent, None if ctx.runtime_root is None else str(ctx.runtime_root),

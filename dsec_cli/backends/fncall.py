@@ -56,6 +56,8 @@ def descendants(pid: int) -> list[int]:
 class FncallBackend(CgroupAgentBackend):
     name: ClassVar[str] = "fncall"
 
+    supports_snapshot = False  # read-only: only /tmp is writable, in memory
+
     @classmethod
     def from_context(cls, ctx: BackendContext) -> FncallBackend:
         return cls(ctx.cgroup_parent, str(ctx.state_dir))

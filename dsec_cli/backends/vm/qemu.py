@@ -82,6 +82,9 @@ class QemuBackend(AgentBackend):
     serial_dev: ClassVar[str] = ""
     net_dev: ClassVar[str] = ""
 
+    supports_pause = True  # QMP stop / cont
+    supports_snapshot = True  # upper/ read back from the guest's disk
+
     @classmethod
     def from_context(cls, ctx: BackendContext) -> QemuBackend:
         # root images and the accelerator probe are kept per node
