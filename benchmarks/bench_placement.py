@@ -159,9 +159,9 @@ def real(runs: int) -> dict[str, Any]:
            "XDG_DATA_HOME": str(home / "data"), "DSEC_STORE": url,
            "DSEC_STATE_DIR": str(root / "local-state")}
     os.environ.update(env)
+    from dsec_cli.api.sandboxes import Sandbox, create_many
     from dsec_cli.core.config import save_user_config
     from dsec_cli.run.cluster.api import node_status
-    from dsec_cli.run.sdk import Sandbox, create_many
 
     save_user_config({"nodes": c.config_nodes()})
     for n, slots in zip(c.nodes, (20, 40, 60), strict=True):  # as the tests: spread is visible

@@ -21,9 +21,9 @@ from typing import Any
 
 from benchmarks.common import REPO, save
 from dsec_cli.backends import ExecRequest, Limits, RootfsSpec, SandboxSpec, get_backend
-from dsec_cli.backends.qemu import QemuBackend, _host_tsc_khz
-from dsec_cli.backends.qemu_accel import floor_argv
-from dsec_cli.backends.vmkernel import boot_image, build_initramfs, find_kernel
+from dsec_cli.backends.vm.qemu import QemuBackend, _host_tsc_khz
+from dsec_cli.backends.vm.qemu_accel import floor_argv
+from dsec_cli.backends.vm.vmkernel import boot_image, build_initramfs, find_kernel
 
 MACHINES = {"microvm": "microvm,x-option-roms=off", "vm": "q35"}
 

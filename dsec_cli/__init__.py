@@ -20,16 +20,15 @@ __version__ = "0.1.0"
 # module -> {root name: attribute}. Stage names (build, push, run) are subpackages, so the
 # functions of the same names are exported under longer names.
 _SOURCES: dict[str, dict[str, str]] = {
-    "dsec_cli.sdk": {
+    "dsec_cli.api.images": {
         "build_specs": "build", "list_images": "list_images", "inspect": "inspect",
         "export_image": "export_image", "open_store": "open_store",
         "prepare_image": "prepare_image", "resolve_image": "resolve_image",
-        "BuildReport": "BuildReport", "Built": "Built",
+        "BuildReport": "BuildReport", "Built": "Built", "rmi": "rmi",
     },
-    "dsec_cli.push.api": {"push_refs": "push", "pull_refs": "pull", "rmi": "rmi"},
-    "dsec_cli.push.gc": {"gc_store": "gc_store"},
-    "dsec_cli.push.verify": {"verify_store": "verify_store", "VerifyReport": "VerifyReport"},
-    "dsec_cli.run.sdk": {
+    "dsec_cli.api.store": {"push_refs": "push", "pull_refs": "pull", "gc_store": "gc_store",
+                           "verify_store": "verify_store", "VerifyReport": "VerifyReport"},
+    "dsec_cli.api.sandboxes": {
         "Sandbox": "Sandbox", "ExecResult": "ExecResult", "FunctionPool": "FunctionPool",
         "FunctionCallError": "FunctionCallError", "run_sandbox": "run",
         "list_sandboxes": "list_sandboxes", "gc_node": "gc_node", "create_many": "create_many",

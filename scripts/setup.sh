@@ -43,11 +43,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 
 # The in-sandbox exec server: static, so it runs in any image (docs/agent.md).
-agent_src=dsec_cli/agent/dsec-agent.c
+agent_src=dsec_cli/backends/sandbox_agent/dsec-agent.c
 agent_tag=$(sha256sum "$agent_src" | cut -c1-12)
-if [ ! -x dsec_cli/agent/dsec-agent ] || [ "$(cat dsec_cli/agent/.dsec-agent.tag 2>/dev/null)" != "$agent_tag" ]; then
-  gcc -static -O2 -o dsec_cli/agent/dsec-agent "$agent_src"
-  echo "$agent_tag" > dsec_cli/agent/.dsec-agent.tag
+if [ ! -x dsec_cli/backends/sandbox_agent/dsec-agent ] || [ "$(cat dsec_cli/backends/sandbox_agent/.dsec-agent.tag 2>/dev/null)" != "$agent_tag" ]; then
+  gcc -static -O2 -o dsec_cli/backends/sandbox_agent/dsec-agent "$agent_src"
+  echo "$agent_tag" > dsec_cli/backends/sandbox_agent/.dsec-agent.tag
 fi
 
 # Guest kernel for the microvm/vm backends: Debian's linux-image-amd64, downloaded and

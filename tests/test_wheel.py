@@ -35,8 +35,8 @@ def test_installed_wheel_runs_a_sandbox(tmp_path: Path, busybox_tar: Path) -> No
         "-w", str(tmp_path / "dist"), str(src))
     wheel = next((tmp_path / "dist").glob("dsec-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for need in ("dsec_cli/agent/dsec-agent.c", "dsec_cli/guest/init.sh",
-                 "dsec_cli/backends/_fnworker.py"):
+    for need in ("dsec_cli/backends/sandbox_agent/dsec-agent.c",
+                 "dsec_cli/backends/vm/guest/init.sh", "dsec_cli/backends/_fnworker.py"):
         assert need in names, f"{need} is not in {wheel.name}"
 
     venv = tmp_path / "v"

@@ -11,6 +11,7 @@ import importlib
 from ..core.errors import UsageError
 from .base import (
     Backend,
+    BackendContext,
     ExecRequest,
     ExecResult,
     Limits,
@@ -22,19 +23,21 @@ from .base import (
 )
 
 __all__ = [
-    "Backend", "ExecRequest", "ExecResult", "Limits", "OutputCallback", "RootfsSpec",
+    "Backend", "BackendContext", "ExecRequest", "ExecResult", "Limits", "OutputCallback",
+    "RootfsSpec",
     "SandboxHandle", "SandboxSpec", "TreeSink", "get_backend", "BACKENDS",
 ]
 
 BACKENDS: dict[str, tuple[str, str]] = {
     "fncall": ("dsec_cli.backends.fncall", "FncallBackend"),
     "container": ("dsec_cli.backends.container", "ContainerBackend"),
-    "microvm": ("dsec_cli.backends.qemu", "MicroVMBackend"),
-    "vm": ("dsec_cli.backends.qemu", "VMBackend"),
+    "microvm": ("dsec_cli.backends.vm.qemu", "MicroVMBackend"),
+    "vm": ("dsec_cli.backends.vm.qemu", "VMBackend"),
 }
 
 
-def get_backend(name: str, **options: object) -> Backend:
+def get_backend(name: str, ctx: BackendContext | None = None, **options: object) -> Backend:
+    """The backend called ``name``: made from a node's context, or from explicit options."""
     if name not in BACKENDS:
         raise UsageError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
     module, cls = BACKENDS[name]
@@ -42,5 +45,6 @@ def get_backend(name: str, **options: object) -> Backend:
         mod = importlib.import_module(module)
     except ImportError as e:
         raise UsageError(f"the {name} backend is not available: {e}") from e
-    backend: Backend = getattr(mod, cls)(**options)
+    kind = getattr(mod, cls)
+    backend: Backend = kind.from_context(ctx) if ctx is not None else kind(**options)
     return backend

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from ..agent.client import AgentClient
 from . import _cgroups, _rootfs
 from .base import Backend, ExecRequest, ExecResult, OutputCallback, SandboxHandle, TreeSink
+from .sandbox_agent.client import AgentClient
 
 #: the fd number at which a sandbox's agent receives its bound socket (`--listen-fd`)
 AGENT_SOCKET_FD = 4
@@ -128,6 +128,8 @@ class CgroupAgentBackend(AgentBackend):
             return peer == pid or (bool(cgroup) and in_cgroup(peer, cgroup))
 
         return AgentClient.connect_unix(path, peer=ours, what=f"sandbox {handle.sandbox_id}")
+
+    supports_pause = True  # the cgroup freezer
 
     def pause(self, handle: SandboxHandle) -> None:
         _cgroups.Cgroup(handle.state["cgroup"]).freeze()

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar, Literal, Protocol
 
+from ..core.errors import UsageError
+
 #: called with ("stdout" | "stderr", bytes) as output arrives
 OutputCallback = Callable[[str, bytes], None]
 
@@ -91,8 +93,28 @@ class TreeSink(Protocol):
         """Content of the last regular file at `offset`; gaps between chunks are holes."""
 
 
+@dataclass(frozen=True)
+class BackendContext:
+    """What a node hands every backend it makes: one object, so the node does not need to
+    know each backend's constructor. Backends take the fields they use."""
+
+    state_dir: Path  # the node's state dir: node-wide files (skeleton layer, VM root images)
+    cgroup_parent: str = "dsec"  # the node's cgroup; each sandbox is a child of it
+    runtime_root: Path | None = None  # the OCI runtime's (runc's) state
+    kernel: str | None = None  # the guest kernel of the VM backends (None: the default)
+
+
 class Backend(abc.ABC):
     name: ClassVar[str] = ""
+    #: what a backend offers beyond the required lifecycle; without it the method raises a
+    #: UsageError naming the backend (tests/backends/test_conformance.py checks both ways)
+    supports_pause: ClassVar[bool] = False
+    supports_snapshot: ClassVar[bool] = False
+
+    @classmethod
+    def from_context(cls, ctx: BackendContext) -> Backend:
+        """The backend as a node makes it; backends that take settings override this."""
+        return cls()
 
     # -- lifecycle -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -105,15 +127,15 @@ class Backend(abc.ABC):
         Must succeed on a half-created or already-dead sandbox."""
 
     def pause(self, handle: SandboxHandle) -> None:
-        raise NotImplementedError(f"{self.name} cannot pause sandboxes")
+        raise UsageError(f"{self.name} sandboxes cannot be paused")
 
     def resume(self, handle: SandboxHandle) -> None:
-        raise NotImplementedError(f"{self.name} cannot resume sandboxes")
+        raise UsageError(f"{self.name} sandboxes cannot be paused or resumed")
 
     def snapshot_diff(self, handle: SandboxHandle) -> Path:
         """A directory in overlayfs upper format (whiteouts as 0:0 character devices,
         opaque directories marked by xattr) holding everything the sandbox changed."""
-        raise NotImplementedError(f"{self.name} cannot snapshot sandboxes")
+        raise UsageError(f"{self.name} sandboxes cannot be snapshotted")
 
     def is_alive(self, handle: SandboxHandle) -> bool:
         return True

@@ -22,14 +22,15 @@ import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..agent import agent_binary
 from ..core.errors import BackendError
 from . import _cgroups, _rootfs, seccomp
 from .agented import AGENT_SOCKET_FD, CgroupAgentBackend, bind_agent_socket
 from .base import (
+    BackendContext,
     SandboxHandle,
     SandboxSpec,
 )
+from .sandbox_agent import agent_binary
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,13 @@ def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup
 
 class ContainerBackend(CgroupAgentBackend):
     name: ClassVar[str] = "container"
+
+    supports_snapshot = True  # the overlay's upper dir is the diff
+
+    @classmethod
+    def from_context(cls, ctx: BackendContext) -> ContainerBackend:
+        return cls(ctx.cgroup_parent, None if ctx.runtime_root is None else str(ctx.runtime_root),
+                   str(ctx.state_dir))
 
     def __init__(self, cgroup_parent: str = "dsec", runc_root: str | None = None,
                  shared_dir: str | None = None) -> None:

@@ -20,12 +20,12 @@ import signal
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..agent import agent_binary
 from ..core.errors import BackendError, UsageError
 from . import _cgroups, _rootfs, seccomp
 from .agented import AGENT_SOCKET_FD, CgroupAgentBackend, bind_agent_socket
-from .base import SandboxHandle, SandboxSpec
+from .base import BackendContext, SandboxHandle, SandboxSpec
 from .container import DEFAULT_PATH
+from .sandbox_agent import agent_binary
 
 SECCOMP_FD = 5  # bwrap reads the seccomp program here; fd 4 carries the agent's socket
 
@@ -55,6 +55,12 @@ def descendants(pid: int) -> list[int]:
 
 class FncallBackend(CgroupAgentBackend):
     name: ClassVar[str] = "fncall"
+
+    supports_snapshot = False  # read-only: only /tmp is writable, in memory
+
+    @classmethod
+    def from_context(cls, ctx: BackendContext) -> FncallBackend:
+        return cls(ctx.cgroup_parent, str(ctx.state_dir))
 
     def __init__(self, cgroup_parent: str = "dsec", shared_dir: str | None = None) -> None:
         self.cgroup_parent = cgroup_parent

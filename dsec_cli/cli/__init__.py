@@ -6,7 +6,6 @@ Only this package prints and exits. Each submodule registers the commands of one
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import typer
@@ -70,7 +69,9 @@ def _print_error(e: DsecError) -> None:
 
 
 def main() -> None:
-    level = os.environ.get("DSEC_LOG", "WARNING").upper()
+    from ..core.config import env
+
+    level = (env("DSEC_LOG") or "WARNING").upper()
     if level not in logging.getLevelNamesMapping():
         level = "WARNING"  # a mistyped DSEC_LOG must not stop the command
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

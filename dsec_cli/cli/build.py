@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
         json_: JsonOpt = False,
     ) -> None:
         """Build layer and image specs (default: layerspecs/) into a store."""
-        from .. import sdk
+        from ..api import images
 
         with progress(not json_) as p:
             files = p.add_task("files", total=None) if p else None
@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
                 if not json_:
                     err_console().print(f"  | {line}", style="dim", highlight=False, markup=False)
 
-            report = sdk.build(specs or None, store, force=force, progress=tick, on_log=log_line,
+            report = images.build(specs or None, store, force=force, progress=tick, on_log=log_line,
                                chunk_sha256=chunk_sha256, replace=replace)
         if json_:
             print_json({"store": report.store, "items": [i.__dict__ for i in report.items],
@@ -68,9 +68,9 @@ def register(app: typer.Typer) -> None:
         json_: JsonOpt = False,
     ) -> None:
         """List layers and images in a store."""
-        from .. import sdk
+        from ..api import images
 
-        items = sdk.list_images(what, store)
+        items = images.list_images(what, store)
         if json_:
             print_json([i.__dict__ for i in items])
             return
@@ -90,9 +90,9 @@ def register(app: typer.Typer) -> None:
         json_: JsonOpt = False,
     ) -> None:
         """Show a layer's or image's manifest and index, or a sandbox's state."""
-        from .. import sdk
+        from ..api import images
 
-        doc = sdk.inspect(ref, store, files=files)
+        doc = images.inspect(ref, store, files=files)
         if json_:
             print_json(doc)
             return
@@ -106,9 +106,9 @@ def register(app: typer.Typer) -> None:
         json_: JsonOpt = False,
     ) -> None:
         """Write an image's merged tree (whiteouts applied) to a directory or a tar."""
-        from .. import sdk
+        from ..api import images
 
-        img = sdk.export_image(ref, dest, store)
+        img = images.export_image(ref, dest, store)
         if json_:
             print_json({"ref": ref, "digest": img.digest, "dest": str(dest)})
         else:

@@ -46,13 +46,14 @@ def register(app: typer.Typer) -> None:
         if not math.isfinite(repack_threshold):
             raise UsageError(f"invalid --repack-threshold {repack_threshold}: expected a "
                              "number from 0 to 1")
+        from ..core import validate
+
+        cache_budget = None if budget is None else validate.size(budget, "--budget")
         out: dict[str, Any] = {}
         if all_nodes:
-            from ..core.config import parse_size
-            from ..run.cluster.api import gc_all
+            from ..api.cluster import gc_nodes
 
-            results = [r.to_dict() for r in gc_all(
-                None if budget is None else parse_size(budget, "--budget"), dry_run)]
+            results = [r.to_dict() for r in gc_nodes(cache_budget, dry_run)]
             failed = [r for r in results if not r["ok"]]
             if as_json:
                 print_json({"nodes": results})
@@ -67,22 +68,15 @@ def register(app: typer.Typer) -> None:
             if store is None:
                 return
         if node:
-            from ..core.config import parse_size
-            from ..run.node import local_node
+            from ..api.sandboxes import gc_node
 
-            out["node"] = local_node(state_dir).gc(
-                None if budget is None else parse_size(budget, "--budget"), dry_run)
+            out["node"] = gc_node(cache_budget, dry_run, state_dir)
         if store is not None or not node:
-            from ..core.config import parse_duration
-            from ..push.api import _options
-            from ..push.gc import gc_store
-            from ..push.retry import open_retrying
+            from ..api.store import gc as gc_store
 
-            seconds = parse_duration(grace, "--grace")
-            with open_retrying(store, **_options(endpoint_url, insecure)) as s:
-                out["store"] = gc_store(s, grace=seconds, dry_run=dry_run,
-                                        repack_threshold=repack_threshold,
-                                        repack=repack_threshold < 1.0)
+            out["store"] = gc_store(store, grace=grace, dry_run=dry_run,
+                                    repack_threshold=repack_threshold,
+                                    endpoint_url=endpoint_url, insecure=insecure)
         if as_json:
             print_json({k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in out.items()})
         else:

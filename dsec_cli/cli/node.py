@@ -1,6 +1,6 @@
 """`dsec node add|ls|check|rm` (the cluster's nodes, kept in the user's config) and
 `dsec agent` (the node side the CLI reaches over SSH). Thin: parse, call
-dsec_cli.run.cluster, render."""
+dsec_cli.api.cluster, render."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def add(
                                         help="reach the node before saving it")] = True,
     json_out: JsonOpt = False,
 ) -> None:
-    """Add a node: checks its host key and its agent, then saves it in the user config."""
-    from ..run.cluster.registry import add_node
+    """Add a node: checks its host key and its node service, then saves it in the user config."""
+    from ..api.cluster import add_node
 
     out = add_node(name, address, identity=identity, known_hosts=known_hosts, labels=labels,
                    dsec=dsec, bootstrap=bootstrap, check=check, install_dir=install_dir)
@@ -65,13 +65,9 @@ def _rows(results: list[Any]) -> list[tuple[Any, ...]]:
 
 
 def _status(names: list[str] | None, json_out: bool, timeout: float | None) -> None:
-    from ..core import validate
-    from ..run.cluster.api import node_status
+    from ..api.cluster import list_nodes
 
-    validate.positive_float(timeout, "--timeout")
-    for name in names or []:
-        validate.node_name(name)
-    results = node_status(timeout, names)
+    results = list_nodes(timeout, names)
     if json_out:
         print_json([r.to_dict() for r in results])
     else:
@@ -98,8 +94,8 @@ def check_(
     json_out: JsonOpt = False,
     timeout: TimeoutOpt = None,
 ) -> None:
-    """Reach nodes over SSH and ask their agents; exits 1 if any does not answer."""
-    from ..run.cluster.registry import load_nodes
+    """Reach nodes over SSH and ask their node services; exits 1 if any does not answer."""
+    from ..api.cluster import load_nodes
 
     _status(names or list(load_nodes()) or None, json_out, timeout)
 
@@ -107,7 +103,7 @@ def check_(
 @node_app.command("rm")
 def rm(name: Annotated[str, typer.Argument()], json_out: JsonOpt = False) -> None:
     """Forget a node (its sandboxes keep running there)."""
-    from ..run.cluster.registry import remove_node
+    from ..api.cluster import remove_node
 
     out = remove_node(name)
     if json_out:
@@ -128,17 +124,10 @@ def register(app: typer.Typer) -> None:
         state_dir: Annotated[str | None, typer.Option(  # noqa: UP007
             "--state-dir", help="node state directory (default: DSEC_STATE_DIR)")] = None,
     ) -> None:
-        """The node side of the cluster: serves the agent protocol for `dsec --node`."""
-        from ..core.errors import UsageError
-        from ..run.cluster import agentd
+        """The node service of the cluster: serves the node protocol for `dsec --node`."""
+        from ..api.cluster import serve_node
 
-        if stdio == bool(listen):
-            raise UsageError("give exactly one of --stdio or --listen PATH")
-        if stdio:
-            agentd.serve_stdio(state_dir)
-        else:
-            assert listen
-            agentd.serve_unix(listen, state_dir)
+        serve_node(stdio, listen, state_dir)
 
 
 def render_fanout(failed: list[dict[str, Any]]) -> None:

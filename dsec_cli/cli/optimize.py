@@ -1,5 +1,5 @@
 """`dsec optimize IMAGE [-- CMD]`: write the files sandboxes read at start into new versions of
-an image's layers as prefetch lists (thin: parse, call dsec_cli.run.lazy.optimize, render)."""
+an image's layers as prefetch lists (thin: parse, call dsec_cli.api.images, render)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Profiled prefetch: record what IMAGE reads at start (from earlier `dsec run --fetch
         lazy` runs, or by running CMD now) and publish layer versions that prefetch it."""
-        from ..run.lazy.optimize import optimize_image
+        from ..api.images import optimize_image
         from .render import print_json
 
         if cmd and cmd[0] == "--":

@@ -1,5 +1,5 @@
-"""Sandbox commands: run, exec, cp, ps, rm, pause, resume, snapshot (thin: parse, call the
-node API in dsec_cli.run, render)."""
+"""Sandbox commands: run, exec, cp, ps, rm, pause, resume, snapshot (thin: parse, call
+dsec_cli.api.sandboxes, which routes NODE/ID ids and --node, render)."""
 
 from __future__ import annotations
 
@@ -15,22 +15,6 @@ STATE_HELP = "node state directory (default: DSEC_STATE_DIR or the config's stat
 #: field holds the first JSON_OUTPUT_LIMIT bytes and `stdout_truncated` / `stderr_truncated`
 #: say so (without --json, output streams through and nothing is kept)
 JSON_OUTPUT_LIMIT = 8 << 20
-
-
-def _node(state_dir: str | None, sid: str | None = None, node: str | None = None) -> Any:
-    """This node, or the cluster node a NODE/ID sandbox id or --node names."""
-    from ..core import validate
-
-    validate.node_option(node)
-    if sid is not None:
-        validate.sandbox_id(sid)
-    if node or (sid and "/" in sid):
-        from ..run.cluster.api import node_for
-
-        return node_for(sid, node, state_dir)
-    from ..run.node import local_node
-
-    return local_node(state_dir)
 
 
 def _stream(kind: str, data: bytes) -> None:
@@ -139,31 +123,20 @@ def register(app: typer.Typer) -> None:
                              ] = None,
     ) -> None:
         """Create a sandbox; run CMD in it and remove it, or leave it running with -d."""
+        from ..api import sandboxes
         from ..core import validate
         from ..core.errors import UsageError
-        from ..run.node import CreateOptions
         from .render import print_json
 
         validate.image(image)
         validate.node_option(node_name)
-        validate.positive_float(cpus, "--cpus")
-        validate.positive_int(pids, "--pids")
         validate.positive_float(timeout, "--timeout")
         if not detach and not cmd:
             raise UsageError("give a command after -- or use -d to leave the sandbox running")
-        opts = CreateOptions(
-            backend=backend, cpus=cpus,
-            memory=None if memory is None else validate.size(memory, "--memory"),
-            pids=pids, ttl=None if ttl is None else validate.duration(ttl, "--ttl"),
-            network=network, env=_parse_env(env), workdir=workdir,  # type: ignore[arg-type]
-            fetch=fetch, disk=None if disk is None else validate.size(disk, "--disk"))
-        if node_name:
-            from ..run.cluster.api import create
-
-            node, rec = create(image, opts, node_name, state_dir)
-        else:
-            node = _node(state_dir)
-            rec = node.create(image, opts)
+        opts = sandboxes.create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
+                                        network=network, env=_parse_env(env), workdir=workdir,
+                                        fetch=fetch, disk=disk, prefix="--")
+        node, rec = sandboxes.create(image, opts, node_name, state_dir)
         if detach:
             if cmd:
                 node.exec(rec.id, cmd, timeout=timeout, capture_limit=0)
@@ -193,6 +166,7 @@ def register(app: typer.Typer) -> None:
         node: NodeOpt = None,
     ) -> None:
         """Run a command in a sandbox: streams output, forwards stdin, exits with its code."""
+        from ..api.sandboxes import exec_in
         from ..core import validate
         from ..core.errors import UsageError
 
@@ -201,10 +175,10 @@ def register(app: typer.Typer) -> None:
             cmd = cmd[1:]
         if not cmd:
             raise UsageError("exec needs a command, e.g. `dsec exec ID -- ls /`")
-        res = _node(state_dir, sandbox, node).exec(sandbox, cmd, env=_parse_env(env), cwd=workdir,
-                                    stdin=_stdin_source(), timeout=timeout,
-                                    on_output=None if json_out else _stream,
-                                    capture_limit=JSON_OUTPUT_LIMIT if json_out else 0)
+        res = exec_in(sandbox, cmd, node=node, state_dir=state_dir, env=_parse_env(env),
+                      cwd=workdir, stdin=_stdin_source(), timeout=timeout,
+                      on_output=None if json_out else _stream,
+                      capture_limit=JSON_OUTPUT_LIMIT if json_out else 0)
         _report(res, json_out)
 
     @app.command()
@@ -218,15 +192,10 @@ def register(app: typer.Typer) -> None:
         """Copy a file into a sandbox, or a file, symlink or directory out of one (one side
         is [NODE/]SANDBOX:PATH). Out of a sandbox: symlinks stay symlinks, setuid/setgid/
         sticky bits are dropped, FIFOs, sockets and devices are refused."""
-        from ..run.transfer import copy
+        from ..api.sandboxes import copy
         from .render import print_json
 
-        if node or "/" in src.partition(":")[0] or "/" in dst.partition(":")[0]:
-            from ..run.cluster.api import copy_remote
-
-            result = copy_remote(src, dst, node, state_dir)
-        else:
-            result = copy(_node(state_dir), src, dst)
+        result = copy(src, dst, node, state_dir)
         if json_out:
             print_json(result)
 
@@ -236,30 +205,18 @@ def register(app: typer.Typer) -> None:
                "--all-nodes", help="every configured node, in parallel")] = False) -> None:
         """List sandboxes: this node's, a cluster node's (--node) or every node's
         (--all-nodes, in parallel; a node that does not answer is reported and skipped)."""
+        from ..api.sandboxes import ps as list_all
         from .render import print_json
 
+        recs, failed = list_all(state_dir, node, all_nodes=all_nodes)
+        if json_out:
+            print_json({"sandboxes": recs, "failed": failed} if all_nodes else recs)
+        else:
+            _ps_table(recs)
         if all_nodes:
             from .node import render_fanout
 
-            recs, failed = _ps_all()
-            if json_out:
-                print_json({"sandboxes": recs, "failed": failed})
-            else:
-                _ps_table(recs)
             render_fanout(failed)  # exits 1 when a node did not answer
-            return
-        target = _node(state_dir, None, node)
-        recs = []
-        for r in target.sandboxes():
-            doc = r.public()
-            stats = target.fetch_stats(r) if hasattr(target, "fetch_stats") else None
-            if stats is not None:
-                doc["fetch"] = stats  # bytes fetched / from cache, stall time (lazy mounts)
-            recs.append(doc)
-        if json_out:
-            print_json(recs)
-            return
-        _ps_table(recs)
 
     @app.command()
     def rm(
@@ -269,11 +226,10 @@ def register(app: typer.Typer) -> None:
         node: NodeOpt = None,
     ) -> None:
         """Remove sandboxes (stops everything they run)."""
+        from ..api.sandboxes import remove
         from .render import print_json
 
-        # all ids valid before anything is removed
-        recs = [(n, n.lookup(s)) for s in sandboxes for n in [_node(state_dir, s, node)]]
-        removed = [n.remove(r.id).id for n, r in recs]
+        removed = remove(sandboxes, node, state_dir)  # all ids looked up before any goes
         if json_out:
             print_json({"removed": removed})
         else:
@@ -284,13 +240,17 @@ def register(app: typer.Typer) -> None:
     def pause(sandbox: SandboxArg, json_out: JsonOpt = False, state_dir: StateOpt = None,
               node: NodeOpt = None) -> None:
         """Freeze every process of a sandbox (cgroup freezer)."""
-        _status(_node(state_dir, sandbox, node).pause(sandbox), json_out)
+        from ..api.sandboxes import pause as pause_sandbox
+
+        _status(pause_sandbox(sandbox, node, state_dir), json_out)
 
     @app.command()
     def resume(sandbox: SandboxArg, json_out: JsonOpt = False, state_dir: StateOpt = None,
                node: NodeOpt = None) -> None:
         """Thaw a paused sandbox."""
-        _status(_node(state_dir, sandbox, node).resume(sandbox), json_out)
+        from ..api.sandboxes import resume as resume_sandbox
+
+        _status(resume_sandbox(sandbox, node, state_dir), json_out)
 
     @app.command()
     def snapshot(
@@ -304,9 +264,10 @@ def register(app: typer.Typer) -> None:
         node: NodeOpt = None,
     ) -> None:
         """Turn a sandbox's changes into a new layer and an image stacking it."""
+        from ..api.sandboxes import snapshot as snapshot_sandbox
         from .render import print_json
 
-        out = _node(state_dir, sandbox, node).snapshot(sandbox, as_, push)
+        out = snapshot_sandbox(sandbox, as_, push, node, state_dir)
         if json_out:
             print_json(out)
         else:
@@ -324,19 +285,6 @@ def _ps_table(recs: list[dict[str, Any]]) -> None:
              "" if r["expires"] is None else f"{max(0, r['expires'] - t):.0f}s")
             for r in recs]
     table(None, ["ID", "BACKEND", "IMAGE", "STATUS", "AGE", "TTL LEFT"], rows)
-
-
-def _ps_all() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    from ..run.cluster.api import ps_all
-
-    recs: list[dict[str, Any]] = []
-    failed: list[dict[str, Any]] = []
-    for r in ps_all():
-        if r.ok:
-            recs.extend(r.value)
-        else:
-            failed.append(r.to_dict())
-    return recs, failed
 
 
 def _status(rec: Any, json_out: bool) -> None:

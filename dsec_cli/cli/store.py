@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
              insecure: bool = INSECURE, jobs: int = JOBS, replace: bool = REPLACE,
              as_json: bool = JSON) -> None:
         """Copy layers or images (with their layers) to a store; sends only what it lacks."""
-        from ..push import api
+        from ..api import store as api
 
         report = _run("push", as_json, api.push, refs=refs, to=to, store=store, jobs=jobs,
                       endpoint_url=endpoint_url, insecure=insecure, replace=replace)
@@ -68,7 +68,7 @@ def register(app: typer.Typer) -> None:
              insecure: bool = INSECURE, jobs: int = JOBS, replace: bool = REPLACE,
              as_json: bool = JSON) -> None:
         """Copy layers or images from a store into the local one; verifies everything read."""
-        from ..push import api
+        from ..api import store as api
 
         report = _run("pull", as_json, api.pull, refs=refs, frm=frm, store=store, jobs=jobs,
                       endpoint_url=endpoint_url, insecure=insecure, replace=replace)
@@ -80,9 +80,9 @@ def register(app: typer.Typer) -> None:
             endpoint_url: str | None = ENDPOINT, insecure: bool = INSECURE,
             as_json: bool = JSON) -> None:
         """Remove layer or image refs; `dsec gc` frees what only they reached."""
-        from ..push import api
+        from ..api import images
 
-        removed = api.rmi(refs, store=store, endpoint_url=endpoint_url, insecure=insecure)
+        removed = images.rmi(refs, store=store, endpoint_url=endpoint_url, insecure=insecure)
         if as_json:
             print_json([{"ref": r.ref, "manifest": r.manifest} for r in removed])
         else:

@@ -1,5 +1,5 @@
 """`dsec verify`: check a store's refs, manifests, indexes and packs (thin: parse, call
-dsec_cli.push.verify, render). Exits 0 when every object is sound, 1 when any is bad."""
+dsec_cli.api.store, render). Exits 0 when every object is sound, 1 when any is bad."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Check the objects reachable from refs: one line per bad object, then counts.
         Exit 0 when all is well, 1 when any object is bad (for cron)."""
-        from ..push.verify import verify_store
+        from ..api.store import verify_store
 
         report = verify_store(refs or [], store=store, deep=deep, endpoint_url=endpoint_url,
                               insecure=insecure)

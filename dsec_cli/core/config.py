@@ -182,6 +182,30 @@ def net_timeouts() -> NetTimeouts:
                        _positive_duration(cfg, "read_timeout"))
 
 
+#: the DSEC_* settings that are not config keys (those are `_ENV` above, and DSEC_MAX_* the
+#: store limits below). Every DSEC_* variable is read in this module: elsewhere through `env`.
+ENV_SETTINGS: dict[str, str] = {
+    "DSEC_LOG": "log level of the command line and of lazy mount daemons (e.g. INFO)",
+    "DSEC_STORE_RETRIES": "attempts per store request (a whole number >= 1)",
+    "DSEC_LEASE_TTL": "seconds a writer lease lives without renewal (default 600)",
+    "DSEC_GC_MARKER_TTL": "seconds a store gc's marker lives without renewal (default 60)",
+    "DSEC_NODE_TIMEOUT": "seconds a fan-out waits for each cluster node (default 15)",
+    "DSEC_SSH_CONTROL_DIR": "where ssh ControlMaster sockets go (default a private temp dir)",
+    "DSEC_SSH_TIMEOUT": "seconds ssh may take to connect (default: connect_timeout)",
+    "DSEC_SSH_CONFIG": "an ssh config file used instead of ~/.ssh/config",
+    "DSEC_SSH_PERSIST": "how long an idle ssh master connection stays (ssh syntax, 600)",
+    "DSEC_VM_VERBOSE": "any value: show the guest kernel's full boot log",
+}
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """A DSEC_* setting from the environment (``default`` when unset); only names listed in
+    `ENV_SETTINGS`, so this module stays the one list of what dsec reads."""
+    if name not in ENV_SETTINGS:
+        raise KeyError(f"{name} is not a declared DSEC_* setting (core/config.py)")
+    return os.environ.get(name, default)
+
+
 def debug_delay(name: str) -> float:
     """Seconds to pause at a named point, from ``DSEC_DEBUG_DELAY_<NAME>`` (tests use it to
     stop a process at a chosen step; unset or malformed means no pause)."""

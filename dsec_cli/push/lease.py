@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.config import debug_delay
+from ..core.config import debug_delay, env
 from ..core.errors import DsecError, NotFoundError, StoreError
 from .stores.base import Store
 
@@ -44,7 +44,7 @@ DEFAULT_MARKER_TTL = 60.0  # a gc that stops renewing its marker is presumed dea
 
 def _env_seconds(name: str, default: float) -> float:
     try:
-        value = float(os.environ.get(name, default))
+        value = float(env(name) or default)
     except ValueError:
         return default
     return value if math.isfinite(value) and value > 0 else default

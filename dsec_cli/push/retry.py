@@ -14,7 +14,6 @@ thus fails one operation within that bound, and the message says how long it wai
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -40,10 +39,10 @@ class RetryPolicy:
     def from_env(cls) -> RetryPolicy:
         """`DSEC_STORE_RETRIES` overrides the number of attempts (>= 1); the timeout budget
         is the configured connect + read timeout."""
-        from ..core.config import net_timeouts
+        from ..core.config import env, net_timeouts
 
         budget = net_timeouts().total
-        raw = os.environ.get("DSEC_STORE_RETRIES")
+        raw = env("DSEC_STORE_RETRIES")
         if raw and raw.isdigit() and int(raw) >= 1:
             return cls(attempts=int(raw), timeout_budget=budget)
         return cls(timeout_budget=budget)

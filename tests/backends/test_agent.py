@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dsec_cli.agent import agent_binary
-from dsec_cli.agent.client import AgentClient
+from dsec_cli.backends.sandbox_agent import agent_binary
+from dsec_cli.backends.sandbox_agent.client import AgentClient
 from dsec_cli.core.errors import NotFoundError, UsageError
 
 
@@ -170,7 +170,7 @@ def test_put_stream_keeps_holes(agent: tuple[AgentClient, Path], tmp_path: Path)
 
 def test_connect_refuses_a_listener_that_is_not_the_expected_one(
         agent: tuple[AgentClient, Path]) -> None:
-    from dsec_cli.agent.client import AgentError
+    from dsec_cli.backends.sandbox_agent.client import AgentError
 
     _, d = agent
     with pytest.raises(AgentError, match="refusing the agent socket of sandbox x"):

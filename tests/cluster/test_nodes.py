@@ -108,7 +108,7 @@ def test_bootstrap_installs_dsec_without_network(cluster: SshCluster, run_dsec, 
         "--known-hosts", str(cluster.known_hosts), "--bootstrap", "--install-dir", str(inst),
         "--json", env=cluster.client_env()).stdout)
     assert out["dsec"] == f"{inst}/bin/dsec" and out["info"]["protocol"] == PROTOCOL_VERSION
-    assert (inst / "site" / "dsec_cli" / "run" / "cluster" / "agentd.py").is_file()
+    assert (inst / "site" / "dsec_cli" / "run" / "cluster" / "node_service.py").is_file()
     p = run_dsec("run", "--node", "fresh", "-b", "fncall", "busybox@1.35-1", "--", "echo", "hi",
                  env=cluster.client_env())
     assert p.stdout == "hi\n"

@@ -45,7 +45,7 @@ def test_placer_spreads_by_capacity_and_prefers_cache() -> None:
 
 
 def test_create_many_spreads_60_over_3_nodes(client: SshCluster) -> None:
-    from dsec_cli.run.sdk import create_many
+    from dsec_cli.api.sandboxes import create_many
 
     results = create_many(60, IMAGE, "fncall", parallel=6)
     try:
@@ -64,8 +64,8 @@ def test_create_many_spreads_60_over_3_nodes(client: SshCluster) -> None:
 
 
 def test_auto_prefers_the_node_that_caches_the_image(client: SshCluster) -> None:
+    from dsec_cli.api.sandboxes import Sandbox
     from dsec_cli.run.cluster.registry import get_node
-    from dsec_cli.run.sdk import Sandbox
 
     assert [get_node(n).info(TINY)["image"]["cached_bytes"] for n in ("node1", "node2")] \
         == [0, 0]
@@ -88,7 +88,7 @@ def test_auto_prefers_the_node_that_caches_the_image(client: SshCluster) -> None
 
 CLIENT = """
 import json, sys
-from dsec_cli.run.sdk import Sandbox
+from dsec_cli.api.sandboxes import Sandbox
 from dsec_cli.core.errors import DsecError
 from concurrent.futures import ThreadPoolExecutor
 def one(_):
@@ -119,7 +119,7 @@ def test_two_clients_do_not_oversubscribe(client: SshCluster, tmp_path: Path,
         assert _usage("node1") == 5
     finally:
         node1.set_capacity(sandboxes=20)
-        from dsec_cli.run.sdk import Sandbox
+        from dsec_cli.api.sandboxes import Sandbox
 
         for sid in [x for o in outs for x in o if not x.startswith("refused")]:
             Sandbox.attach(sid).remove()
@@ -148,9 +148,9 @@ def test_fast_placer_decides_as_the_scan_does() -> None:
 
 
 def test_create_many_returns_failures_per_sandbox(client: SshCluster) -> None:
+    from dsec_cli.api.sandboxes import create_many
     from dsec_cli.core.errors import NotFoundError, UsageError
     from dsec_cli.run.cluster.errors import CapacityError
-    from dsec_cli.run.sdk import create_many
 
     node1 = client.nodes[0]
     base = _usage("node1")  # sandboxes other tests still hold there

@@ -1,4 +1,4 @@
-"""The agent protocol's typed payloads: every field of CreateOptions, ExecResult and
+"""The node protocol's typed payloads: every field of CreateOptions, ExecResult and
 SandboxRecord crosses the wire and comes back equal, an unknown field is refused, a missing
 one takes its default; and `dsec run --node N --fetch lazy` really runs lazily there."""
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from dsec_cli.api.sandboxes import Sandbox
 from dsec_cli.core.errors import NotFoundError, UsageError
-from dsec_cli.run.sdk import Sandbox
 
 from .conftest import IMAGE
 

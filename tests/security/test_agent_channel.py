@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec_cli.agent.client import AgentError
+from dsec_cli.backends.sandbox_agent.client import AgentError
 from dsec_cli.run.node import CreateOptions, Node
 from tests.run.conftest import IMAGE, dsec
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
 def _agent_socket(node: Node, sid: str) -> str:
     """Where the host reaches this sandbox's agent (whatever the layout of the day)."""
-    st = node._handle(node.lookup(sid)).state
+    st = node.handle_of(node.lookup(sid)).state
     return st.get("agent_sock") or str(Path(st["run_dir"]) / "agent.sock")
 
 
@@ -80,7 +80,7 @@ def test_socket_served_by_another_sandbox_is_refused(pair: tuple[str, str], node
     a, b = pair
     rec = node.lookup(a)
     backend = node.backend(rec.backend)
-    handle = node._handle(rec)
+    handle = node.handle_of(rec)
     evil = tmp_path / "run"
     evil.mkdir()
     (evil / "agent.sock").symlink_to(_agent_socket(node, b))

@@ -269,7 +269,7 @@ def test_sdk_push_refuses_bad_refs_before_touching_a_store(store: Path, tmp_path
     {"image": "a@1", "pids": 0}, {"image": "a@1", "node": ""},
 ], ids=["empty", "newline", "cpus", "memory", "ttl", "pids", "node"])
 def test_sdk_sandbox_refuses_bad_options(kwargs: dict[str, object], store: Path) -> None:
-    from dsec_cli.run.sdk import Sandbox
+    from dsec_cli.api.sandboxes import Sandbox
 
     image = kwargs.pop("image")
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec_cli.run.sdk import Sandbox
+from dsec_cli.api.sandboxes import Sandbox
 from tests.run.conftest import (  # noqa: F401  (fixtures)
     IMAGE,
     dsec,
@@ -225,7 +225,7 @@ def test_disk_loop_device_freed_after_kill_and_reconcile(node_env: dict[str, str
     """kill -9 of a process creating --disk sandboxes, then reconcile and rm: no loop device,
     image or mount is left."""
     state = node_env["DSEC_STATE_DIR"]
-    code = ("import sys; from dsec_cli.run.sdk import Sandbox\n"
+    code = ("import sys; from dsec_cli.api.sandboxes import Sandbox\n"
             "for i in range(50): Sandbox.create(sys.argv[1], disk='16M'); print(i, flush=True)\n")
     p = subprocess.Popen([sys.executable, "-c", code, IMAGE], stdout=subprocess.PIPE)
     assert p.stdout is not None

@@ -1,7 +1,7 @@
 """The cluster side of dsec: nodes reached over SSH, each running `dsec agent`.
 
 - `protocol`: the versioned JSON-lines request/response protocol and error mapping.
-- `agentd`: the node side (`dsec agent --stdio`), serving requests against the local Node.
+- `node_service`: the node service (`dsec agent --stdio`), serving requests against the local Node.
 - `admission`: per-node capacity, admitted or refused atomically across processes.
 - `ssh`: OpenSSH transport (ControlMaster multiplexing, host keys checked) and channels.
 - `remote`: `RemoteNode`, the Node API over a channel.

@@ -2,12 +2,12 @@
 
 Two clients may create on one node at once, each through its own `dsec agent` process, so
 admission is decided under a cross-process lock: a write transaction (``BEGIN IMMEDIATE``) on
-``<state dir>/admission.db``. Inside it the agent adds up what the node already holds (the
-node database's live sandboxes plus the reservations of creates still in progress) and either
-records a reservation for the new sandbox or refuses. The reservation is dropped only after
+``<state dir>/admission.db``. Inside it the node service adds up what the node already holds
+(the node database's live sandboxes plus the reservations of creates still in progress) and
+either records a reservation for the new sandbox or refuses. The reservation is dropped only after
 the sandbox's own row exists (or its create failed), so a sandbox is never counted zero times;
 for a moment it is counted twice, which errs on the side of refusing. Reservations of a dead
-agent (pid gone) are ignored and pruned.
+node service process (pid gone) are ignored and pruned.
 
 Capacity comes from ``<state dir>/capacity.yaml`` (keys ``sandboxes``, ``cpus``, ``memory``);
 missing keys default to the machine: its CPUs, its RAM, and one sandbox per 10 MiB of RAM.
@@ -97,7 +97,7 @@ def load_capacity(state_dir: Path) -> Capacity:
 
 
 class Admission:
-    """Capacity accounting for one node state dir (shared by every agent process on it)."""
+    """Capacity accounting for one node state dir (shared by every node service process on it)."""
 
     def __init__(self, node: Node) -> None:
         self.node = node

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -20,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ...core.config import env
 from ...core.errors import ConfigError, DsecError, NodeUnreachableError, NotFoundError, UsageError
-from ..node import CreateOptions, Node, local_node
+from ..contract import NodeAPI
+from ..node import CreateOptions, local_node
 from .errors import CapacityError
 from .placement import FastPlacer, NodeView, Placer
 from .registry import get_node, load_nodes
@@ -32,7 +33,7 @@ T = TypeVar("T")
 
 
 def fanout_timeout() -> float:
-    raw = os.environ.get("DSEC_NODE_TIMEOUT", "15")
+    raw = env("DSEC_NODE_TIMEOUT") or "15"
     try:
         value = float(raw)
     except ValueError:
@@ -103,7 +104,7 @@ def split_id(sid: str) -> tuple[str | None, str]:
 
 
 def node_for(sid: str | None = None, node: str | None = None,
-             state_dir: str | Path | None = None) -> Node | RemoteNode:
+             state_dir: str | Path | None = None) -> NodeAPI:
     """The node holding a sandbox: named in its id (``node1/abc``), by ``--node``, or local."""
     name = None
     if sid is not None:
@@ -150,7 +151,7 @@ def _no_node(image: str, skipped: list[NodeResult]) -> DsecError:
 
 
 def create(image: str, opts: CreateOptions, node: str | None = None,
-           state_dir: str | Path | None = None) -> tuple[Node | RemoteNode, Any]:
+           state_dir: str | Path | None = None) -> tuple[NodeAPI, Any]:
     """Create on the named node, the local one, or (``auto``) the best-scoring node; a node
     that refuses for capacity (another client got there first) passes to the next best."""
     if node != "auto":

@@ -58,14 +58,12 @@ def _requirements(dist: str, seen: set[str]) -> None:
 
 
 def payload() -> bytes:
-    """A tar of dsec_cli (with its compiled in-sandbox agent) and its dependencies' files."""
-    import dsec_cli
-
+    """A tar of dsec_cli (with its compiled sandbox agent) and its dependencies' files."""
     deps: set[str] = set()
     _requirements("dsec", deps)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
-        pkg = Path(dsec_cli.__file__).parent
+        pkg = Path(__file__).resolve().parents[2]  # dsec_cli/ (this is dsec_cli/run/cluster/)
         tar.add(pkg, arcname="dsec_cli",
                 filter=lambda ti: None if "__pycache__" in ti.name else ti)
         for name in sorted(deps):

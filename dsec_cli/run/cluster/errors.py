@@ -2,7 +2,7 @@
 
 `NodeUnreachableError` (core) is the only node error that is retried: the connection failed
 or timed out. A refused host key or key is never retried (retrying cannot fix it); a command
-that ran and failed is an exit code or the agent's own error, never retried either."""
+that ran and failed is an exit code or the node service's own error, never retried either."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ class HostKeyError(DsecError):
 
 
 class NodeCommandError(DsecError):
-    """The node answered, but not with the dsec agent protocol (no dsec there, bad version)."""
+    """The node answered, but not with the dsec node protocol (no dsec there, bad version)."""
 
 
 class CapacityError(SandboxError):
-    """The node's agent refused a sandbox: it would exceed the node's capacity."""
+    """The node's service refused a sandbox: it would exceed the node's capacity."""
 
 
 class ProtocolError(UsageError):

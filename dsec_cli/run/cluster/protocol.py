@@ -1,16 +1,16 @@
-"""The agent protocol: one JSON object per line, both directions, over any byte stream (the
+"""The node protocol: one JSON object per line, both directions, over any byte stream (the
 agent's stdio through ``ssh node dsec agent --stdio``).
 
-    client -> agent   {"id": 7, "op": "create", "args": {...}}
-    agent -> client   {"id": 7, "event": "stdout", "data": "<base64>"}      (exec output, 0..n)
+    client -> node    {"id": 7, "op": "create", "args": {...}}
+    node   -> client   {"id": 7, "event": "stdout", "data": "<base64>"}      (exec output, 0..n)
                       {"id": 7, "ok": true, "result": {...}}                 (exactly one)
                       {"id": 7, "ok": false, "error": {"type": "NotFoundError",
                                                         "message": "...", "hint": "..."}}
 
-The first request on a stream must be ``hello`` with the client's protocol version; the agent
+The first request on a stream must be ``hello`` with the client's protocol version; the node service
 answers with its own version and refuses a client of another major version, so a stale node
 install is reported as such instead of failing on some later request. Requests carry ids
-chosen by the client and may be in flight together; the agent answers each as it finishes.
+chosen by the client and may be in flight together; the node service answers each as it finishes.
 Bytes (files, output, stdin) travel as base64 strings.
 
 The typed payloads (`CreateOptions`, `ExecResult`, `SandboxRecord`) are encoded by `to_wire`
@@ -64,12 +64,12 @@ def error_to_wire(e: BaseException) -> dict[str, Any]:
     if isinstance(e, core_errors.DsecError):
         return {"type": type(e).__name__, "message": e.message, "hint": e.hint,
                 "exit_code": e.exit_code}
-    return {"type": "DsecError", "message": f"agent error: {type(e).__name__}: {e}",
+    return {"type": "DsecError", "message": f"node service error: {type(e).__name__}: {e}",
             "hint": None, "exit_code": 1}
 
 
 def error_from_wire(err: dict[str, Any], node: str) -> core_errors.DsecError:
-    """The agent's error as the same class here, its message prefixed with the node."""
+    """The node service's error as the same class here, its message prefixed with the node."""
     name = str(err.get("type", "DsecError"))
     cls = getattr(cluster_errors, name, None) or getattr(core_errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, core_errors.DsecError)):

@@ -1,11 +1,11 @@
 """`RemoteNode`: the Node API (create, exec, cp, pause, snapshot, remove, list, gc) spoken to a
-node's agent over an SSH channel, with sandbox ids qualified by the node (``node1/abc123``).
+node's service over an SSH channel, with sandbox ids qualified by the node (``node1/abc123``).
 
 A `Channel` is one ``dsec agent --stdio`` session: requests are multiplexed on it by id (a
 reader thread hands each reply to its waiting caller), so one channel per node serves every
 thread of a process. Failures are typed: the channel dying or a bounded wait running out is
 `NodeUnreachableError` (retried, but only where repeating cannot do a thing twice: opening a
-channel, and read-only requests); an error the agent returns is the same class as on the node
+channel, and read-only requests); an error the node service returns is the same class as on the node
 (`NotFoundError` exits 2 here as there); a command's exit code is a result, never an error.
 """
 
@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +67,7 @@ _EOF = object()
 
 
 class Channel:
-    """One agent session over the node's shared SSH connection."""
+    """One node service session over the node's shared SSH connection."""
 
     def __init__(self, entry: NodeEntry, timeout: float) -> None:
         self.name = entry.name
@@ -82,8 +83,8 @@ class Channel:
         self.closed = False
         threading.Thread(target=self._read, daemon=True, name=f"dsec-ch-{self.name}").start()
         threading.Thread(target=self._drain_err, daemon=True).start()
-        # the agent's first line is awaited no longer than one read timeout: a node whose
-        # sshd answers but whose agent never speaks fails like a silent endpoint
+        # the node service's first line is awaited no longer than one read timeout: a node whose
+        # sshd answers but whose node service never speaks fails like a silent endpoint
         greet = min(timeout, net_timeouts().read)
         try:
             self.hello = self.call("hello", {"version": PROTOCOL_VERSION}, timeout=greet)
@@ -105,7 +106,7 @@ class Channel:
         for line in self.proc.stderr:
             self._stderr.append(line)
             del self._stderr[:-20]
-            log.debug("%s agent: %s", self.name, line.decode(errors="replace").rstrip())
+            log.debug("%s node service: %s", self.name, line.decode(errors="replace").rstrip())
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -113,7 +114,7 @@ class Channel:
             try:
                 msg = decode(line)
             except ValueError:
-                log.warning("%s: not an agent message: %r", self.name, line[:200])
+                log.warning("%s: not a node service message: %r", self.name, line[:200])
                 continue
             with self._plock:
                 q = self._pending.get(msg.get("id"))  # type: ignore[arg-type]
@@ -181,7 +182,7 @@ class Channel:
         if self.proc.poll() is None:
             try:
                 assert self.proc.stdin is not None
-                self.proc.stdin.close()  # the agent finishes what is in flight and exits
+                self.proc.stdin.close()  # the node service finishes what is in flight and exits
                 self.proc.wait(timeout=5)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
@@ -248,7 +249,8 @@ class RemoteRecord:
 
 
 class RemoteNode:
-    """The Node API of one remote node (ids given to it are the node-local part)."""
+    """The node contract (`dsec_cli.run.contract.NodeAPI`) for one remote node: ids given to
+    it may be ``NODE/ID`` or the node-local part."""
 
     def __init__(self, entry: NodeEntry, timeout: float = 30.0) -> None:
         self.entry = entry
@@ -302,8 +304,8 @@ class RemoteNode:
         return self._rec(self.call("lookup", {"id": self.local_id(sid)}, timeout=self.timeout))
 
     def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
-             cwd: str | None = None, stdin: Any = None, timeout: float | None = None,
-             on_output: OutputCallback | None = None,
+             cwd: str | None = None, stdin: bytes | Iterable[bytes] | None = None,
+             timeout: float | None = None, on_output: OutputCallback | None = None,
              capture_limit: int | None = None) -> ExecResult:
         if stdin is not None and not isinstance(stdin, bytes | bytearray):
             stdin = b"".join(stdin)  # a chunk iterator (piped CLI stdin): sent whole
@@ -343,6 +345,14 @@ class RemoteNode:
         out = dict(self.call("snapshot", {"id": self.local_id(sid), "ref": ref, "push": push}))
         out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
         return out
+
+    def fetch_stats(self, rec: RemoteRecord) -> dict[str, Any] | None:
+        """A lazily fetched sandbox's fetch figures, as its node reports them (None for
+        eagerly fetched ones, without asking the node)."""
+        if rec.record.spec.get("fetch", "eager") == "eager":
+            return None
+        stats = self.describe(rec.id).get("fetch")
+        return dict(stats) if stats is not None else None
 
     def sandboxes(self, timeout: float | None = None) -> list[RemoteRecord]:
         return [self._rec(d) for d in self.call("ps", timeout=timeout or self.timeout)]

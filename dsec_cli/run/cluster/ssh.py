@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...core.config import net_timeouts
+from ...core.config import env, net_timeouts
 from ...core.errors import ConfigError, NodeUnreachableError, UsageError
 from .errors import HostKeyError, NodeCommandError
 
@@ -77,7 +77,7 @@ def parse_address(text: str) -> Address:
 
 def control_dir() -> Path:
     """Short path (unix socket names are limited to 107 bytes), private to the user."""
-    d = Path(os.environ.get("DSEC_SSH_CONTROL_DIR") or
+    d = Path(env("DSEC_SSH_CONTROL_DIR") or
              Path(tempfile.gettempdir()) / f"dsec-ssh-{os.getuid()}")
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     return d
@@ -86,7 +86,7 @@ def control_dir() -> Path:
 def _timeout() -> int:
     """Seconds ssh may take to connect and exchange banners: ``DSEC_SSH_TIMEOUT`` if set,
     else the configured connect_timeout (10 s)."""
-    raw = os.environ.get("DSEC_SSH_TIMEOUT")
+    raw = env("DSEC_SSH_TIMEOUT")
     if raw:
         if not raw.isdigit() or not 0 < int(raw) <= 3600:
             raise ConfigError(f"$DSEC_SSH_TIMEOUT: {raw!r} must be a whole number of seconds "
@@ -123,8 +123,9 @@ class SshTarget:
                 "-o", f"ServerAliveInterval={_alive_interval()}", "-o", "ServerAliveCountMax=3",
                 "-o", f"ControlPath={self.control_path}", "-o", f"ControlMaster={master}",
                 "-p", str(self.address.port), "-l", self.address.user]
-        if os.environ.get("DSEC_SSH_CONFIG"):  # tests: never the developer's ~/.ssh/config
-            argv[1:1] = ["-F", os.environ["DSEC_SSH_CONFIG"]]
+        ssh_config = env("DSEC_SSH_CONFIG")
+        if ssh_config:  # tests: never the developer's ~/.ssh/config
+            argv[1:1] = ["-F", ssh_config]
         if self.identity:
             argv += ["-i", self.identity, "-o", "IdentitiesOnly=yes"]
         return argv
@@ -144,7 +145,7 @@ class SshTarget:
             if self.control_path.exists() and self._check():
                 return
             who = f"{name} ({self.address})" if name else str(self.address)
-            persist = os.environ.get("DSEC_SSH_PERSIST", "600")
+            persist = env("DSEC_SSH_PERSIST") or "600"
             with tempfile.TemporaryFile() as err:
                 try:
                     p = subprocess.run(

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...core.config import env
 from ...core.errors import BackendError
 from ...format.validate import is_digest
 
@@ -65,7 +66,7 @@ def mount_layers(state: Path, store_url: str, layers: list[dict[str, str]], *, c
     cfg = {"store": store_url, "layers": layers, "mountpoint": str(mnt), "cache": str(cache),
            "budget": budget, "mode": mode, "record_seconds": record_seconds,
            "max_read": max_read, "inflight": inflight, "ready_fd": w,
-           "log": os.environ.get("DSEC_LOG", "INFO").upper()}
+           "log": (env("DSEC_LOG") or "INFO").upper()}
     (state / "config.json").write_text(json.dumps(cfg))
     try:
         proc = subprocess.Popen(

@@ -9,7 +9,7 @@ import json
 import socket
 from typing import Any
 
-from ..core.errors import SandboxError
+from ...core.errors import SandboxError
 
 
 class QMPError(SandboxError):

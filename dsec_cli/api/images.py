@@ -1,4 +1,5 @@
-"""The public Python API of the build and store stages; the CLI calls exactly these."""
+"""Images: build specs into a store, list, inspect, export and remove layers and images (what
+`dsec build/ls/inspect/export/rmi` call)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .build.builder import BuildReport, Built, build
-from .core.errors import DsecError, UsageError
-from .format.manifest import Manifest, load_manifest
-from .format.refs import list_refs, resolve
-from .push.dedup import load_index
-from .push.materialize import ResolvedImage, export, prepare_image, resolve_image
-from .push.stores import Store, open_store
+from ..build.builder import BuildReport, Built, build
+from ..core.errors import DsecError, UsageError
+from ..format.manifest import Manifest, load_manifest
+from ..format.refs import list_refs, resolve
+from ..push.api import Removed, rmi
+from ..push.dedup import load_index
+from ..push.materialize import ResolvedImage, export, prepare_image, resolve_image
+from ..push.stores import Store, open_store
 
 __all__ = [
-    "BuildReport", "Built", "ImageInfo", "build", "export", "inspect", "list_images",
-    "open_store", "prepare_image", "resolve_image", "Store",
+    "BuildReport", "Built", "ImageInfo", "Removed", "build", "export", "export_image", "inspect",
+    "list_images", "open_store", "optimize_image", "prepare_image", "resolve_image", "rmi", "Store",
 ]
 
 
@@ -65,13 +67,9 @@ def inspect(ref: str, store: str | Store | None = None, *, files: bool = False
     """The manifest of a layer or image, with index statistics (and the file list); or, for
     a sandbox id, the sandbox's state as its node reports it."""
     if "@" not in ref and len(ref.removeprefix("sha256:")) != 64:
-        if "/" in ref:  # NODE/ID: a cluster node's sandbox
-            from .run.cluster.api import node_for
+        from .sandboxes import target
 
-            return node_for(ref).describe(ref)
-        from .run.node import local_node
-
-        return local_node(None).describe(ref)
+        return target(ref).describe(ref)
     st = _store(store)
     digest = resolve(st, ref)
     m: Manifest = load_manifest(st, digest)
@@ -96,5 +94,14 @@ def inspect(ref: str, store: str | Store | None = None, *, files: bool = False
     return doc
 
 
+def optimize_image(ref: str, cmd: list[str] | None = None, **options: Any) -> Any:
+    """Profiled prefetch: record what ``ref`` reads at start and publish layer versions that
+    prefetch it (see `dsec_cli.run.lazy.optimize.optimize_image` for the options)."""
+    from ..run.lazy.optimize import optimize_image as optimize
+
+    return optimize(ref, cmd, **options)
+
+
 def export_image(ref: str, dest: Path, store: str | Store | None = None) -> ResolvedImage:
+    """Write an image's merged tree (whiteouts applied) to a new directory or a ``.tar``."""
     return export(_store(store), ref, dest)

@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import BinaryIO
 
-from ..core.errors import UsageError
+from ...core.errors import UsageError
 
 #: modules the guest needs, by name; their dependencies are added from .modinfo
 GUEST_MODULES = (
@@ -59,7 +59,9 @@ class Kernel:
 def find_kernel(path: str | os.PathLike[str] | None = None) -> Kernel:
     """Resolve the configured kernel (``kernel:`` / ``DSEC_KERNEL``) or the setup cache into
     a `Kernel`."""
-    given = path or os.environ.get("DSEC_KERNEL")
+    from ...core.config import load_config
+
+    given = path or load_config().kernel or None
     root = Path(given) if given else default_kernel_dir()
     where = f"kernel {str(root)!r}" + ("" if given else " (the default, from scripts/setup.sh)")
     if root.is_file():
@@ -243,7 +245,7 @@ def busybox_path() -> Path:
 
 
 def guest_file(name: str) -> bytes:
-    return resources.files("dsec_cli.guest").joinpath(name).read_bytes()
+    return resources.files("dsec_cli.backends.vm.guest").joinpath(name).read_bytes()
 
 
 def build_initramfs(kernel: Kernel, cache_dir: Path, *, agent: Path | None = None,

@@ -28,13 +28,20 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..agent import agent_binary
-from ..agent.client import AgentClient, AgentError
-from ..core.config import load_config
-from ..core.errors import BackendError, SandboxError, UsageError
+from ...core.config import env, load_config
+from ...core.errors import BackendError, SandboxError, UsageError
+from ..agented import AgentBackend
+from ..base import (
+    BackendContext,
+    ExecRequest,
+    ExecResult,
+    OutputCallback,
+    SandboxHandle,
+    SandboxSpec,
+)
+from ..sandbox_agent import agent_binary
+from ..sandbox_agent.client import AgentClient, AgentError
 from . import qemu_accel, vmimage
-from .agented import AgentBackend
-from .base import ExecRequest, ExecResult, OutputCallback, SandboxHandle, SandboxSpec
 from .qemu_qmp import QMPError, qmp
 from .vmkernel import Kernel, boot_image, build_initramfs, find_kernel
 
@@ -75,6 +82,14 @@ class QemuBackend(AgentBackend):
     serial_dev: ClassVar[str] = ""
     net_dev: ClassVar[str] = ""
 
+    supports_pause = True  # QMP stop / cont
+    supports_snapshot = True  # upper/ read back from the guest's disk
+
+    @classmethod
+    def from_context(cls, ctx: BackendContext) -> QemuBackend:
+        # root images and the accelerator probe are kept per node
+        return cls(ctx.state_dir, ctx.kernel)
+
     def __init__(self, state_dir: str | os.PathLike[str] | None = None,
                  kernel: str | os.PathLike[str] | None = None,
                  qemu: str = "qemu-system-x86_64", accel: str = "auto",
@@ -109,7 +124,7 @@ class QemuBackend(AgentBackend):
     def _cmdline(self, spec: SandboxSpec, accel: str) -> str:
         args = ["console=ttyS0", "panic=-1", "rdinit=/init", "dsec.root=erofs",
                 f"dsec.hostname={_safe_hostname(spec.hostname)}"]
-        if not os.environ.get("DSEC_VM_VERBOSE"):  # the full kernel log, for boot problems
+        if not env("DSEC_VM_VERBOSE"):  # the full kernel log, for boot problems
             args.append("quiet")
         if accel == "tcg":
             khz = _host_tsc_khz()

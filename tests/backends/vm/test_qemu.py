@@ -27,7 +27,7 @@ from dsec_cli.backends import (
     SandboxSpec,
     get_backend,
 )
-from dsec_cli.backends.qemu import QemuBackend
+from dsec_cli.backends.vm.qemu import QemuBackend
 from dsec_cli.core.errors import NotFoundError, UsageError
 
 pytestmark = pytest.mark.slow

@@ -1,12 +1,15 @@
-"""`dsec agent`: the node side of the cluster, serving the JSON-lines protocol (protocol.py)
-against this node's sandboxes (dsec_cli.run.node.Node).
+"""The node service (`dsec agent`): the node side of the cluster, serving the JSON-lines node
+protocol (protocol.py) against this node's sandboxes (dsec_cli.run.node.Node). Not to be
+confused with the sandbox agent (dsec_cli/backends/sandbox_agent/), the exec server inside
+each sandbox; the command keeps its `dsec agent` name for compatibility.
 
-The CLI reaches it as ``ssh node dsec agent --stdio``: one agent process per client
+The CLI reaches it as ``ssh node dsec agent --stdio``: one node service process per client
 connection, all of them sharing the node's state dir (its sqlite databases make concurrent
-agents safe; admission.py keeps them from oversubscribing the node). Requests run on a thread
-pool, so a slow create does not hold up an exec on the same connection. When the client goes
-away (stdin closes) the agent finishes what is in flight and exits. ``--listen PATH`` serves
-the same protocol on a unix socket, for a resident service behind SSH socket forwarding.
+processes safe; admission.py keeps them from oversubscribing the node). Requests run on a
+thread pool, so a slow create does not hold up an exec on the same connection. When the
+client goes away (stdin closes) the node service finishes what is in flight and exits.
+``--listen PATH`` serves the same protocol on a unix socket, for a resident service behind
+SSH socket forwarding.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import os
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,60 +45,27 @@ log = logging.getLogger(__name__)
 Emit = Callable[[dict[str, Any]], None]
 
 
-class AgentService:
+class NodeService:
     """The request handlers: one instance per node state dir, shared by connections."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
         self.admission = Admission(node)
-        self._cache_bytes: tuple[float, int] = (0.0, 0)
 
     # -- node facts -----------------------------------------------------------------------------
     def hello(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         version = args.get("version")
         if not isinstance(version, int) or version != PROTOCOL_VERSION:
-            raise UsageError(f"client speaks agent protocol {version!r}, this node speaks "
+            raise UsageError(f"client speaks node protocol {version!r}, this node speaks "
                              f"{PROTOCOL_VERSION}", hint="install the same dsec on both sides")
         return {"protocol": PROTOCOL_VERSION, "dsec": _dsec_version,
                 "hostname": socket.gethostname(), "state_dir": str(self.node.root)}
 
-    def _cached_total(self) -> int:
-        """Bytes of the layer cache; walked at most every 30 s (a walk reads every inode)."""
-        t, size = self._cache_bytes
-        if time.monotonic() - t > 30:
-            from ...push.materialize import LayerCache
-
-            size = sum(s for _, _, s in LayerCache(self.node.cache_root).entries())
-            self._cache_bytes = (time.monotonic(), size)
-        return size
-
-    def image_cache(self, image: str) -> dict[str, Any]:
-        """How many of an image's bytes this node's layer cache already holds."""
-        from ...push.materialize import LayerCache, resolve_image
-
-        if image.startswith("/"):
-            return {"bytes": 0, "cached_bytes": 0}
-        img = resolve_image(self.node.store(), image)
-        cache = LayerCache(self.node.cache_root)
-        total = sum(m.size for _, m in img.layers)
-        cached = sum(m.size for _, m in img.layers if cache.path(m).is_dir())
-        return {"bytes": total, "cached_bytes": cached, "digest": img.digest}
-
     def info(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "dsec": _dsec_version, "protocol": PROTOCOL_VERSION,
-            "hostname": socket.gethostname(),
-            "capacity": self.admission.capacity().to_dict(),
-            "usage": self.admission.usage().to_dict(),
-            "cache_bytes": self._cached_total(), "store": self.node.store_url,
-        }
         image = args.get("image")
-        if image:
-            try:
-                out["image"] = self.image_cache(str(image))
-            except Exception as e:  # the node cannot see the image: it cannot run it either
-                out["image_error"] = error_to_wire(e)
-        return out
+        return {**self.node.info(str(image) if image else None), "protocol": PROTOCOL_VERSION,
+                "capacity": self.admission.capacity().to_dict(),
+                "usage": self.admission.usage().to_dict()}
 
     # -- sandboxes ------------------------------------------------------------------------------
     def create(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
@@ -163,7 +132,7 @@ class AgentService:
     def handle(self, msg: dict[str, Any], emit: Emit) -> Any:
         op = msg.get("op")
         if op not in self.OPS:
-            raise UsageError(f"unknown agent request {op!r}")
+            raise UsageError(f"unknown node service request {op!r}")
         args = msg.get("args") or {}
         if not isinstance(args, dict):
             raise UsageError("request args must be an object")
@@ -173,7 +142,7 @@ class AgentService:
             raise UsageError(f"request {op!r} lacks argument {e}") from None
 
 
-def serve_stream(service: AgentService, rfile: IO[bytes], wfile: IO[bytes],
+def serve_stream(service: NodeService, rfile: IO[bytes], wfile: IO[bytes],
                  workers: int = 32) -> None:
     """Serve one connection until its input closes; the first request must be hello."""
     lock = threading.Lock()
@@ -199,7 +168,7 @@ def serve_stream(service: AgentService, rfile: IO[bytes], wfile: IO[bytes],
                 log.warning("request %s failed: %s", msg.get("op"), e, exc_info=True)
             send({"id": rid, "ok": False, "error": error_to_wire(e)})
 
-    with ThreadPoolExecutor(workers, thread_name_prefix="dsec-agent") as pool:
+    with ThreadPoolExecutor(workers, thread_name_prefix="dsec-node-service") as pool:
         for line in rfile:
             if not line.strip():
                 continue
@@ -227,13 +196,13 @@ def serve_stdio(state_dir: str | None = None) -> None:
     proto_out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    service = AgentService(local_node(state_dir))
+    service = NodeService(local_node(state_dir))
     serve_stream(service, sys.stdin.buffer, proto_out)
 
 
 def serve_unix(path: str, state_dir: str | None = None) -> None:
     """Serve on a unix socket (one thread per connection) until killed."""
-    service = AgentService(local_node(state_dir))
+    service = NodeService(local_node(state_dir))
     p = Path(path)
     if p.is_socket():
         p.unlink()

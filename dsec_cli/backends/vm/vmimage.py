@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..core.errors import BackendError, UsageError
+from ...core.errors import BackendError, UsageError
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dsec_cli.backends import vmimage
-from dsec_cli.backends.vmkernel import (
+from dsec_cli.backends.vm import vmimage
+from dsec_cli.backends.vm.vmkernel import (
     _has_pvh_note,
     boot_image,
     build_initramfs,

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..backends.base import ExecResult, OutputCallback, TreeSink
-from ..core.errors import NotFoundError, SandboxError, UsageError
+from ...core.errors import NotFoundError, SandboxError, UsageError
+from ..base import ExecResult, OutputCallback, TreeSink
 
 # frame types, client -> agent
 T_EXEC, T_STDIN, T_PUT, T_GET, T_PING, T_SIGNAL, T_TREE = 1, 2, 3, 4, 5, 6, 7

@@ -10,14 +10,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dsec_cli.run.sdk import Sandbox
+from dsec_cli.api.sandboxes import Sandbox
 
 from .conftest import IMAGE, leaks
 
 
 def test_kill_during_create_then_reconcile(node_env: dict[str, str]) -> None:
     """kill -9 of a creating process at several points: ps/gc leave nothing behind."""
-    code = ("import sys; from dsec_cli.run.sdk import Sandbox\n"
+    code = ("import sys; from dsec_cli.api.sandboxes import Sandbox\n"
             "for i in range(100): Sandbox.create(sys.argv[1]); print(i, flush=True)\n")
     for _ in range(3):
         p = subprocess.Popen([sys.executable, "-c", code, IMAGE], stdout=subprocess.PIPE)

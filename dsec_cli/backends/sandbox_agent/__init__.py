@@ -14,7 +14,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from ..core.errors import BackendError
+from ...core.errors import BackendError
 
 SOURCE = Path(__file__).with_name("dsec-agent.c")
 
@@ -31,7 +31,7 @@ def agent_binary() -> Path:
     stamp = SOURCE.with_name(".dsec-agent.tag")
     if beside.is_file() and stamp.is_file() and stamp.read_text().strip() == tag:
         return beside
-    from ..core.config import data_home
+    from ...core.config import data_home
 
     built = data_home() / "agent" / f"dsec-agent-{tag}"
     if built.is_file():

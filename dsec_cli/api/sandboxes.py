@@ -1,0 +1,302 @@
+"""Sandboxes: what `dsec run/exec/cp/ps/rm/pause/resume/snapshot` do, as Python objects and
+functions, so a trainer creates and drives sandboxes without shelling out. Routing is decided
+here and nowhere else: a ``NODE/ID`` sandbox id or ``node=NAME`` goes to that cluster node,
+``node="auto"`` places a new sandbox by capacity and cache, anything else stays on this machine.
+
+    from dsec_cli.api.sandboxes import Sandbox
+    with Sandbox.create("busybox@1.35-1", memory="256M", ttl="10m") as sb:
+        r = sb.exec("echo hi")          # ExecResult(exit_code, stdout, stderr, duration, ...)
+        sb.write_file("/tmp/x", b"data")
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any, Literal
+
+from ..backends.base import ExecResult, OutputCallback
+from ..backends.fnpool import FunctionCallError, FunctionPool
+from ..core import validate
+from ..run.contract import NodeAPI
+from ..run.node import CreateOptions, local_node
+from ..run.state import SandboxRecord
+
+__all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "CreateOptions", "NodeAPI",
+           "run",
+           "list_sandboxes", "gc_node", "create_many", "create", "create_options", "target",
+           "exec_in", "copy", "ps", "remove", "pause", "resume", "snapshot"]
+
+
+def _size(v: int | str | None, what: str) -> int | None:
+    return None if v is None else v if isinstance(v, int) else validate.size(v, what)
+
+
+def _secs(v: float | str | None, what: str) -> float | None:
+    return None if v is None else float(v) if isinstance(v, int | float) \
+        else validate.duration(v, what)
+
+
+class Sandbox:
+    """A sandbox on this node or on a cluster node (``node=``; its id is then ``NODE/ID``).
+    ``Sandbox(image, ...)`` creates one (as `create` does); use it as a context manager to
+    remove it on exit."""
+
+    _rec: SandboxRecord | Any  # a remote node's records are plain objects of the same shape
+    node: NodeAPI  # the local Node or a cluster RemoteNode
+
+    def __init__(self, image: str | Path, backend: str = "container", *,
+                 cpus: float | None = None, memory: int | str | None = None,
+                 pids: int | None = None, ttl: float | str | None = None,
+                 network: Literal["none", "host"] = "none", env: dict[str, str] | None = None,
+                 workdir: str | None = None, state_dir: str | Path | None = None,
+                 store: str | None = None, node: str | None = None,
+                 disk: int | str | None = None) -> None:
+        """``node``: a configured cluster node's name, ``"auto"`` (placed by free capacity
+        and cached image bytes) or ``None``/``"local"`` for this machine. ``disk``: bytes
+        (or "1G") the sandbox may write; past it writes fail with ENOSPC inside."""
+        if isinstance(image, str):
+            validate.image(image, "image")
+        validate.node_option(node, "node")
+        opts = create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
+                              network=network, env=env, workdir=workdir, disk=disk)
+        self.node, self._rec = create(image, opts, node, state_dir, store)
+
+    @classmethod
+    def _wrap(cls, record: SandboxRecord | Any, node: NodeAPI) -> Sandbox:
+        sb = cls.__new__(cls)
+        sb._rec, sb.node = record, node
+        return sb
+
+    @property
+    def id(self) -> str:
+        return self._rec.id
+
+    @property
+    def backend(self) -> str:
+        return self._rec.backend
+
+    @property
+    def image(self) -> str:
+        return self._rec.image
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.id!r}, image={self.image!r}, backend={self.backend!r})"
+
+    @classmethod
+    def create(cls, image: str | Path, backend: str = "container", **options: Any) -> Sandbox:
+        """Same as ``Sandbox(image, backend, **options)``."""
+        return cls(image, backend, **options)
+
+    @classmethod
+    def attach(cls, sandbox_id: str, *, state_dir: str | Path | None = None) -> Sandbox:
+        node = target(sandbox_id, state_dir=state_dir)
+        return cls._wrap(node.lookup(sandbox_id), node)
+
+    def exec(self, cmd: str | list[str], *, stdin: bytes | str | None = None,
+             env: dict[str, str] | None = None, cwd: str | None = None,
+             timeout: float | None = None, on_output: OutputCallback | None = None
+             ) -> ExecResult:
+        """Run a command (a list, or a string for `sh -c`); returns stdout, stderr, the exit
+        code and the duration. A failing command is a result, not an exception."""
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        return self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=data, timeout=timeout,
+                              on_output=on_output)
+
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        self.node.put_file(self.id, path, data.encode() if isinstance(data, str) else data, mode)
+
+    def read_file(self, path: str) -> bytes:
+        return self.node.get_file(self.id, path)
+
+    def pause(self) -> None:
+        self._rec = self.node.pause(self.id)
+
+    def resume(self) -> None:
+        self._rec = self.node.resume(self.id)
+
+    def snapshot(self, ref: str, push: str | None = None) -> dict[str, Any]:
+        return self.node.snapshot(self.id, ref, push)
+
+    def info(self) -> dict[str, Any]:
+        return self.node.describe(self.id)
+
+    def remove(self) -> None:
+        self.node.remove(self.id)
+
+    close = remove
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def run(image: str | Path, cmd: str | list[str], backend: str = "container",
+        **options: Any) -> ExecResult:
+    """Create a sandbox, run one command in it, remove it."""
+    exec_opts = {k: options.pop(k) for k in ("stdin", "timeout", "on_output", "cwd")
+                 if k in options}
+    with Sandbox.create(image, backend, **options) as sb:
+        return sb.exec(cmd, **exec_opts)
+
+
+def list_sandboxes(state_dir: str | Path | None = None, *, node: str | None = None,
+                   all_nodes: bool = False) -> list[dict[str, Any]]:
+    """This node's sandboxes, a cluster node's, or (``all_nodes``) every reachable node's;
+    a node that does not answer is skipped (see `dsec_cli.run.cluster.api.ps_all` for the
+    per-node results)."""
+    if all_nodes:
+        from ..run.cluster.api import ps_all
+
+        return [d for r in ps_all() if r.ok for d in r.value]
+    return [r.public() for r in target(None, node, state_dir).sandboxes()]
+
+
+def create_many(n: int, image: str | Path, backend: str = "container", *,
+                nodes: list[str] | None = None, parallel: int = 8, cpus: float | None = None,
+                memory: int | str | None = None, pids: int | None = None,
+                ttl: float | str | None = None, network: Literal["none", "host"] = "none",
+                env: dict[str, str] | None = None, workdir: str | None = None,
+                disk: int | str | None = None) -> list[Any]:
+    """Create ``n`` sandboxes spread over the cluster's nodes (or ``nodes``) by placement.
+
+    Returns one `CreateResult` per sandbox, in order: ``.ok``, ``.node``, ``.sandbox`` (a
+    `Sandbox`) or ``.error`` (the `DsecError` of that one create). Failures do not stop the
+    batch; a node that refuses for capacity or does not answer passes the sandbox on to the
+    next best node."""
+    from ..run.cluster.api import RemoteNode
+    from ..run.cluster.api import create_many as _create_many
+    from ..run.cluster.registry import load_nodes
+
+    opts = create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
+                          network=network, env=env, workdir=workdir, disk=disk)
+    results = _create_many(n, str(image), opts, nodes, parallel)
+    entries = load_nodes()
+    for r in results:
+        if r.ok and r.node is not None:
+            r.sandbox = Sandbox._wrap(r.sandbox, RemoteNode(entries[r.node]))
+    return results
+
+
+def gc_node(budget: int | str | None = None, dry_run: bool = False,
+            state_dir: str | Path | None = None) -> dict[str, Any]:
+    """This node's expired or dead sandboxes, and least recently used layers past ``budget``."""
+    return local_node(state_dir).gc(_size(budget, "cache budget"), dry_run)
+
+
+def shell_join(argv: list[str]) -> str:
+    return shlex.join(argv)
+
+
+# -- routing and the functions the CLI calls ----------------------------------------------------
+def target(sandbox_id: str | None = None, node: str | None = None,
+           state_dir: str | Path | None = None, store: str | None = None) -> NodeAPI:
+    """The node holding a sandbox (named in a ``NODE/ID`` id, or by ``node``), or this one."""
+    validate.node_option(node, "--node")
+    if sandbox_id is not None:
+        validate.sandbox_id(sandbox_id)
+    if node or (sandbox_id and "/" in sandbox_id):
+        from ..run.cluster.api import node_for
+
+        return node_for(sandbox_id, node, state_dir)
+    return local_node(state_dir, store)
+
+
+def create_options(backend: str = "container", *, cpus: float | None = None,
+                   memory: int | str | None = None, pids: int | None = None,
+                   ttl: float | str | None = None, network: str = "none",
+                   env: dict[str, str] | None = None, workdir: str | None = None,
+                   fetch: str = "eager", disk: int | str | None = None,
+                   prefix: str = "") -> CreateOptions:
+    """Checked create options; errors name each option with ``prefix`` (``--`` for flags)."""
+    validate.positive_float(cpus, prefix + "cpus")
+    validate.positive_int(pids, prefix + "pids")
+    return CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, prefix + "memory"),
+                         pids=pids, ttl=_secs(ttl, prefix + "ttl"),
+                         network=network, env=dict(env or {}),  # type: ignore[arg-type]
+                         workdir=workdir, fetch=fetch, disk=_size(disk, prefix + "disk"))
+
+
+def create(image: str | Path, opts: CreateOptions, node: str | None = None,
+           state_dir: str | Path | None = None, store: str | None = None
+           ) -> tuple[NodeAPI, SandboxRecord | Any]:
+    """Create a sandbox on ``node`` (a name, ``auto`` or ``local``/None); returns the node
+    that holds it and its record."""
+    validate.node_option(node, "--node")
+    if node and node != "local":
+        from ..run.cluster.api import create as create_remote
+
+        return create_remote(str(image), opts, node, state_dir)
+    local = local_node(state_dir, store)
+    return local, local.create(str(image), opts)
+
+
+def exec_in(sandbox_id: str, argv: list[str], *, node: str | None = None,
+            state_dir: str | Path | None = None, **kw: Any) -> ExecResult:
+    """Run ``argv`` in a sandbox (keywords as `NodeAPI.exec`)."""
+    return target(sandbox_id, node, state_dir).exec(sandbox_id, argv, **kw)
+
+
+def copy(src: str, dst: str, node: str | None = None,
+         state_dir: str | Path | None = None) -> dict[str, Any]:
+    """Copy into or out of a sandbox; one side is ``[NODE/]SANDBOX:PATH``."""
+    validate.node_option(node, "--node")
+    if node or "/" in src.partition(":")[0] or "/" in dst.partition(":")[0]:
+        from ..run.cluster.api import copy_remote
+
+        return copy_remote(src, dst, node, state_dir)
+    from ..run.transfer import copy as copy_local
+
+    return copy_local(local_node(state_dir), src, dst)
+
+
+def ps(state_dir: str | Path | None = None, node: str | None = None, *,
+       all_nodes: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Sandboxes (with lazy-fetch statistics where the node keeps them), and the nodes of
+    an ``all_nodes`` fan-out that did not answer."""
+    if all_nodes:
+        from ..run.cluster.api import ps_all
+
+        recs: list[dict[str, Any]] = []
+        failed: list[dict[str, Any]] = []
+        for r in ps_all():
+            if r.ok:
+                recs.extend(r.value)
+            else:
+                failed.append(r.to_dict())
+        return recs, failed
+    node_api = target(None, node, state_dir)
+    out = []
+    for r in node_api.sandboxes():
+        doc = r.public()
+        stats = node_api.fetch_stats(r)
+        if stats is not None:
+            doc["fetch"] = stats  # bytes fetched / from cache, stall time (lazy mounts)
+        out.append(doc)
+    return out, []
+
+
+def remove(sandbox_ids: list[str], node: str | None = None,
+           state_dir: str | Path | None = None) -> list[str]:
+    """Remove sandboxes; every id is looked up before anything is removed."""
+    found = [(n, n.lookup(s)) for s in sandbox_ids for n in [target(s, node, state_dir)]]
+    return [n.remove(r.id).id for n, r in found]
+
+
+def pause(sandbox_id: str, node: str | None = None,
+          state_dir: str | Path | None = None) -> SandboxRecord | Any:
+    return target(sandbox_id, node, state_dir).pause(sandbox_id)
+
+
+def resume(sandbox_id: str, node: str | None = None,
+           state_dir: str | Path | None = None) -> SandboxRecord | Any:
+    return target(sandbox_id, node, state_dir).resume(sandbox_id)
+
+
+def snapshot(sandbox_id: str, ref: str, push: str | None = None, node: str | None = None,
+             state_dir: str | Path | None = None) -> dict[str, Any]:
+    """Turn a sandbox's changes into a new layer and an image ``ref`` stacking it."""
+    return target(sandbox_id, node, state_dir).snapshot(sandbox_id, ref, push)

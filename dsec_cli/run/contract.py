@@ -1,0 +1,95 @@
+"""The node contract: the operations every node offers, whether this machine's `Node`
+(run/node.py) or a cluster node reached over SSH (`RemoteNode`, run/cluster/remote.py).
+
+The API (dsec_cli/api/) holds nodes by this type, so a sandbox id routes to either kind and
+the caller cannot tell them apart. tests/run/test_contract.py checks with `inspect.signature`
+that both classes offer every method here with compatible parameters, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ..backends.base import ExecResult, OutputCallback
+
+if TYPE_CHECKING:
+    from .node import CreateOptions
+
+
+class SandboxRef(Protocol):
+    """What a node returns for a sandbox: a local `SandboxRecord` or a `RemoteRecord`."""
+
+    id: str
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def image(self) -> str: ...
+
+    def public(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class NodeAPI(Protocol):
+    """One node's sandboxes: lifecycle, work inside them, and node facts."""
+
+    # -- node facts ------------------------------------------------------------------------
+    def info(self, image: str | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Version, hostname, store and cached bytes; with ``image``, how much of it the
+        node's cache holds (``image``) or why the node cannot use it (``image_error``)."""
+        ...
+
+    def sandboxes(self) -> list[Any]:
+        """Every sandbox on the node, as `SandboxRef`s."""
+        ...
+
+    def gc(self, budget: int | None = None, dry_run: bool = False) -> dict[str, Any]:
+        """Remove expired or dead sandboxes and evict cached layers past ``budget``."""
+        ...
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def create(self, image: str, opts: CreateOptions | None = None) -> Any:
+        ...
+
+    def lookup(self, sid: str) -> Any:
+        ...
+
+    def describe(self, sid: str) -> dict[str, Any]:
+        ...
+
+    def fetch_stats(self, rec: Any) -> dict[str, Any] | None:
+        """A lazily fetched sandbox's fetch figures (None for eagerly fetched ones)."""
+        ...
+
+    def pause(self, sid: str) -> Any:
+        ...
+
+    def resume(self, sid: str) -> Any:
+        ...
+
+    def snapshot(self, sid: str, ref: str, push: str | None = None) -> dict[str, Any]:
+        ...
+
+    def remove(self, sid: str) -> Any:
+        ...
+
+    # -- work inside a sandbox -------------------------------------------------------------
+    def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
+             cwd: str | None = None, stdin: bytes | Iterable[bytes] | None = None,
+             timeout: float | None = None, on_output: OutputCallback | None = None,
+             capture_limit: int | None = None) -> ExecResult:
+        ...
+
+    def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        ...
+
+    def get_file(self, sid: str, path: str) -> bytes:
+        ...
+
+    def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
+        ...

@@ -1,0 +1,59 @@
+"""What a sandbox is created with (`CreateOptions`) and its validation: every option is
+checked before anything is reserved or made, with an error naming the flag."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..backends import _rootfs
+from ..core.errors import UsageError
+
+BACKEND_CHOICES = ("container", "fncall", "microvm", "vm")
+MIN_MEMORY = 8 << 20
+MIN_DISK = _rootfs.MIN_DISK
+MAX_SIZE = 1 << 60
+
+
+@dataclass
+class CreateOptions:
+    backend: str = "container"
+    cpus: float | None = None
+    memory: int | None = None
+    pids: int | None = None
+    ttl: float | None = None
+    network: Literal["none", "host"] = "none"
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    disk: int | None = None  # bytes the sandbox may write (its upper dir, or /tmp for fncall)
+    fetch: str = "eager"  # eager | lazy | background (docs/lazy.md)
+    record_seconds: float | None = None  # lazy: profile reads this long (default 30 s)
+
+    def validate(self) -> None:
+        if self.backend not in BACKEND_CHOICES:
+            raise UsageError(f"unknown backend {self.backend!r}; choose one of: "
+                             f"{', '.join(BACKEND_CHOICES)}")
+        ncpu = os.cpu_count() or 1
+        if self.cpus is not None and not (0.01 <= self.cpus <= ncpu):
+            raise UsageError(f"invalid --cpus {self.cpus}: must be between 0.01 and {ncpu} "
+                             "(the CPUs of this node)")
+        if self.memory is not None and not MIN_MEMORY <= self.memory <= MAX_SIZE:
+            raise UsageError(f"invalid --memory {self.memory}: must be at least 8 MiB and at "
+                             "most 1 EiB")
+        if self.pids is not None and self.pids < 2:
+            raise UsageError(f"invalid --pids {self.pids}: must be at least 2")
+        if self.disk is not None and not MIN_DISK <= self.disk <= MAX_SIZE:
+            raise UsageError(f"invalid --disk {self.disk}: must be at least 16 MiB and at "
+                             "most 1 EiB")
+        if self.ttl is not None and not (math.isfinite(self.ttl) and self.ttl > 0):
+            raise UsageError(f"invalid --ttl {self.ttl}: must be a finite number of seconds "
+                             "above 0")
+        if self.network not in ("none", "host"):
+            raise UsageError(f"invalid --network {self.network!r}: choose none or host")
+        if self.workdir is not None and not self.workdir.startswith("/"):
+            raise UsageError(f"invalid workdir {self.workdir!r}: must be an absolute path")
+        if self.fetch not in ("eager", "lazy", "background"):
+            raise UsageError(f"invalid --fetch {self.fetch!r}: choose eager, lazy or background")
+

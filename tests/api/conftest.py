@@ -1,0 +1,12 @@
+"""The sandbox fixtures of tests/run (a store with the busybox image, one node per module)
+for the API's tests."""
+
+from tests.run.conftest import (  # noqa: F401  (fixtures)
+    IMAGE,
+    dsec_home,
+    leaks,
+    node,
+    node_env,
+    sandbox_data,
+    store_url,
+)
