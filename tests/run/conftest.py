@@ -46,8 +46,9 @@ def node_env(tmp_path_factory: pytest.TempPathFactory, store_url: str,
              sandbox_data: Path) -> Iterator[dict[str, str]]:
     """DSEC_* variables for one node state dir; everything left is removed at the end."""
     state = tmp_path_factory.mktemp("node")
+    config = tmp_path_factory.mktemp("config")  # never the user's own config
     env = {"DSEC_STATE_DIR": str(state), "DSEC_STORE": store_url,
-           "XDG_DATA_HOME": str(sandbox_data)}
+           "XDG_DATA_HOME": str(sandbox_data), "XDG_CONFIG_HOME": str(config)}
     yield env
     from dsec_cli.run.node import Node
 
