@@ -149,9 +149,7 @@ def list_sandboxes(state_dir: str | Path | None = None, *, node: str | None = No
     a node that does not answer is skipped (see `dsec_cli.run.cluster.api.ps_all` for the
     per-node results)."""
     if all_nodes:
-        from ..run.cluster.api import ps_all
-
-        return [d for r in ps_all() if r.ok for d in r.value]
+        return ps(all_nodes=True)[0]
     return [r.public() for r in target(None, node, state_dir).sandboxes()]
 
 

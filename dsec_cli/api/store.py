@@ -8,7 +8,7 @@ for ``oci://`` registries served over plain HTTP.
 from __future__ import annotations
 
 from ..core import validate
-from ..push.api import pull, push
+from ..push.api import pull, push, store_options
 from ..push.gc import GcReport, gc_store
 from ..push.retry import open_retrying
 from ..push.transfer import TransferReport
@@ -25,9 +25,6 @@ def gc(store: str | None = None, *, grace: float | str = 3600.0, dry_run: bool =
     (seconds, or "1h"); repack live packs whose dead fraction is above ``repack_threshold``
     (1 = never). Safe while others push."""
     seconds = grace if isinstance(grace, int | float) else validate.duration(grace, "--grace")
-    opts: dict[str, object] = {"endpoint_url": endpoint_url} if endpoint_url else {}
-    if insecure:
-        opts["insecure"] = True
-    with open_retrying(store, **opts) as s:
+    with open_retrying(store, **store_options(endpoint_url, insecure)) as s:
         return gc_store(s, grace=float(seconds), dry_run=dry_run,
                         repack_threshold=repack_threshold, repack=repack_threshold < 1.0)

@@ -31,7 +31,6 @@ CLONE_NEWNET = 0x40000000
 #: mount points the skeleton layer provides, so nothing is created in a sandbox's upper dir
 SKELETON_DIRS = ("proc", "sys", "dev", "tmp", ".dsec/run")
 AGENT_IN_SANDBOX = "/.dsec/agent"
-SOCKET_IN_SANDBOX = "/.dsec/run/agent.sock"
 
 
 def shared_skeleton(root: Path) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import fcntl
 import os
 import socket
@@ -164,7 +165,5 @@ def exec_with_accounting(client: AgentClient, handle: SandboxHandle, request: Ex
     oom, pids_hit = after[0] > before[0], after[1] > before[1]
     if not (oom or pids_hit):
         return res
-    return ExecResult(res.exit_code, res.stdout, res.stderr, time.monotonic() - t0,
-                      res.timed_out, oom_killed=oom, pids_limited=pids_hit,
-                      stdout_truncated=res.stdout_truncated,
-                      stderr_truncated=res.stderr_truncated)
+    return dataclasses.replace(res, duration=time.monotonic() - t0, oom_killed=oom,
+                               pids_limited=pids_hit)

@@ -55,7 +55,7 @@ def runc_binary() -> str:
     return path
 
 
-def oci_spec(spec: SandboxSpec, rootfs: Path, run_dir: Path, agent: Path, cgroup: str
+def oci_spec(spec: SandboxSpec, rootfs: Path, agent: Path, cgroup: str
              ) -> dict[str, Any]:
     env = {"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}
     lim = spec.limits
@@ -139,13 +139,13 @@ class ContainerBackend(CgroupAgentBackend):
         sdir = spec.state_dir
         runc_root = self.runc_root or str(sdir.parent / ".runc")
         cgroup = f"{self.cgroup_parent}/{spec.sandbox_id}"
-        rootfs, run_dir, skel = sdir / "rootfs", sdir / "run", sdir / "skel"
+        rootfs, skel = sdir / "rootfs", sdir / "skel"
         upper, work = spec.rootfs.upper_dir, spec.rootfs.work_dir
         disk = sdir / "disk"
         if spec.limits.disk:  # upper and work on the sandbox's own bounded filesystem
             upper, work = disk / "upper", disk / "work"
         handle = SandboxHandle(spec.sandbox_id, self.name, {
-            "rootfs": str(rootfs), "run_dir": str(run_dir), "cgroup": cgroup,
+            "rootfs": str(rootfs), "cgroup": cgroup,
             "runc_root": runc_root, "upper": str(upper),
             "state_dir": str(sdir), "network": spec.network,
             "limited": bool(spec.limits.memory or spec.limits.pids),
@@ -157,14 +157,14 @@ class ContainerBackend(CgroupAgentBackend):
             if spec.limits.disk:
                 _rootfs.make_disk(sdir / "disk.img", disk, spec.limits.disk,
                                   Path(self.shared_dir) / "disks" if self.shared_dir else None)
-            for d in (run_dir, upper, work):
+            for d in (upper, work):
                 d.mkdir(parents=True, exist_ok=True)
             if self.shared_dir:
                 skel = _rootfs.shared_skeleton(Path(self.shared_dir))
             else:
                 _rootfs.make_skeleton(skel)
             _rootfs.mount_overlay(rootfs, [*spec.rootfs.lower_dirs, skel], upper, work)
-            config = oci_spec(spec, rootfs, run_dir, agent_binary(), cgroup)
+            config = oci_spec(spec, rootfs, agent_binary(), cgroup)
             (sdir / "config.json").write_text(json.dumps(config))
             pid = self._runc_run(spec.sandbox_id, sdir, runc_root)
             handle.state["pid"] = pid

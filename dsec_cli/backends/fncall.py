@@ -69,15 +69,14 @@ class FncallBackend(CgroupAgentBackend):
 
     def create(self, spec: SandboxSpec) -> SandboxHandle:
         sdir = spec.state_dir
-        rootfs, run_dir, skel = sdir / "rootfs", sdir / "run", sdir / "skel"
+        rootfs, skel = sdir / "rootfs", sdir / "skel"
         cgroup = f"{self.cgroup_parent}/{spec.sandbox_id}"
         handle = SandboxHandle(spec.sandbox_id, self.name, {
-            "rootfs": str(rootfs), "run_dir": str(run_dir), "cgroup": cgroup,
+            "rootfs": str(rootfs), "cgroup": cgroup,
             "state_dir": str(sdir), "network": spec.network,
             "limited": bool(spec.limits.memory or spec.limits.pids),
             "agent_sock": str(sdir / "agent.sock")})  # host-private: see agented.py
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
             if self.shared_dir:
                 skel = _rootfs.shared_skeleton(Path(self.shared_dir))
             else:
@@ -86,7 +85,7 @@ class FncallBackend(CgroupAgentBackend):
             cg = _cgroups.Cgroup(cgroup)
             lim = spec.limits
             cg.create(memory=lim.memory, pids=lim.pids, cpus=lim.cpus)
-            pid = self._spawn(spec, rootfs, run_dir, cg)
+            pid = self._spawn(spec, rootfs, cg)
             handle.state["pid"] = pid
             handle.state["start_time"] = _rootfs.proc_start_time(pid)
             for p in descendants(pid):  # bwrap, its pid-1 and the agent: children inherit
@@ -96,7 +95,7 @@ class FncallBackend(CgroupAgentBackend):
             raise
         return handle
 
-    def _spawn(self, spec: SandboxSpec, rootfs: Path, run_dir: Path, cg: _cgroups.Cgroup) -> int:
+    def _spawn(self, spec: SandboxSpec, rootfs: Path, cg: _cgroups.Cgroup) -> int:
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}
         # bwrap reads the seccomp program from SECCOMP_FD; /tmp is the only writable place,
         # sized by --disk

@@ -41,11 +41,6 @@ def fail(what: str, message: str) -> NoReturn:
                              hint="`dsec verify` checks every object of a store")
 
 
-def name(kind: str, digest: str) -> str:
-    """How messages name an object: ``index 1a2b3c4d5e6f``."""
-    return f"{kind} {digest[:12]}"
-
-
 def is_digest(value: object) -> bool:
     return type(value) is str and _HEX64.fullmatch(value) is not None
 
@@ -244,8 +239,10 @@ def validate_index(ix: LayerIndex, what: str, limits: StoreLimits | None = None)
     from .tree import check_rel_path
 
     for n, path in enumerate(ix.prefetch):
+        if type(path) is not str:
+            fail(what, f"prefetch[{n}] is not a path")
         try:
-            check_rel_path(path) if type(path) is str else fail(what, "prefetch holds a non-path")
+            check_rel_path(path)
         except FormatError as e:
             fail(what, f"prefetch[{n}]: {e.message}")
     return ix

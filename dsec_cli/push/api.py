@@ -16,7 +16,8 @@ from .retry import open_retrying
 from .transfer import DEFAULT_JOBS, ProgressFn, TransferReport, copy_refs
 
 
-def _options(endpoint_url: str | None, insecure: bool) -> dict[str, object]:
+def store_options(endpoint_url: str | None, insecure: bool) -> dict[str, object]:
+    """The options `open_store` takes for an S3 endpoint or a plain-HTTP registry."""
     opts: dict[str, object] = {}
     if endpoint_url:
         opts["endpoint_url"] = endpoint_url
@@ -40,7 +41,8 @@ def push(refs: Sequence[str], to: str, *, store: str | None = None, jobs: int = 
     """Copy refs from the local store (default: the configured one) to the store at `to`.
     A ref `to` holds with other content is refused (`RefConflictError`) unless ``replace``."""
     _check(refs, jobs)
-    with open_retrying(store) as src, open_retrying(to, **_options(endpoint_url, insecure)) as dst:
+    remote = store_options(endpoint_url, insecure)
+    with open_retrying(store) as src, open_retrying(to, **remote) as dst:
         return copy_refs(src, dst, refs, jobs=jobs, progress=progress, replace=replace)
 
 
@@ -49,7 +51,7 @@ def pull(refs: Sequence[str], frm: str, *, store: str | None = None, jobs: int =
          progress: ProgressFn | None = None, replace: bool = False) -> TransferReport:
     """Copy refs from the store at `frm` into the local store (same rule as `push`)."""
     _check(refs, jobs)
-    with open_retrying(frm, **_options(endpoint_url, insecure)) as src, \
+    with open_retrying(frm, **store_options(endpoint_url, insecure)) as src, \
             open_retrying(store) as dst:
         return copy_refs(src, dst, refs, jobs=jobs, progress=progress, replace=replace)
 
@@ -66,7 +68,7 @@ def rmi(refs: Sequence[str], *, store: str | None = None, endpoint_url: str | No
 
     Every ref is checked first, so a typo removes nothing."""
     _check(refs)
-    with open_retrying(store, **_options(endpoint_url, insecure)) as s:
+    with open_retrying(store, **store_options(endpoint_url, insecure)) as s:
         found = [Removed(r, get_ref(s, r).manifest) for r in dict.fromkeys(refs)]
         for r in found:
             delete_ref(s, r.ref)

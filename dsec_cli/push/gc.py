@@ -197,7 +197,7 @@ def _list_objects(store: Store) -> dict[str, ObjectInfo]:
 def gc_store(store: Store, grace: float = 3600.0, dry_run: bool = False, jobs: int = 8,
              repack_threshold: float = 0.5, repack: bool = True) -> GcReport:
     """Collect garbage in one store; see the module docstring for the protocol."""
-    store = store if isinstance(store, RetryingStore) else RetryingStore(store)
+    store = RetryingStore(store)  # a retrying store is unwrapped, never wrapped twice
     now = time.time()
     report = GcReport(store.url, dry_run, grace)
     leases = read_leases(store)

@@ -346,15 +346,15 @@ class LayerCache:
     @staticmethod
     def _write(store: Store, index: LayerIndex, tmp: Path, spool: Path) -> None:
         packs = None
-        if store.url.startswith("file:"):
-            fetch = store_fetch(store)  # local reads: nothing to gain from spooling
+        if store.local:
+            fetch = store_fetch(store)  # no round trips: nothing to gain from spooling
         else:
             packs = PackSpool(store, index, spool)
             fetch = packs.fetch
         try:
             reader = ChunkReader(index, fetch, max_read=store.preferred_read_size)
-            # the index's entries as they come: the writer applies duplicates last-wins and
-            # refuses anything that would leave tmp, whatever the order
+            # the index's entries as they come (validated: no path twice); the writer refuses
+            # anything that would leave tmp, whatever the order
             with TreeWriter(tmp, overlay_form=True) as w:
                 for e in index.entries:
                     w.write(e, reader.read_file(e) if e.type == "reg" else None)

@@ -92,6 +92,7 @@ class RetryingStore(Store):
         self._inner = inner
         self.policy = policy or RetryPolicy.from_env()
         self.preferred_read_size = inner.preferred_read_size  # type: ignore[misc]
+        self.local = inner.local  # type: ignore[misc]
 
     @classmethod
     def from_url(cls, url: str, **options: object) -> RetryingStore:
@@ -131,5 +132,7 @@ def open_retrying(url: str | None = None, **options: object) -> RetryingStore:
     `dsec_cli.push.stores.open_store` is this function."""
     from .stores import open_backend
 
-    store = call(lambda: open_backend(url, **options), f"opening {url or 'the default store'}")
-    return RetryingStore(store)
+    policy = RetryPolicy.from_env()  # resolved once: it reads the config files
+    store = call(lambda: open_backend(url, **options), f"opening {url or 'the default store'}",
+                 policy)
+    return RetryingStore(store, policy)

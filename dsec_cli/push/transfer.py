@@ -70,10 +70,6 @@ class TransferReport:
         return d
 
 
-def _retrying(store: Store) -> Store:
-    return store if isinstance(store, RetryingStore) else RetryingStore(store)
-
-
 class _Counter:
     def __init__(self, total_objects: int, total_bytes: int, fn: ProgressFn | None) -> None:
         self.p = Progress(0, total_objects, 0, total_bytes)
@@ -119,7 +115,8 @@ def copy_refs(src: Store, dst: Store, refs: Sequence[str], *, jobs: int = DEFAUL
     Versions are immutable: a ref that dst already holds with another manifest is a
     `RefConflictError`, raised before anything is copied, unless ``replace`` is given."""
     t0 = time.monotonic()
-    src, dst = _retrying(src), _retrying(dst)
+    # one layer of retries: a retrying store is unwrapped, never wrapped twice
+    src, dst = RetryingStore(src), RetryingStore(dst)
     wanted = [(parse_ref(r), get_ref(src, r).manifest) for r in dict.fromkeys(refs)]
     before = {f"{n}@{v}": _existing(dst, f"{n}@{v}") for (n, v), _ in wanted}
     for (name, version), digest in wanted:

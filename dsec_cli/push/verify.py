@@ -219,8 +219,8 @@ def _deep_pack(walk: _Walk, pack: str, users: list[tuple[str, int]]) -> None:
 def verify_store(refs: Sequence[str] = (), *, store: str | None = None, deep: bool = False,
                  endpoint_url: str | None = None, insecure: bool = False) -> VerifyReport:
     """Check a store by URL (default: the configured one); what `dsec verify` calls."""
-    from .api import _options
+    from .api import store_options
     from .retry import open_retrying
 
-    with open_retrying(store, **_options(endpoint_url, insecure)) as s:
+    with open_retrying(store, **store_options(endpoint_url, insecure)) as s:
         return verify(s, refs, deep=deep)

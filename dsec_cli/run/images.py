@@ -49,7 +49,7 @@ def resolve(store: Any, cache_root: Path, image: str) -> Image:
 def fetch_mode(fetch: str, image: str) -> str:
     """The fetch mode a create really uses: lazy modes fall back to eager where FUSE is not
     available (and for directory images, which are never fetched)."""
-    if fetch == "eager" or image.startswith(("/", "./", "../")) or Path(image).is_dir():
+    if fetch == "eager" or is_directory_image(image):
         return "eager"
     from .lazy import available
 
@@ -99,7 +99,7 @@ def cache_usage(store: Any, cache_root: Path, image: str) -> dict[str, Any]:
     """How many of an image's bytes the node's layer cache already holds."""
     from ..push.materialize import LayerCache, resolve_image
 
-    if image.startswith("/"):
+    if is_directory_image(image):
         return {"bytes": 0, "cached_bytes": 0}
     img = resolve_image(store, image)
     cache = LayerCache(cache_root)

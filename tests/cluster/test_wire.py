@@ -73,6 +73,12 @@ def test_every_field_crosses_the_wire(cls: type) -> None:
         back = from_wire(cls, json.loads(line))
         assert getattr(back, f.name) == changed, f"{cls.__name__}.{f.name} was lost"
         assert back == obj
+    # and the defaults, None for every optional field included, come back as they went
+    required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING}
+    obj = cls(**{k: (_other(hints[k], None, k) if k in required else v)
+                 for k, v in defaults.items()})
+    assert from_wire(cls, json.loads(json.dumps(to_wire(obj)))) == obj
 
 
 def test_unknown_field_is_a_protocol_error() -> None:

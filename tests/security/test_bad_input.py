@@ -37,10 +37,10 @@ CASES: list[tuple[list[str], str]] = [
     (["run", "x@", *END], "reference"),
     (["run", "@1", *END], "reference"),
     (["run", "", *END], "IMAGE"),
-    (["push", "", "--to", "file:///nonexistent/x"], "reference"),
-    (["push", "x@", "--to", "file:///nonexistent/x"], "reference"),
-    (["push", "a@" + "1" * 300, "--to", "file:///nonexistent/x"], "reference"),
-    (["pull", "a@", "--from", "file:///nonexistent/x"], "reference"),
+    (["push", "", "--to", "file://@DEST@/x"], "reference"),
+    (["push", "x@", "--to", "file://@DEST@/x"], "reference"),
+    (["push", "a@" + "1" * 300, "--to", "file://@DEST@/x"], "reference"),
+    (["pull", "a@", "--from", "file://@DEST@/x"], "reference"),
     (["rmi", ""], "reference"),
     (["rmi", "x@"], "reference"),
     (["rmi", LONG], "reference"),
@@ -75,7 +75,7 @@ CASES: list[tuple[list[str], str]] = [
     (["push", "a@1", "--to", "s3://bkt", "--endpoint-url", "ftp://x"], "--endpoint-url"),
     (["push", "a@1", "--to", "s3://bkt", "--endpoint-url", "http://h:99999"],
      "--endpoint-url"),
-    (["push", "a@1", "--to", "file:///nonexistent/x", "-j", "0"], "--jobs"),
+    (["push", "a@1", "--to", "file://@DEST@/x", "-j", "0"], "--jobs"),
     (["pull", "a@1", "--from", "ftp://x"], "ftp"),
     (["pull", "a@1", "--from", ""], "store URL"),
     (["ls", "--store", ""], "store URL"),
@@ -193,6 +193,8 @@ def test_bad_input_exits_2_naming_it(argv: list[str], mentions: str, store: Path
                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                      capfd: pytest.CaptureFixture[str]) -> None:
     before = _tree_digest(store)
+    dest = tmp_path / "dest"  # where a store URL in the case points: never the host's root
+    argv = [a.replace("@DEST@", str(dest)) for a in argv]
     code = _run_main(argv, monkeypatch)
     out, err = capfd.readouterr()
     assert code == 2, f"exit {code}\nstdout: {out[:2000]}\nstderr: {err[:2000]}"
@@ -201,9 +203,11 @@ def test_bad_input_exits_2_naming_it(argv: list[str], mentions: str, store: Path
     assert len(err) < 5000, "the message repeats a huge input whole"
     assert _tree_digest(store) == before, "bad input changed the store"
     assert not (tmp_path / "config.yaml").exists(), "bad input changed the user config"
+    assert not dest.exists(), "bad input created a store"
 
 
 def _dsec(args: list[bytes], store: Path, tmp_path: Path) -> subprocess.CompletedProcess[bytes]:
+    args = [a.replace(b"@DEST@", os.fsencode(tmp_path / "dest")) for a in args]
     env = {**os.environ, "DSEC_STORE": store.as_uri(), "COLUMNS": "200",
            "DSEC_CONFIG": str(tmp_path / "config.yaml")}
     return subprocess.run([sys.executable.encode(), b"-m", b"dsec_cli", *args],
@@ -213,7 +217,7 @@ def _dsec(args: list[bytes], store: Path, tmp_path: Path) -> subprocess.Complete
 
 @pytest.mark.parametrize("args", [
     [b"inspect", b"a\xff@1"],
-    [b"push", b"a@1", b"--to", b"file:///tmp/\xff"],
+    [b"push", b"a@1", b"--to", b"file://@DEST@/\xff"],
     [b"cp", b"/etc/hostname", b"x\xfe:/a"],
     [b"node", b"add", b"n\xff", b"root@h", b"--no-check"],
     [b"exec", b"abc", b"--", b"echo", b"\xff"],
@@ -224,10 +228,11 @@ def test_arguments_that_are_not_utf8(args: list[bytes], store: Path, tmp_path: P
     err = p.stderr.decode(errors="replace")
     assert p.returncode == 2 and "not valid UTF-8" in err and "Traceback" not in err, err
     assert _tree_digest(store) == before and not (tmp_path / "config.yaml").exists()
+    assert not (tmp_path / "dest").exists()
 
 
 @pytest.mark.parametrize("args", [["inspect", LONG], ["exec", LONG, "--", "true"],
-                                  ["push", LONG, "--to", "file:///nonexistent"]])
+                                  ["push", LONG, "--to", "file://@DEST@"]])
 def test_huge_argument_gets_a_short_message(args: list[str], store: Path,
                                             tmp_path: Path) -> None:
     p = _dsec([a.encode() for a in args], store, tmp_path)

@@ -38,11 +38,15 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 
 @pytest.fixture(params=["openat2", "walk"])
-def resolver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def resolver(request: pytest.FixtureRequest,
+             monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Both ways of resolving a parent beneath the root: openat2, and the O_NOFOLLOW walk a
     kernel without openat2 gets."""
     monkeypatch.setattr(tree_mod, "use_openat2", request.param == "openat2", raising=False)
-    return str(request.param)
+    yield str(request.param)
+    # the writer turns openat2 off for good when the kernel refuses it: then the "openat2"
+    # case would have tested the walk
+    assert tree_mod.use_openat2 == (request.param == "openat2")
 
 
 @pytest.fixture
@@ -210,7 +214,7 @@ def test_crafted_index_on_the_run_path(tmp_path: Path, run_dsec, backend: str) -
     assert "Traceback" not in p.stderr
     assert os.listdir(sentinel) == []
     # nothing half-written was left in the node's layer cache
-    layers = Path(os.environ["DSEC_STATE_DIR"]) / "layers"
+    layers = Path(os.environ["DSEC_STATE_DIR"]) / "cache" / "layers"
     assert not layers.is_dir() or os.listdir(layers) == []
 
 

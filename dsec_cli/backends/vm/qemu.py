@@ -99,6 +99,7 @@ class QemuBackend(AgentBackend):
         root = Path(state_dir) if state_dir else Path(load_config().state_dir)
         self.vm_dir = root / "vm"  # node-level: accel probe, initramfs, root images
         self.kernel_path = kernel
+        self._resolved_kernel: Kernel | None = None
         self.qemu = qemu
         self.accel = accel
         self.boot_timeout = boot_timeout
@@ -106,7 +107,10 @@ class QemuBackend(AgentBackend):
 
     # -- helpers -------------------------------------------------------------------------------
     def _kernel(self) -> Kernel:
-        return find_kernel(self.kernel_path)
+        # resolved once per backend: finding it reads the config files and globs the cache
+        if self._resolved_kernel is None:
+            self._resolved_kernel = find_kernel(self.kernel_path)
+        return self._resolved_kernel
 
     def _qemu_binary(self) -> str:
         path = shutil.which(self.qemu)

@@ -32,6 +32,8 @@ class Store(abc.ABC):
     scheme: ClassVar[str] = ""
     #: a good size for one ranged read from this store (coalescing neighbours up to it)
     preferred_read_size: ClassVar[int] = 4 << 20
+    #: reads cost no round trip (a local or cluster filesystem): readers need not batch them
+    local: ClassVar[bool] = False
 
     def __init__(self, url: str) -> None:
         self.url = url

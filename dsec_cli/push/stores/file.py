@@ -24,6 +24,7 @@ from .base import ObjectInfo, Store
 class FileStore(Store):
     scheme: ClassVar[str] = "file"
     preferred_read_size: ClassVar[int] = 1 << 20
+    local: ClassVar[bool] = True
 
     def __init__(self, url: str, root: Path) -> None:
         super().__init__(url)

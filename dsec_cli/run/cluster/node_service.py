@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ... import __version__ as _dsec_version
+from ...core import validate
 from ...core.errors import UsageError
 from ..node import CreateOptions, Node, local_node
 from .admission import Admission
@@ -88,7 +89,8 @@ class NodeService:
         res = self.node.exec(str(args["id"]), list(args["argv"]), env=args.get("env") or {},
                              cwd=args.get("cwd"), stdin=stdin, timeout=args.get("timeout"),
                              on_output=on_output if stream else None,
-                             capture_limit=_capture_limit(args.get("capture_limit")))
+                             capture_limit=validate.positive_int(args.get("capture_limit"),
+                                                                  "capture_limit", minimum=0))
         if stream:  # the output went out as events already
             res = dataclasses.replace(res, stdout=b"", stderr=b"")
         return to_wire(res)
@@ -220,10 +222,3 @@ def serve_unix(path: str, state_dir: str | None = None) -> None:
         threading.Thread(target=one, daemon=True).start()
 
 
-def _capture_limit(value: Any) -> int | None:
-    """A request's capture_limit: None, or a non-negative int."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise UsageError(f"invalid capture_limit {value!r}")
-    return value
