@@ -125,6 +125,24 @@ def _umount(merged: Path) -> None:
     subprocess.run(["umount", "-l", str(merged)], capture_output=True)
 
 
+
+def _fs_tick(where: Path) -> int:
+    """A ctime threshold on the filesystem's own clock: inode times come from the kernel's
+    coarse clock, which lags `time.time_ns()` by up to a tick, so a file a command writes at
+    once could look older than a threshold read from the wall clock. Wait for the next tick,
+    so everything written before has an older ctime and everything after a newer or equal one."""
+    probe = where / ".dsec-tick"
+    probe.touch()
+    first = probe.stat().st_ctime_ns
+    while True:
+        os.utime(probe)  # a metadata change: its ctime is the filesystem's now
+        now = probe.stat().st_ctime_ns
+        if now > first:
+            probe.unlink()
+            return now
+        time.sleep(0.001)
+
+
 class StagedTree:
     """The layer as an overlayfs upper directory, for specs with `run` steps."""
 
@@ -153,8 +171,7 @@ class StagedTree:
         if os.geteuid() != 0:
             raise BuildError(f"{spec.path}:{step.line}: `run` steps need root (overlayfs, "
                              "namespaces)")
-        start = time.time_ns()
-        self.touched_after.append(start)
+        self.touched_after.append(_fs_tick(self.upper.parent))
         _mount_overlay(self.lowers, self.upper, self.work, self.merged)
         try:
             if not (self.merged / "bin/sh").exists() and not (self.merged / "bin/sh").is_symlink():
