@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MEMORY = 512 << 20
 MIN_MEMORY = 128 << 20
+#: how long one connection waits for the agent's answer before it is made again
+AGENT_RETRY = 10.0
 BOOT_TIMEOUT = 180.0  # TCG on a loaded 2-core host boots in tens of seconds
 CONNECT_TIMEOUT = 60.0  # waiting for another process to release the agent connection
 
@@ -225,8 +227,23 @@ class QemuBackend(AgentBackend):
     def _open_agent(self, handle: SandboxHandle, timeout: float) -> AgentClient:
         """A client whose agent answered a ping within `timeout` (QEMU accepts one
         connection on the port's socket at a time: a second process waits its turn, and a
-        guest still booting has not opened the port yet). Fails early if QEMU exits."""
+        guest still booting has not opened the port yet). A connection that gets no answer
+        is dropped and made again every few seconds: one left behind by a killed process can
+        stay unanswered while a new one is served. Fails early if QEMU exits."""
         deadline = time.monotonic() + timeout
+        while True:
+            client = self._ping_within(handle, min(AGENT_RETRY, deadline - time.monotonic()))
+            if client is not None:
+                return client
+            if not self.is_alive(handle):
+                raise SandboxError("QEMU exited")
+            if time.monotonic() >= deadline:
+                raise SandboxError(f"the guest agent did not answer within {timeout:.0f}s "
+                                   "(still booting, or another process holds its connection)")
+
+    def _ping_within(self, handle: SandboxHandle, wait: float) -> AgentClient | None:
+        """One connection and one ping: the client if the agent answered within `wait`."""
+        deadline = time.monotonic() + max(wait, 0.1)
         try:
             # the host end of the guest's virtio-serial port: only QEMU itself may serve it
             client = AgentClient.connect_unix(
@@ -250,9 +267,7 @@ class QemuBackend(AgentBackend):
             if not self.is_alive(handle) or time.monotonic() > deadline:
                 client.close()
                 done.wait(5)
-                raise SandboxError("QEMU exited" if not self.is_alive(handle) else
-                                   f"the guest agent did not answer within {timeout:.0f}s "
-                                   "(still booting, or another process holds its connection)")
+                return None
         if error:
             client.close()
             raise SandboxError(f"the guest agent failed: {error[0]}")
