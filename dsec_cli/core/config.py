@@ -9,8 +9,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .errors import ConfigError
 
 SYSTEM_FILE = Path("/etc/dsec/config.yaml")
@@ -70,6 +68,8 @@ def user_config_file() -> Path:
 def _apply_file(cfg: Config, path: Path) -> None:
     if not path.is_file():
         return
+    import yaml  # only when a config file exists: commands start without it otherwise
+
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -104,6 +104,8 @@ def load_config(project_dir: Path | None = None, **flags: Any) -> Config:
 
 def save_user_config(updates: dict[str, Any]) -> Path:
     """Merge keys into the user config file (used by `dsec node add/rm`)."""
+    import yaml
+
     path = user_config_file()
     data: dict[str, Any] = {}
     if path.is_file():

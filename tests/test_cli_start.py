@@ -1,0 +1,79 @@
+"""The command line starts with only what a command needs: `dsec --help` and the commands of
+one area import no other area's dependencies, and the command table that `--help` is drawn
+from says what the command modules register."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+#: modules only some commands need: the ones a command that does not use them must not load
+HEAVY = ("boto3", "botocore", "oras", "rich", "typer", "pydantic", "yaml", "fastcdc",
+         "dsec_cli.push.stores.s3", "dsec_cli.push.stores.oci", "dsec_cli.api.sandboxes",
+         "dsec_cli.run.node", "dsec_cli.build")
+
+
+def _loaded_after(argv: list[str], env: dict[str, str] | None = None) -> tuple[set[str], str]:
+    """Run `dsec ARGV` in a fresh interpreter; the HEAVY modules it had loaded at exit."""
+    code = ("import atexit, json, sys\n"
+            f"heavy = {HEAVY!r}\n"
+            "atexit.register(lambda: sys.__stderr__.write('\\nLOADED ' + json.dumps("
+            "sorted(m for m in heavy if m in sys.modules)) + '\\n'))\n"
+            "sys.argv = ['dsec', *sys.argv[1:]]\n"
+            "from dsec_cli.cli import main\n"
+            "main()\n")
+    p = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                       env=env, timeout=120)
+    line = [ln for ln in p.stderr.splitlines() if ln.startswith("LOADED ")][-1]
+    return set(json.loads(line[len("LOADED "):])), p.stdout
+
+
+def test_help_loads_no_command_module() -> None:
+    loaded, out = _loaded_after(["--help"])
+    assert loaded == set(), loaded
+    assert "Commands:" in out and "exec" in out
+
+
+def test_a_store_command_loads_no_sandbox_or_remote_store_code(tmp_path: Path,
+                                                              dsec_home: Path) -> None:
+    import os
+
+    env = {**os.environ, "DSEC_STORE": (tmp_path / "store").as_uri()}
+    loaded, out = _loaded_after(["ls", "--json"], env)
+    assert json.loads(out) == []
+    assert not loaded & {"boto3", "botocore", "oras", "dsec_cli.push.stores.s3",
+                         "dsec_cli.push.stores.oci", "dsec_cli.api.sandboxes",
+                         "dsec_cli.run.node", "rich"}, loaded
+
+
+def test_command_table_matches_the_modules() -> None:
+    """Every command the modules register is in the table with its module and one-line
+    help, and nothing else is."""
+    import importlib
+
+    import typer
+
+    from dsec_cli.cli import COMMANDS
+
+    seen: dict[str, tuple[str, str]] = {}
+    for module in sorted({m for m, _ in COMMANDS.values()}):
+        sub = typer.Typer()
+        sub.callback()(lambda: None)
+        importlib.import_module(f"dsec_cli.cli.{module}").register(sub)
+        group = typer.main.get_command(sub)
+        for name in group.list_commands(None):  # type: ignore[attr-defined]
+            short = group.get_command(None, name).get_short_help_str(limit=1000)  # type: ignore[attr-defined]
+            seen[name] = (module, short)
+    assert seen == COMMANDS
+
+
+def test_every_command_resolves_and_shows_its_help() -> None:
+    from dsec_cli.cli import COMMANDS
+
+    for name in COMMANDS:
+        p = subprocess.run([sys.executable, "-m", "dsec_cli", name, "--help"],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, (name, p.stderr)
+        assert "Usage" in p.stdout, name
