@@ -121,13 +121,18 @@ def register(app: typer.Typer) -> None:
                          ] = False,
         listen: Annotated[str | None, typer.Option(  # noqa: UP007
             "--listen", help="serve on this unix socket")] = None,
+        resident: Annotated[bool, typer.Option(
+            "--resident", help="make sure this node's long-lived service runs; print where "
+            "it listens (JSON)")] = False,
         state_dir: Annotated[str | None, typer.Option(  # noqa: UP007
             "--state-dir", help="node state directory (default: DSEC_STATE_DIR)")] = None,
     ) -> None:
         """The node service of the cluster: serves the node protocol for `dsec --node`."""
         from ..api.cluster import serve_node
 
-        serve_node(stdio, listen, state_dir)
+        out = serve_node(stdio, listen, state_dir, resident=resident)
+        if out is not None:
+            print_json(out)
 
 
 def render_fanout(failed: list[dict[str, Any]]) -> None:

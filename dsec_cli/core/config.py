@@ -197,6 +197,11 @@ ENV_SETTINGS: dict[str, str] = {
     "DSEC_SSH_CONFIG": "an ssh config file used instead of ~/.ssh/config",
     "DSEC_SSH_PERSIST": "how long an idle ssh master connection stays (ssh syntax, 600)",
     "DSEC_VM_VERBOSE": "any value: show the guest kernel's full boot log",
+    "DSEC_NODE_AGENT": "how the client reaches a node's service: resident (one long-lived "
+                       "service per node, the default) or stdio (one per connection)",
+    "DSEC_AGENT_DIR": "where a node's resident service keeps its socket, pid and log "
+                      "(default $XDG_RUNTIME_DIR/dsec-node or /tmp/dsec-node-UID)",
+    "DSEC_AGENT_IDLE": "seconds a resident node service stays without clients (default 900)",
 }
 
 

@@ -149,7 +149,9 @@ class SshTarget:
             with tempfile.TemporaryFile() as err:
                 try:
                     p = subprocess.run(
-                        [*self.base_argv("yes"), "-o", f"ControlPersist={persist}", "-f", "-N",
+                        [*self.base_argv("yes"), "-o", f"ControlPersist={persist}",
+                         # a forward to a node service replaces a dead master's stale socket
+                         "-o", "StreamLocalBindUnlink=yes", "-f", "-N",
                          self.address.host], stdin=subprocess.DEVNULL,
                         stdout=subprocess.DEVNULL, stderr=err, timeout=_timeout() + 5)
                 except subprocess.TimeoutExpired as e:
@@ -167,6 +169,15 @@ class SshTarget:
         if self.control_path.exists():
             subprocess.run([*self.base_argv(), "-O", "exit", self.address.host],
                            capture_output=True, timeout=_timeout())
+
+    def forward(self, local: Path, remote: str) -> None:
+        """Have the master forward the unix socket ``local`` here to ``remote`` on the node
+        (kept while the master lives; asking again for the same forward is harmless)."""
+        p = subprocess.run([*self.base_argv(), "-O", "forward", "-L", f"{local}:{remote}",
+                            self.address.host], capture_output=True, timeout=_timeout())
+        if p.returncode != 0:
+            raise classify(str(self.address), p.stderr.decode(errors="replace") or
+                           "the ssh master refused the forward")
 
     def command_argv(self, remote: list[str]) -> list[str]:
         return [*self.base_argv(), self.address.host, "--", shlex.join(remote)]
