@@ -118,6 +118,7 @@ def _stop_stale(pidfile: Path) -> None:
 
 def ensure(state_dir: str | None = None) -> dict[str, Any]:
     """Make sure this environment's resident service answers; where it listens."""
+    idle_seconds()  # a bad setting is refused here, not by a service that dies at start
     d = agent_dir()
     key = service_key(state_dir)
     sock, pidfile = d / f"{key}.sock", d / f"{key}.pid"
