@@ -109,11 +109,13 @@ class Node:
         return SandboxHandle(rec.id, rec.backend, dict(rec.handle or {}))
 
     # -- create / remove -----------------------------------------------------------------------
-    def create(self, image: str, opts: CreateOptions | None = None) -> SandboxRecord:
+    def create(self, image: str, opts: CreateOptions | None = None, *,
+               sid: str | None = None) -> SandboxRecord:
+        """``sid``: the id to give it (the node service's admission reserved it by that id)."""
         opts = opts or CreateOptions()
         opts.validate()
         backend = self.backend(opts.backend)
-        sid = secrets.token_hex(6)
+        sid = sid or secrets.token_hex(6)
         fetch = images.fetch_mode(opts.fetch, image)
         img = self.resolve_image(image) if fetch == "eager" else \
             images.lazy(self.store(), self.cache_root, self.sandboxes_dir / sid, image)

@@ -77,7 +77,7 @@ class NodeService:
         opts.validate()  # bad input is refused before anything is reserved
         token = self.admission.reserve(opts.cpus, opts.memory)
         try:
-            rec = self.node.create(str(args["image"]), opts)
+            rec = self.node.create(str(args["image"]), opts, sid=token)
         finally:
             self.admission.release(token)
         return to_wire(rec)
