@@ -2,7 +2,8 @@
 
 Only this package prints and exits. Each submodule registers the commands of one area; the
 table below names them so that `dsec --help` and every command start without importing the
-other areas (group.py builds the typer app and loads a command's module on first use).
+other areas (group.py builds the typer app and loads a command's module on first use), and
+fast.py runs the plain forms of the hot commands without typer at all.
 """
 
 from __future__ import annotations
@@ -124,6 +125,11 @@ def main() -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         _check_argv(sys.argv[1:])
+        from . import fast
+
+        code = fast.run(sys.argv[1:])  # plain hot commands (exec, run -d, ps) skip typer
+        if code is not None:
+            sys.exit(code)
         from .group import app
 
         app()  # click renders its own usage errors (exit 2)

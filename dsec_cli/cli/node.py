@@ -138,13 +138,8 @@ def register(app: typer.Typer) -> None:
 def render_fanout(failed: list[dict[str, Any]]) -> None:
     """Report the nodes a fan-out skipped (on stderr) and exit 1 if there were any; the
     other nodes' results have been printed already."""
-    from rich.markup import escape
+    from .sandbox_io import report_failed_nodes
 
-    from .render import err_console
-
-    for f in failed:
-        what = "unreachable, skipped" if f.get("unreachable") else "failed"
-        err_console().print(f"[yellow]node {escape(f['node'])} {what}:[/] {escape(f['error'])}",
-                            highlight=False)
-    if failed:
-        raise typer.Exit(1)
+    code = report_failed_nodes(failed)
+    if code:
+        raise typer.Exit(code)
