@@ -8,7 +8,6 @@ fast.py runs the plain forms of the hot commands without typer at all.
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
@@ -113,18 +112,47 @@ def _print_error(e: DsecError) -> None:
         err_console().print(f"[dim]hint:[/] {escape(e.hint[:MAX_MESSAGE])}", highlight=False)
 
 
+def _served(argv: list[str], idle: str | None) -> int | None:
+    """The exit code of ``argv`` run by the command server (server.py), when one is enabled
+    and takes it; None to run it here."""
+    if not idle or not argv or argv[0] not in ("exec", "run", "ps"):
+        return None
+    from ..core.errors import ConfigError
+
+    try:
+        ok = 0 < float(idle) < 1e9
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"$DSEC_CLI_SERVER: {idle!r} must be the seconds a command server "
+                          "may stay idle (a number above 0), or unset")
+    from . import server
+
+    try:
+        return server.try_run(argv, idle)
+    except server.ServerGone:
+        raise DsecError("the dsec command server stopped before the command finished; it was "
+                        "not run again", hint="run it again: a new server starts, or unset "
+                        "DSEC_CLI_SERVER to run commands in-process") from None
+
+
 def main() -> None:
     if sys.argv[1:] in ([], ["--help"]):  # the root help needs no command module, nor typer
         sys.stdout.write(root_help())
         return
     from ..core.config import env
 
-    level = (env("DSEC_LOG") or "WARNING").upper()
-    if level not in logging.getLevelNamesMapping():
-        level = "WARNING"  # a mistyped DSEC_LOG must not stop the command
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         _check_argv(sys.argv[1:])
+        code = _served(sys.argv[1:], env("DSEC_CLI_SERVER"))
+        if code is not None:
+            sys.exit(code)
+        import logging  # after the command server's turn: a served command never logs here
+
+        level = (env("DSEC_LOG") or "WARNING").upper()
+        if level not in logging.getLevelNamesMapping():
+            level = "WARNING"  # a mistyped DSEC_LOG must not stop the command
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
         from . import fast
 
         code = fast.run(sys.argv[1:])  # plain hot commands (exec, run -d, ps) skip typer

@@ -25,12 +25,13 @@ def stdin_source() -> Any:
     """Stdin chunks when stdin is a pipe or file (a terminal is not forwarded)."""
     if sys.stdin is None or sys.stdin.isatty():
         return None
+    fd = sys.stdin.fileno()  # 0, or the client's stdin in the command server
 
     def chunks() -> Any:
         # raw reads of fd 0 (no buffered reader whose lock a still-blocked feeder thread
         # would hold at interpreter shutdown)
         while True:
-            b = os.read(0, 1 << 20)
+            b = os.read(fd, 1 << 20)
             if not b:
                 return
             yield b

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,13 +22,14 @@ HEAVY = ("typer", "click", "pydantic", "rich", "boto3", "botocore", "oras", "yam
 
 
 def _run(env: dict[str, str], argv: list[str], via_typer: bool = False,
-         input: bytes | None = None) -> tuple[int, bytes, bytes, list[str]]:
+         input: bytes | None = None, heavy: tuple[str, ...] = HEAVY
+         ) -> tuple[int, bytes, bytes, list[str]]:
     """`dsec ARGV` in a fresh interpreter (through typer when asked); exit code, output,
     and the HEAVY modules loaded at exit."""
     entry = ("from dsec_cli.cli.group import app\napp()\n" if via_typer else
              "from dsec_cli.cli import main\nmain()\n")
     code = ("import atexit, json, os, sys\n"
-            f"heavy = {HEAVY!r}\n"
+            f"heavy = {heavy!r}\n"
             "atexit.register(lambda: os.write(2, ('\\nLOADED ' + json.dumps("
             "sorted(m for m in heavy if m in sys.modules)) + '\\n').encode()))\n"
             "sys.argv = ['dsec', *sys.argv[1:]]\n" + entry)
@@ -105,3 +107,91 @@ def test_launcher_parses_plain_forms() -> None:
                                  fast._RUN)
     assert opts == {"detach": True, "backend": "fncall", "cpus": 0.5, "pids": 64}
     assert pos == [IMAGE] and cmd is None
+
+
+def _server_pids(runtime: str) -> set[int]:
+    """Command servers whose socket lies under ``runtime``."""
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+            except OSError:
+                continue
+            if any(a.startswith(runtime.encode() + b"/dsec-cli-") for a in args):
+                out.add(int(d))
+    return out
+
+
+def _poll(what: str, fn: object) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if fn():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_command_server_serves_and_killing_it_breaks_nothing(node_env: dict[str, str]) -> None:
+    import signal
+    import tempfile
+    import time
+
+    runtime = tempfile.mkdtemp(prefix="dsec-r-", dir="/tmp")
+    env = {**node_env, "XDG_RUNTIME_DIR": runtime, "DSEC_CLI_SERVER": "60"}
+    rc, out, err, _ = _run(node_env, ["run", "-d", IMAGE])
+    assert rc == 0, err
+    sid = out.decode().strip()
+    try:
+        # the first call runs in-process and starts a server for the next ones
+        assert _run(env, ["exec", sid, "--", "echo", "one"])[:2] == (0, b"one\n")
+        _poll("a command server's socket", lambda: list(Path(runtime).glob("dsec-cli-*/*.sock")))
+        rc, out, err, loaded = _run(env, ["exec", sid, "--", "sh", "-c", "cat; exit 5"],
+                                    input=b"through the server\n",
+                                    heavy=(*HEAVY, "dsec_cli.api.sandboxes", "dsec_cli.run.node"))
+        assert (rc, out) == (5, b"through the server\n"), err
+        assert loaded == [], loaded  # the client imported none of the command's code
+        # killed mid-command: that call fails clearly, and is not run a second time
+        marker = f"/tmp/{os.path.basename(runtime)}"
+        p = subprocess.Popen([sys.executable, "-m", "dsec_cli", "exec", sid, "--", "sh", "-c",
+                              f"echo x >> {marker}; sleep 30"], env={**os.environ, **env},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _poll("the command to start", lambda: _marker_lines(sid, node_env, marker) == 1)
+        for pid in _server_pids(runtime):
+            os.kill(pid, signal.SIGKILL)
+        _, perr = p.communicate(timeout=120)
+        assert p.returncode == 1 and b"command server stopped" in perr, perr
+        # the next call runs in-process (the dead socket is no server) and starts a new one
+        assert _run(env, ["exec", sid, "--", "echo", "two"])[:2] == (0, b"two\n")
+        assert _marker_lines(sid, node_env, marker) == 1
+        # an idle server exits by itself and takes its socket along
+        for pid in _server_pids(runtime):
+            os.kill(pid, signal.SIGKILL)
+        _poll("no server", lambda: not _server_pids(runtime))
+        for old in Path(runtime).glob("dsec-cli-*/*.sock"):
+            old.unlink()
+        idle = {**env, "DSEC_CLI_SERVER": "5"}
+        assert _run(idle, ["exec", sid, "--", "true"])[0] == 0
+        _poll("a server with 5 s idle", lambda: list(Path(runtime).glob("dsec-cli-*/*.sock")))
+        _poll("it to exit", lambda: not _server_pids(runtime))
+        time.sleep(0.2)
+        assert not list(Path(runtime).glob("dsec-cli-*/*.sock"))
+    finally:
+        for pid in _server_pids(runtime):
+            os.kill(pid, signal.SIGKILL)
+        subprocess.run([sys.executable, "-m", "dsec_cli", "rm", sid],
+                       env={**os.environ, **node_env}, check=True, capture_output=True)
+        import shutil
+
+        shutil.rmtree(runtime, ignore_errors=True)
+    assert leaks(node_env["DSEC_STATE_DIR"]) == {"mounts": [], "cgroups": [], "dirs": []}
+
+
+def _marker_lines(sid: str, env: dict[str, str], marker: str) -> int:
+    p = subprocess.run([sys.executable, "-m", "dsec_cli", "exec", sid, "--", "sh", "-c",
+                        f"cat {marker} 2>/dev/null || true"], env={**os.environ, **env},
+                       capture_output=True, timeout=120)
+    return len(p.stdout.splitlines())
