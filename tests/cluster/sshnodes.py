@@ -80,10 +80,11 @@ class SshNode:
             pids.add(pid)
         return pids
 
-    def agent_processes(self) -> set[int]:
-        """Every process serving one of the node's resident sockets, pid file or not."""
+    def agent_processes(self, sock: str | None = None) -> set[int]:
+        """Every process serving one of the node's resident sockets (or ``sock``), pid file or
+        not."""
         out = set()
-        marker = str(self.agent_dir).encode()
+        marker = (sock or str(self.agent_dir)).encode()
         for d in os.listdir("/proc"):
             if d.isdigit():
                 try:

@@ -33,6 +33,13 @@ def _service_pid(name: str = "node1") -> int:
     return int(channel(get_node(name).entry, 30).hello["pid"])
 
 
+def _socket_of(pid: int) -> str:
+    """The socket a resident service serves (its command line names it)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        args = f.read().split(b"\0")
+    return next(a.decode() for a in args if a.endswith(b".sock"))
+
+
 def _wait_gone(pid: int) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -52,8 +59,8 @@ def test_calls_from_every_client_reuse_one_service(client: SshCluster, run_dsec)
         out = json.loads(run_dsec("ps", "--node", "node1", "--json").stdout)
         assert isinstance(out, list)
     assert _service_pid() == first
-    assert node.agent_processes() == {first}
-    assert node.agent_pids() == {first}
+    sock = _socket_of(first)
+    assert node.agent_processes(sock) == {first}  # one service for this environment
 
 
 def test_killed_service_is_restarted_and_sandboxes_survive(client: SshCluster, run_dsec  # type: ignore[no-untyped-def]
@@ -65,19 +72,21 @@ def test_killed_service_is_restarted_and_sandboxes_survive(client: SshCluster, r
     sid = run_dsec("run", "--node", "node1", "-b", "fncall", "-d", IMAGE).stdout.strip()
     try:
         old = _service_pid()
+        sock = _socket_of(old)
         remote = get_node("node1")
         failed: list[BaseException] = []
 
         def long_exec() -> None:
             try:
-                remote.exec(sid, ["sleep", "20"])
+                remote.exec(sid, ["sh", "-c", f"sleep 20; : {token}"])
             except BaseException as e:  # noqa: BLE001 - recorded and asserted below
                 failed.append(e)
 
+        token = f"mid-exec-{os.getpid()}-{time.monotonic_ns()}"
         t = threading.Thread(target=long_exec)
         t.start()
         deadline = time.monotonic() + 30  # kill it mid-request: once the exec runs
-        while time.monotonic() < deadline and not _runs_sleep(node.state_dir):
+        while time.monotonic() < deadline and not _runs(token):
             time.sleep(0.05)
         os.kill(old, signal.SIGKILL)
         t.join(60)
@@ -88,24 +97,26 @@ def test_killed_service_is_restarted_and_sandboxes_survive(client: SshCluster, r
         assert run_dsec("exec", sid, "--", "echo", "ok").stdout == "ok\n"
         new = _service_pid()
         assert new != old
-        assert node.agent_processes() == {new}
+        assert node.agent_processes(sock) == {new}
         # killed again between calls, a CLI call restarts it as well
         os.kill(new, signal.SIGKILL)
         _wait_gone(new)
         close_all()
         out = json.loads(run_dsec("ps", "--node", "node1", "--json").stdout)
         assert sid in {r["id"] for r in out}
-        assert len(node.agent_processes()) == 1 and new not in node.agent_processes()
+        left = node.agent_processes(sock)
+        assert len(left) == 1 and new not in left
     finally:
         run_dsec("rm", sid)
 
 
-def _runs_sleep(state_dir: Path) -> bool:
+def _runs(token: str) -> bool:
+    """A process whose command line holds ``token`` runs (the exec reached the sandbox)."""
     for d in os.listdir("/proc"):
-        if d.isdigit():
+        if d.isdigit() and int(d) != os.getpid():
             try:
                 with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if f.read() == b"sleep\x0020\x00":
+                    if token.encode() in f.read():
                         return True
             except OSError:
                 continue
@@ -115,7 +126,8 @@ def _runs_sleep(state_dir: Path) -> bool:
 def test_service_refuses_another_protocol_version(client: SshCluster) -> None:
     node = client.nodes[0]
     pid = _service_pid()
-    sock = next(node.agent_dir.glob("*.sock"))
+    sock = _socket_of(pid)
+    assert sock.startswith(str(node.agent_dir))
 
     def hello(version: object) -> dict[str, object]:
         with socket.socket(socket.AF_UNIX) as s:
