@@ -53,6 +53,9 @@ def try_run(argv: list[str], idle: str) -> int | None:
     server (one is started for next time) or it does not take this command line."""
     d = server_dir()
     sock_path = d / f"{server_key()}.sock"
+    if not _private(d):  # a socket anyone else could have put there would get our stdio
+        _spawn(d, sock_path, idle)
+        return None
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(str(sock_path))
@@ -77,14 +80,25 @@ def try_run(argv: list[str], idle: str) -> int | None:
     return None if answer.get("fallback") else int(answer["code"])
 
 
+def _private(d: Path) -> bool:
+    """``d`` is a real directory that only this user can write to (and so holds only
+    sockets this user made)."""
+    try:
+        st = d.lstat()
+    except OSError:
+        return False
+    import stat
+
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
 def _spawn(d: Path, sock_path: Path, idle: str) -> None:
     """Start a server for this environment in the background (it does not delay this call)."""
     import subprocess
 
     try:
         d.mkdir(mode=0o700, exist_ok=True)
-        st = d.lstat()
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        if not _private(d):
             return  # not a directory private to us: never serve from it
         code = (f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
                 "from dsec_cli.cli.server import serve; serve(sys.argv[1], float(sys.argv[2]))")

@@ -195,3 +195,41 @@ def _marker_lines(sid: str, env: dict[str, str], marker: str) -> int:
                         f"cat {marker} 2>/dev/null || true"], env={**os.environ, **env},
                        capture_output=True, timeout=120)
     return len(p.stdout.splitlines())
+
+
+def test_command_server_in_a_shared_directory_is_never_used(node_env: dict[str, str]) -> None:
+    """A server directory others may write to (where anyone could plant a socket that would
+    receive the client's stdin and stdout) is neither used nor served from."""
+    import shutil
+    import socket
+    import tempfile
+
+    runtime = tempfile.mkdtemp(prefix="dsec-r-", dir="/tmp")
+    try:
+        shared = Path(runtime, f"dsec-cli-{os.getuid()}")
+        shared.mkdir(mode=0o777)
+        shared.chmod(0o777)
+        env = {**node_env, "XDG_RUNTIME_DIR": runtime, "DSEC_CLI_SERVER": "60"}
+        rc, out, err, loaded = _run(env, ["ps", "--json"])
+        assert rc == 0 and json.loads(out) is not None, err
+        assert not _server_pids(runtime)
+        # a planted listener is never connected to
+        from dsec_cli.cli import server
+
+        planted = socket.socket(socket.AF_UNIX)
+        with planted:
+            old = os.environ.copy()
+            os.environ.clear()
+            os.environ.update({**old, **env})
+            try:
+                planted.bind(str(shared / f"{server.server_key()}.sock"))
+            finally:
+                os.environ.clear()
+                os.environ.update(old)
+            planted.listen(1)
+            planted.settimeout(0.5)
+            assert _run(env, ["ps", "--json"])[0] == 0
+            with pytest.raises(TimeoutError):
+                planted.accept()
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
