@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shlex
+import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -172,7 +173,13 @@ class SshTarget:
 
     def forward(self, local: Path, remote: str) -> None:
         """Have the master forward the unix socket ``local`` here to ``remote`` on the node
-        (kept while the master lives; asking again for the same forward is harmless)."""
+        (kept while the master lives; asking again for the same forward is harmless). A local
+        end that accepts nothing (its file removed or left by a dead master) is dropped and
+        set up anew."""
+        if not _accepts(local):
+            subprocess.run([*self.base_argv(), "-O", "cancel", "-L", f"{local}:{remote}",
+                            self.address.host], capture_output=True, timeout=_timeout())
+            local.unlink(missing_ok=True)
         p = subprocess.run([*self.base_argv(), "-O", "forward", "-L", f"{local}:{remote}",
                             self.address.host], capture_output=True, timeout=_timeout())
         if p.returncode != 0:
@@ -181,6 +188,18 @@ class SshTarget:
 
     def command_argv(self, remote: list[str]) -> list[str]:
         return [*self.base_argv(), self.address.host, "--", shlex.join(remote)]
+
+
+def _accepts(path: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(2)
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
 
 
 def classify(node: str, stderr: str) -> Exception:
