@@ -7,7 +7,9 @@ A client connects to the server's unix socket and passes its stdin, stdout and s
 (SCM_RIGHTS) with its argv; the server runs the command on those descriptors (output streams
 straight to the client's terminal or pipe, stdin is read from the client's) and answers with
 the exit code. The server's socket is named by a digest of the client's whole environment,
-working directory and dsec install, so a command always runs as it would in-process.
+working directory, dsec install and config files (their size and time), so a command always
+runs as it would in-process. A client interrupted (Ctrl-C) stops waiting; the command it sent
+runs on in the server to its end or its ``--timeout``.
 
 Safe to kill: no server (or a dead one) means the command runs in-process, and a server is
 started in the background for the next call; a server killed while running a command makes
@@ -36,10 +38,23 @@ def server_dir() -> Path:
     return Path(base) / f"dsec-cli-{os.getuid()}"
 
 
+def _stamp(path: Path) -> list[int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return []
+    return [st.st_mtime_ns, st.st_size, st.st_ino]
+
+
 def server_key() -> str:
+    """What a server's behaviour depends on: the environment, the working directory, the
+    install, and the config files as they are now (an edited config means a new server)."""
+    from ..core.config import SYSTEM_FILE, user_config_file
+
     env = sorted((k, v) for k, v in os.environ.items() if k not in _VOLATILE)
+    files = [_stamp(p) for p in (SYSTEM_FILE, user_config_file(), Path("dsec.yaml"))]
     doc = json.dumps([env, os.getcwd(), sys.executable, _PACKAGE_ROOT, os.getuid(),
-                      os.umask(os.umask(0o022))])
+                      os.umask(os.umask(0o022)), files])
     return hashlib.sha256(doc.encode()).hexdigest()[:20]
 
 
