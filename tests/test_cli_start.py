@@ -77,3 +77,24 @@ def test_every_command_resolves_and_shows_its_help() -> None:
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, (name, p.stderr)
         assert "Usage" in p.stdout, name
+
+
+def test_a_push_between_file_stores_loads_no_remote_store_library(tmp_path: Path,
+                                                                  dsec_home: Path) -> None:
+    import os
+
+    import dsec_cli
+
+    spec = tmp_path / "s"
+    (spec / "files").mkdir(parents=True)
+    (spec / "files/x").write_text("x")
+    (spec / "l.yaml").write_text('layer: l\nversion: "1"\nsteps:\n'
+                                 "  - copy: {src: ./files, dst: /x}\n")
+    src, dst = (tmp_path / "a").as_uri(), (tmp_path / "b").as_uri()
+    dsec_cli.build_specs([spec], src)
+    loaded, out = _loaded_after(["push", "l@1", "--to", dst, "--store", src, "--json"],
+                                dict(os.environ))
+    assert json.loads(out)["objects_sent"] > 0
+    assert not loaded & {"boto3", "botocore", "oras", "dsec_cli.push.stores.s3",
+                         "dsec_cli.push.stores.oci", "dsec_cli.api.sandboxes",
+                         "dsec_cli.run.node", "rich"}, loaded
