@@ -98,3 +98,9 @@ def test_a_push_between_file_stores_loads_no_remote_store_library(tmp_path: Path
     assert not loaded & {"boto3", "botocore", "oras", "dsec_cli.push.stores.s3",
                          "dsec_cli.push.stores.oci", "dsec_cli.api.sandboxes",
                          "dsec_cli.run.node", "rich"}, loaded
+
+
+def test_no_command_prints_the_help_and_exits_2() -> None:
+    p = subprocess.run([sys.executable, "-m", "dsec_cli"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "Commands:" in p.stdout

@@ -139,6 +139,8 @@ def _served(argv: list[str], idle: str | None) -> int | None:
 def main() -> None:
     if sys.argv[1:] in ([], ["--help"]):  # the root help needs no command module, nor typer
         sys.stdout.write(root_help())
+        if not sys.argv[1:]:
+            sys.exit(2)  # no command is a usage error, as click has it
         return
     from ..core.config import env
 
