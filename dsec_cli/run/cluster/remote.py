@@ -273,6 +273,8 @@ class Channel:
                     q.put(msg)
         except (OSError, ValueError):  # the connection was closed under the reader
             pass
+        if self._rfile is not rfile:
+            return  # a connection given up while opening; the channel uses another now
         self.closed = True
         with self._plock:
             waiting = list(self._pending.values())
@@ -335,14 +337,14 @@ class Channel:
 
     def close(self) -> None:
         self.closed = True
-        if self.sock is not None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
             with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader; the service drops us
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the reader; the service drops us
             for f in (self._wfile, self._rfile):
                 with contextlib.suppress(OSError):
                     f.close()  # type: ignore[union-attr]
-            self.sock.close()
-            return
+            sock.close()
         if self.proc is not None and self.proc.poll() is None:
             try:
                 assert self.proc.stdin is not None
