@@ -13,8 +13,9 @@ from typing import Any
 
 from ..core.errors import DsecError
 
-#: command -> (module in this package that registers it, one-line help). A test checks it
-#: against what the modules register.
+#: command -> (module in this package that registers it, one-line help). A module that adds
+#: commands adds its lines here; tests/test_cli_start.py checks the table against what every
+#: module of this package registers.
 COMMANDS: dict[str, tuple[str, str]] = {
     "build": ("build", "Build layer and image specs (default: layerspecs/) into a store."),
     "ls": ("build", "List layers and images in a store."),
