@@ -110,8 +110,29 @@ def test_killed_service_is_restarted_and_sandboxes_survive(client: SshCluster, r
         assert sid in {r["id"] for r in out}
         left = node.agent_processes(sock)
         assert len(left) == 1 and new not in left
+        # and no SSH session stays behind on the node (starters and sessions all ended)
+        deadline = time.monotonic() + 30
+        while _agent_sessions(node) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _agent_sessions(node) == []
     finally:
         run_dsec("rm", sid)
+
+
+def _agent_sessions(node) -> list[str]:  # type: ignore[no-untyped-def]
+    """`dsec agent` commands running under the node's sshd (a session per command)."""
+    from .sshnodes import descendants
+
+    out = []
+    for pid in descendants(node.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if " agent " in cmd or cmd.endswith(" agent"):
+            out.append(cmd)
+    return out
 
 
 def _runs(token: str) -> bool:
