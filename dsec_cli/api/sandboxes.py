@@ -25,7 +25,7 @@ from ..run.state import SandboxRecord
 __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "CreateOptions", "NodeAPI",
            "run",
            "list_sandboxes", "gc_node", "create_many", "create", "create_options", "target",
-           "exec_in", "copy", "ps", "remove", "pause", "resume", "snapshot"]
+           "exec_in", "copy", "ps", "remove", "pause", "resume", "snapshot", "fork"]
 
 
 def _size(v: int | str | None, what: str) -> int | None:
@@ -119,6 +119,22 @@ class Sandbox:
     def snapshot(self, ref: str, push: str | None = None) -> dict[str, Any]:
         return self.node.snapshot(self.id, ref, push)
 
+    def fork(self, n: int) -> list[Sandbox]:
+        """``n`` new sandboxes on the same node, each starting from this one's files as they
+        are now (copy-on-write where the backend snapshots: the diff becomes one layer that
+        every copy stacks). Writes of one copy are invisible to the others and to this one.
+        Processes are not copied. Remove the copies as any sandbox."""
+        out = self.node.fork(self.id, n)
+        return [Sandbox._wrap(r, self.node) for r in out["copies"]]
+
+    def copy_in(self, src: str | Path, dst: str) -> dict[str, Any]:
+        """Copy a host file into the sandbox at ``dst`` (as `dsec cp SRC ID:DST`)."""
+        return copy(str(src), f"{self.id}:{dst}", state_dir=_state_dir(self.node))
+
+    def copy_out(self, src: str, dst: str | Path) -> dict[str, Any]:
+        """Copy a file, symlink or directory out of the sandbox to host path ``dst``."""
+        return copy(f"{self.id}:{src}", str(dst), state_dir=_state_dir(self.node))
+
     def info(self) -> dict[str, Any]:
         return self.node.describe(self.id)
 
@@ -132,6 +148,12 @@ class Sandbox:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+
+def _state_dir(node: NodeAPI) -> Path | None:
+    """A local node's state dir (None for a cluster node: its ids carry the node)."""
+    root = getattr(node, "root", None)
+    return root if isinstance(root, Path) else None
 
 
 def run(image: str | Path, cmd: str | list[str], backend: str = "container",
@@ -298,3 +320,12 @@ def snapshot(sandbox_id: str, ref: str, push: str | None = None, node: str | Non
              state_dir: str | Path | None = None) -> dict[str, Any]:
     """Turn a sandbox's changes into a new layer and an image ``ref`` stacking it."""
     return target(sandbox_id, node, state_dir).snapshot(sandbox_id, ref, push)
+
+
+def fork(sandbox_id: str, n: int, node: str | None = None,
+         state_dir: str | Path | None = None) -> dict[str, Any]:
+    """``n`` copies of a sandbox's files (`Sandbox.fork`); ``copies`` holds their records."""
+    from ..run.fork import check_count
+
+    check_count(n)
+    return target(sandbox_id, node, state_dir).fork(sandbox_id, n)

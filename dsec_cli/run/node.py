@@ -310,6 +310,13 @@ class Node:
 
         return snapshot(self, sid, ref, push)
 
+    def fork(self, sid: str, n: int) -> dict[str, Any]:
+        """``n`` new sandboxes starting from this one's files (see fork.py): ``copies``
+        holds their records; the snapshot layer they share, where there is one."""
+        from .fork import fork
+
+        return fork(self, sid, n)
+
     # -- listing, reconcile, gc ----------------------------------------------------------------
     def sandboxes(self, reconcile: bool = True) -> list[SandboxRecord]:
         if reconcile:
