@@ -12,6 +12,7 @@ here and nowhere else: a ``NODE/ID`` sandbox id or ``node=NAME`` goes to that cl
 from __future__ import annotations
 
 import shlex
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -93,16 +94,18 @@ class Sandbox:
         node = target(sandbox_id, state_dir=state_dir)
         return cls._wrap(node.lookup(sandbox_id), node)
 
-    def exec(self, cmd: str | list[str], *, stdin: bytes | str | None = None,
+    def exec(self, cmd: str | list[str], *,
+             stdin: bytes | str | Iterable[bytes] | None = None,
              env: dict[str, str] | None = None, cwd: str | None = None,
-             timeout: float | None = None, on_output: OutputCallback | None = None
-             ) -> ExecResult:
+             timeout: float | None = None, on_output: OutputCallback | None = None,
+             capture_limit: int | None = None) -> ExecResult:
         """Run a command (a list, or a string for `sh -c`); returns stdout, stderr, the exit
-        code and the duration. A failing command is a result, not an exception."""
+        code and the duration. A failing command is a result, not an exception. Output is
+        kept in the result up to ``capture_limit`` bytes per stream (None: all of it)."""
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         return self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=data, timeout=timeout,
-                              on_output=on_output)
+                              on_output=on_output, capture_limit=capture_limit)
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         self.node.put_file(self.id, path, data.encode() if isinstance(data, str) else data, mode)

@@ -250,11 +250,7 @@ class Node:
              capture_limit: int | None = None) -> ExecResult:
         """Run argv in the sandbox. Output goes to `on_output` as it arrives and is kept in
         the result up to `capture_limit` bytes per stream (None: all of it)."""
-        if not argv:
-            raise UsageError("exec needs a command")
-        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
-            raise UsageError(f"invalid timeout {timeout}: must be a finite number of seconds "
-                             "above 0")
+        check_exec(argv, timeout)
         _, b, h = self._live(sid)
         req = ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout,  # type: ignore[arg-type]
                           capture_limit)
@@ -262,28 +258,28 @@ class Node:
 
     def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
         _, b, h = self._live(sid)
-        b.put_file(h, _sandbox_path(path), data, mode)
+        b.put_file(h, sandbox_path(path), data, mode)
 
     def get_file(self, sid: str, path: str) -> bytes:
         _, b, h = self._live(sid)
-        return b.get_file(h, _sandbox_path(path))
+        return b.get_file(h, sandbox_path(path))
 
     def put_stream(self, sid: str, path: str, src: BinaryIO, mode: int = 0o644) -> int:
         """Write a host file into the sandbox, streamed; its size."""
         _, b, h = self._live(sid)
-        return b.put_stream(h, _sandbox_path(path), src, mode)
+        return b.put_stream(h, sandbox_path(path), src, mode)
 
     def get_tree(self, sid: str, path: str, sink: TreeSink) -> None:
         """Copy a file, symlink or directory out of the sandbox into `sink`, streamed."""
         _, b, h = self._live(sid)
-        b.get_tree(h, _sandbox_path(path), sink)
+        b.get_tree(h, sandbox_path(path), sink)
 
     def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
         _, b, h = self._live(sid)
         client = getattr(b, "client", None)
         if client is None:
-            return b.get_file(h, _sandbox_path(path)), 0o644
-        result: tuple[bytes, int] = client(h).get_file_with_mode(_sandbox_path(path))
+            return b.get_file(h, sandbox_path(path)), 0o644
+        result: tuple[bytes, int] = client(h).get_file_with_mode(sandbox_path(path))
         return result
 
     # -- pause / resume / snapshot -------------------------------------------------------------
@@ -343,7 +339,16 @@ class Node:
         return out
 
 
-def _sandbox_path(path: str) -> str:
+def check_exec(argv: list[str], timeout: float | None) -> None:
+    """An exec's command and timeout, checked before anything is sent."""
+    if not argv:
+        raise UsageError("exec needs a command")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"invalid timeout {timeout}: must be a finite number of seconds "
+                         "above 0")
+
+
+def sandbox_path(path: str) -> str:
     """Paths inside a sandbox are absolute; the agent resolves them in the sandbox's own
     root, so `..` and symlinks cannot leave it."""
     if not path.startswith("/"):

@@ -130,6 +130,7 @@ class AsyncAgentClient:
         except asyncio.CancelledError:
             reason = "closed"
         self.closed = reason
+        self._writer.close()
         for q in self._pending.values():
             q.put_nowait((_LOST, reason.encode()))
 
