@@ -149,7 +149,7 @@ class AsyncNode:
 
     async def _agent(self, sid: str) -> tuple[SandboxRecord, Any, SandboxHandle,
                                               AsyncAgentClient | None]:
-        rec, b, h = self.node._live(sid)
+        rec, b, h = self.node.live(sid)
         if not isinstance(b, CgroupAgentBackend):
             return rec, b, h, None
         return rec, b, h, await self._client(rec, b, h)

@@ -230,7 +230,9 @@ class Node:
         return rec
 
     # -- work inside ---------------------------------------------------------------------------
-    def _live(self, sid: str) -> tuple[SandboxRecord, Backend, SandboxHandle]:
+    def live(self, sid: str) -> tuple[SandboxRecord, Backend, SandboxHandle]:
+        """A running sandbox's record, backend and handle (`UsageError` while it is being
+        created or is paused, `SandboxError` once it died)."""
         rec = self.lookup(sid)
         if rec.status == "creating":
             raise UsageError(f"sandbox {rec.id} is still being created")
@@ -251,31 +253,31 @@ class Node:
         """Run argv in the sandbox. Output goes to `on_output` as it arrives and is kept in
         the result up to `capture_limit` bytes per stream (None: all of it)."""
         check_exec(argv, timeout)
-        _, b, h = self._live(sid)
+        _, b, h = self.live(sid)
         req = ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout,  # type: ignore[arg-type]
                           capture_limit)
         return b.exec(h, req, on_output)
 
     def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        _, b, h = self._live(sid)
+        _, b, h = self.live(sid)
         b.put_file(h, sandbox_path(path), data, mode)
 
     def get_file(self, sid: str, path: str) -> bytes:
-        _, b, h = self._live(sid)
+        _, b, h = self.live(sid)
         return b.get_file(h, sandbox_path(path))
 
     def put_stream(self, sid: str, path: str, src: BinaryIO, mode: int = 0o644) -> int:
         """Write a host file into the sandbox, streamed; its size."""
-        _, b, h = self._live(sid)
+        _, b, h = self.live(sid)
         return b.put_stream(h, sandbox_path(path), src, mode)
 
     def get_tree(self, sid: str, path: str, sink: TreeSink) -> None:
         """Copy a file, symlink or directory out of the sandbox into `sink`, streamed."""
-        _, b, h = self._live(sid)
+        _, b, h = self.live(sid)
         b.get_tree(h, sandbox_path(path), sink)
 
     def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
-        _, b, h = self._live(sid)
+        _, b, h = self.live(sid)
         client = getattr(b, "client", None)
         if client is None:
             return b.get_file(h, sandbox_path(path)), 0o644
@@ -284,7 +286,7 @@ class Node:
 
     # -- pause / resume / snapshot -------------------------------------------------------------
     def pause(self, sid: str) -> SandboxRecord:
-        rec, b, h = self._live(sid)
+        rec, b, h = self.live(sid)
         b.pause(h)
         self.db.update(rec.id, status="paused")
         rec.status = "paused"

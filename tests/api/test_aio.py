@@ -40,6 +40,26 @@ def test_exported_from_the_package_root() -> None:
     assert "AsyncSandbox" in dsec_cli.__all__
 
 
+def test_async_nodes_keep_the_node_contract() -> None:
+    """This node's and a cluster node's async faces offer the same coroutines, with the
+    parameters of the node contract's methods, so a sandbox routes to either alike."""
+    import inspect
+
+    from dsec_cli.run.aio import AsyncNode
+    from dsec_cli.run.cluster.aio import AsyncRemoteNode
+    from dsec_cli.run.contract import NodeAPI
+
+    names = ["create", "lookup", "describe", "pause", "resume", "snapshot", "fork", "remove",
+             "exec", "put_file", "get_file", "get_file_with_mode", "copy"]
+    for name in names:
+        local, remote = getattr(AsyncNode, name), getattr(AsyncRemoteNode, name)
+        assert inspect.iscoroutinefunction(local) and inspect.iscoroutinefunction(remote)
+        params = list(inspect.signature(local).parameters)
+        assert params == list(inspect.signature(remote).parameters), name
+        if hasattr(NodeAPI, name):
+            assert params == list(inspect.signature(getattr(NodeAPI, name)).parameters), name
+
+
 @pytest.mark.parametrize("backend", ["fncall", "container"])
 def test_async_equals_sync(backend: str, node_env: dict[str, str], tmp_path: Path) -> None:
     """Each method, awaited, against the sync method on the same sandbox."""
