@@ -248,3 +248,70 @@ def test_concurrent_execs_need_no_thread_each(backend: str, node_env: dict[str, 
     assert during <= before + 2, (before, during)
     assert during < EXECUTOR_THREADS + 20 < n, (before, during)
     assert leaks(node_env["DSEC_STATE_DIR"]) == NO_LEAKS
+
+
+def test_sandbox_dying_mid_exec_is_an_error_not_a_hang(node_env: dict[str, str]) -> None:
+    import os
+    import signal
+
+    from dsec_cli.core.errors import SandboxError
+
+    async def main() -> None:
+        sb = await AsyncSandbox.create(IMAGE)  # a container: its init is the agent
+        try:
+            started = asyncio.Event()
+            task = asyncio.ensure_future(sb.exec("echo up; exec sleep 600",
+                                                 on_output=lambda k, d: started.set()))
+            await asyncio.wait_for(started.wait(), 60)
+            pid = Sandbox.attach(sb.id).node.lookup(sb.id).handle["pid"]
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(SandboxError, match="lost the connection"):
+                await asyncio.wait_for(task, 60)
+            from dsec_cli.backends._rootfs import alive
+
+            deadline = time.monotonic() + 60
+            while alive(pid, None):  # the kill is delivered asynchronously
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            with pytest.raises(SandboxError, match="no longer running"):
+                await sb.exec("true")
+        finally:
+            await sb.remove()
+            await close_sessions()
+
+    asyncio.run(main())
+    assert leaks(node_env["DSEC_STATE_DIR"]) == NO_LEAKS
+
+
+def test_agent_socket_of_another_process_is_refused(tmp_path: Path) -> None:
+    """The asyncio client checks who listens (SO_PEERCRED) before sending a byte."""
+    import socket
+
+    from dsec_cli.backends.sandbox_agent.aio import AsyncAgentClient
+    from dsec_cli.backends.sandbox_agent.client import AgentError
+
+    path = tmp_path / "agent.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+    seen: list[int] = []
+
+    async def main() -> None:
+        def not_ours(pid: int) -> bool:
+            seen.append(pid)
+            return False
+
+        with pytest.raises(AgentError, match="refusing the agent socket"):
+            await AsyncAgentClient.connect_unix(path, peer=not_ours, what="sandbox x")
+
+    try:
+        asyncio.run(main())
+        conn, _ = srv.accept()
+        conn.settimeout(10)
+        assert conn.recv(1) == b""  # closed without a byte sent
+        conn.close()
+    finally:
+        srv.close()
+    import os
+
+    assert seen == [os.getpid()]
