@@ -124,6 +124,7 @@ class AsyncNode:
 
     async def remove(self, sid: str) -> SandboxRecord:
         rec = self.node.lookup(sid)
+        self._connecting.pop(rec.id, None)
         client = self._clients.pop(rec.id, None)
         if client is not None:
             await client.close()

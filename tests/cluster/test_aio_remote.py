@@ -61,6 +61,9 @@ def test_async_remote_sandbox(client: SshCluster, tmp_path: Path) -> None:
             assert (await attached.exec("echo hi")).stdout == b"hi\n"
         with pytest.raises(NotFoundError):
             await AsyncSandbox.attach(sb.id)
+        async with await AsyncSandbox.create(IMAGE, "fncall", node="auto") as placed:
+            assert placed.id.split("/")[0] in ("node1", "node2", "node3")
+            assert (await placed.exec("echo placed")).stdout == b"placed\n"
         await close_sessions()
 
     asyncio.run(main())
