@@ -144,14 +144,23 @@ class _TmpTree:
         return tree
 
     def write(self, node: Node, sid: str) -> None:
-        for path, _mode in self.dirs:
-            _check(node.exec(sid, ["/bin/mkdir", "-p", path]), path)
+        for batch in _batches([p for p, _ in self.dirs]):
+            _check(node.exec(sid, ["/bin/mkdir", "-p", "--", *batch]), batch[0])
         for path, mode, data in self.files:
             node.put_file(sid, path, bytes(data), mode)
         for path, target in self.links:
-            _check(node.exec(sid, ["/bin/ln", "-s", target, path]), path)
+            _check(node.exec(sid, ["/bin/ln", "-s", "--", target, path]), path)
+        by_mode: dict[int, list[str]] = {}
         for path, mode in self.dirs:
-            _check(node.exec(sid, ["/bin/chmod", f"{mode:o}", path]), path)
+            by_mode.setdefault(mode, []).append(path)
+        for mode, paths in by_mode.items():
+            for batch in _batches(paths):
+                _check(node.exec(sid, ["/bin/chmod", f"{mode:o}", "--", *batch]), batch[0])
+
+
+def _batches(paths: list[str], size: int = 256) -> list[list[str]]:
+    """Paths in groups small enough for one command line each."""
+    return [paths[i:i + size] for i in range(0, len(paths), size)]
 
 
 def _check(res: Any, path: str) -> None:
