@@ -68,10 +68,11 @@ def test_fncall_fork_copies_tmp(node_env: dict[str, str]) -> None:
 
 def test_fork_refusals(node_env: dict[str, str]) -> None:
     with Sandbox.create(IMAGE) as parent:
+        before = {r.id for r in parent.node.sandboxes()}
         for bad in (0, -1, 257, True):
             with pytest.raises(UsageError, match="fork count"):
                 parent.fork(bad)  # type: ignore[arg-type]
-        assert len(parent.node.sandboxes()) == 1  # nothing made
+        assert {r.id for r in parent.node.sandboxes()} == before  # nothing made
     p = dsec(node_env, "fork", "nosuch", "-n", "2", check=2)
     assert b"no sandbox" in p.stderr
 
@@ -87,4 +88,21 @@ def test_cli_fork(node_env: dict[str, str]) -> None:
                 assert dsec(node_env, "exec", sid, "--", "cat", "/root/x").stdout == b"prefix"
         finally:
             dsec(node_env, "rm", *ids)
+    assert leaks(node_env["DSEC_STATE_DIR"]) == {"mounts": [], "cgroups": [], "dirs": []}
+
+
+def test_fork_refuses_what_it_cannot_copy(node_env: dict[str, str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.backends.layers import busybox_layer
+
+    rootfs = busybox_layer(tmp_path / "rootfs")
+    with Sandbox.create(rootfs) as parent:  # a directory image: no store layer to stack on
+        before = {r.id for r in parent.node.sandboxes()}
+        with pytest.raises(UsageError, match="directory image"):
+            parent.fork(1)
+        assert {r.id for r in parent.node.sandboxes()} == before
+    with Sandbox.create(IMAGE, "fncall") as parent:
+        parent.pause()
+        with pytest.raises(UsageError, match="paused"):
+            parent.fork(1)
+        parent.resume()
     assert leaks(node_env["DSEC_STATE_DIR"]) == {"mounts": [], "cgroups": [], "dirs": []}
