@@ -106,3 +106,21 @@ def test_fork_refuses_what_it_cannot_copy(node_env: dict[str, str], tmp_path) ->
             parent.fork(1)
         parent.resume()
     assert leaks(node_env["DSEC_STATE_DIR"]) == {"mounts": [], "cgroups": [], "dirs": []}
+
+
+def test_fncall_tmp_reader_refuses_hostile_records() -> None:
+    """What an fncall parent sends about its /tmp is checked before it is held."""
+    from dsec_cli.core.errors import SandboxError
+    from dsec_cli.run.fork import MAX_TMP_BYTES, _TmpTree
+
+    for rel in (b"../x", b"a/../../x", b"a//b", b"./a", b"a\0b"):
+        with pytest.raises(SandboxError, match="bad name"):
+            _TmpTree().entry("f", 0o644, 1, rel, b"")
+    t = _TmpTree()
+    t.entry("f", 0o644, 4, b"f", b"")
+    with pytest.raises(SandboxError, match="past a file's size"):
+        t.chunk(2, memoryview(b"xyz"))
+    with pytest.raises(UsageError, match="too much"):
+        t.entry("f", 0o644, MAX_TMP_BYTES, b"g", b"")
+    t.chunk(0, memoryview(b"abcd"))
+    assert t.files == [("/tmp/f", 0o644, bytearray(b"abcd"))]
