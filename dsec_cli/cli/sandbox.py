@@ -1,4 +1,4 @@
-"""Sandbox commands: run, exec, cp, ps, rm, pause, resume, snapshot (thin: parse, call
+"""Sandbox commands: run, exec, cp, ps, rm, pause, resume, snapshot, fork (thin: parse, call
 dsec_cli.api.sandboxes, which routes NODE/ID ids and --node, render)."""
 
 from __future__ import annotations
@@ -275,6 +275,28 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"warning: {w}", err=True)
             typer.echo(f"{out['image']} {out['image_digest'][:12]} "
                        f"(layer {out['layer']} {out['layer_digest'][:12]})")
+
+    @app.command()
+    def fork(
+        sandbox: SandboxArg,
+        count: Annotated[int, typer.Option("-n", "--count",
+                                           help="how many copies to make (1-256)")] = 1,
+        json_out: JsonOpt = False,
+        state_dir: StateOpt = None,
+        node: NodeOpt = None,
+    ) -> None:
+        """Make copies of a sandbox's files: new sandboxes on its node, copy-on-write over one
+        snapshot layer where the backend snapshots; prints the copies' ids."""
+        from ..api.sandboxes import fork as fork_sandbox
+        from .render import print_json
+
+        out = fork_sandbox(sandbox, count, node, state_dir)
+        copies = [r.public() for r in out["copies"]]
+        if json_out:
+            print_json({**out, "copies": copies})
+        else:
+            for c in copies:
+                typer.echo(c["id"])
 
 
 def _ps_table(recs: list[dict[str, Any]]) -> None:

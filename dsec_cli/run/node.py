@@ -230,7 +230,9 @@ class Node:
         return rec
 
     # -- work inside ---------------------------------------------------------------------------
-    def _live(self, sid: str) -> tuple[SandboxRecord, Backend, SandboxHandle]:
+    def live(self, sid: str) -> tuple[SandboxRecord, Backend, SandboxHandle]:
+        """A running sandbox's record, backend and handle (`UsageError` while it is being
+        created or is paused, `SandboxError` once it died)."""
         rec = self.lookup(sid)
         if rec.status == "creating":
             raise UsageError(f"sandbox {rec.id} is still being created")
@@ -250,45 +252,41 @@ class Node:
              capture_limit: int | None = None) -> ExecResult:
         """Run argv in the sandbox. Output goes to `on_output` as it arrives and is kept in
         the result up to `capture_limit` bytes per stream (None: all of it)."""
-        if not argv:
-            raise UsageError("exec needs a command")
-        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
-            raise UsageError(f"invalid timeout {timeout}: must be a finite number of seconds "
-                             "above 0")
-        _, b, h = self._live(sid)
+        check_exec(argv, timeout)
+        _, b, h = self.live(sid)
         req = ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout,  # type: ignore[arg-type]
                           capture_limit)
         return b.exec(h, req, on_output)
 
     def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        _, b, h = self._live(sid)
-        b.put_file(h, _sandbox_path(path), data, mode)
+        _, b, h = self.live(sid)
+        b.put_file(h, sandbox_path(path), data, mode)
 
     def get_file(self, sid: str, path: str) -> bytes:
-        _, b, h = self._live(sid)
-        return b.get_file(h, _sandbox_path(path))
+        _, b, h = self.live(sid)
+        return b.get_file(h, sandbox_path(path))
 
     def put_stream(self, sid: str, path: str, src: BinaryIO, mode: int = 0o644) -> int:
         """Write a host file into the sandbox, streamed; its size."""
-        _, b, h = self._live(sid)
-        return b.put_stream(h, _sandbox_path(path), src, mode)
+        _, b, h = self.live(sid)
+        return b.put_stream(h, sandbox_path(path), src, mode)
 
     def get_tree(self, sid: str, path: str, sink: TreeSink) -> None:
         """Copy a file, symlink or directory out of the sandbox into `sink`, streamed."""
-        _, b, h = self._live(sid)
-        b.get_tree(h, _sandbox_path(path), sink)
+        _, b, h = self.live(sid)
+        b.get_tree(h, sandbox_path(path), sink)
 
     def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
-        _, b, h = self._live(sid)
+        _, b, h = self.live(sid)
         client = getattr(b, "client", None)
         if client is None:
-            return b.get_file(h, _sandbox_path(path)), 0o644
-        result: tuple[bytes, int] = client(h).get_file_with_mode(_sandbox_path(path))
+            return b.get_file(h, sandbox_path(path)), 0o644
+        result: tuple[bytes, int] = client(h).get_file_with_mode(sandbox_path(path))
         return result
 
     # -- pause / resume / snapshot -------------------------------------------------------------
     def pause(self, sid: str) -> SandboxRecord:
-        rec, b, h = self._live(sid)
+        rec, b, h = self.live(sid)
         b.pause(h)
         self.db.update(rec.id, status="paused")
         rec.status = "paused"
@@ -309,6 +307,13 @@ class Node:
         from .snapshot import snapshot
 
         return snapshot(self, sid, ref, push)
+
+    def fork(self, sid: str, n: int) -> dict[str, Any]:
+        """``n`` new sandboxes starting from this one's files (see fork.py): ``copies``
+        holds their records; the snapshot layer they share, where there is one."""
+        from .fork import fork
+
+        return fork(self, sid, n)
 
     # -- listing, reconcile, gc ----------------------------------------------------------------
     def sandboxes(self, reconcile: bool = True) -> list[SandboxRecord]:
@@ -336,7 +341,16 @@ class Node:
         return out
 
 
-def _sandbox_path(path: str) -> str:
+def check_exec(argv: list[str], timeout: float | None) -> None:
+    """An exec's command and timeout, checked before anything is sent."""
+    if not argv:
+        raise UsageError("exec needs a command")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"invalid timeout {timeout}: must be a finite number of seconds "
+                         "above 0")
+
+
+def sandbox_path(path: str) -> str:
     """Paths inside a sandbox are absolute; the agent resolves them in the sandbox's own
     root, so `..` and symlinks cannot leave it."""
     if not path.startswith("/"):

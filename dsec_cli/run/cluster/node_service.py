@@ -122,6 +122,20 @@ class NodeService:
     def snapshot(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         return self.node.snapshot(str(args["id"]), str(args["ref"]), args.get("push"))
 
+    def fork(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        from ..fork import check_count, copy_options
+
+        n = check_count(args["n"])
+        opts = copy_options(self.node.lookup(str(args["id"])))
+        # the copies count against the node's capacity as n creates would
+        token = self.admission.reserve(opts.cpus and opts.cpus * n,
+                                       opts.memory and opts.memory * n)
+        try:
+            out = self.node.fork(str(args["id"]), n)
+        finally:
+            self.admission.release(token)
+        return {**out, "copies": [to_wire(r) for r in out["copies"]]}
+
     def ps(self, args: dict[str, Any], emit: Emit) -> list[dict[str, Any]]:
         return [to_wire(r) for r in self.node.sandboxes()]
 
@@ -129,7 +143,7 @@ class NodeService:
         return self.node.gc(args.get("budget"), bool(args.get("dry_run")))
 
     OPS = ("hello", "info", "create", "exec", "put", "get", "lookup", "remove", "pause",
-           "resume", "describe", "snapshot", "ps", "gc")
+           "resume", "describe", "snapshot", "fork", "ps", "gc")
 
     def handle(self, msg: dict[str, Any], emit: Emit) -> Any:
         op = msg.get("op")
