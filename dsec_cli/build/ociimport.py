@@ -401,13 +401,17 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
 
     data, media_type, top_digest = source.root()
     doc = load_doc(data, f"{source.label}: manifest")
-    media_type = doc.get("mediaType") or media_type
-    if media_type in INDEX_TYPES or (media_type not in MANIFEST_TYPES
-                                     and "manifests" in doc):
+    for _ in range(4):  # an index may name an index (a layout's index.json does)
+        media_type = doc.get("mediaType") or media_type
+        if media_type not in INDEX_TYPES and (media_type in MANIFEST_TYPES
+                                              or "manifests" not in doc):
+            break
         desc = _pick_platform(doc, want, source.label)
         data = source.manifest(desc)
         doc = load_doc(data, f"{source.label}: manifest {desc.digest}")
-        top_digest = desc.digest
+        media_type, top_digest = desc.media_type, desc.digest
+    else:
+        raise IntegrityError(f"{source.label}: image indexes nested too deep")
     config_desc, layers = _layers_of(doc, source.label)
     config = load_doc(source.document(config_desc), f"{source.label}: image config")
     rootfs = config.get("rootfs") if isinstance(config.get("rootfs"), dict) else {}
