@@ -206,13 +206,39 @@ def _scan_layer(tf: tarfile.TarFile, label: str, w: _Writer, params: ChunkParams
     return entries
 
 
-def import_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
-                 known: KnownChunks, params: ChunkParams | None = None,
-                 tick: Callable[[int], None] | None = None) -> ImportedLayer:
-    """One layer blob into the store as ``oci-layer@<diff_id hex>``; verified before
-    anything is published."""
+@dataclass
+class StagedLayer:
+    """A layer read and verified, its packs still in staging: nothing is in the store
+    until `publish`, so an image with one bad layer leaves the store unchanged."""
+
+    w: _Writer
+    staging: Path
+    index: LayerIndex
+    version: str
+    diff_id: str
+    digest: str
+
+    def publish(self, store: Store) -> ImportedLayer:
+        try:
+            self.w.publish()  # the packs, before anything that names them
+        finally:
+            self.discard()
+        digest, m = layer_manifest(store, self.index, name=LAYER_NAME, version=self.version,
+                                   created_by=f"dsec import {self.digest or self.diff_id}")
+        set_ref(store, LAYER_NAME, self.version, digest)
+        return ImportedLayer(m.ref, digest, m.content_digest, self.diff_id, self.digest,
+                             m.size, m.stored_size, False, self.w.result_new_bytes)
+
+    def discard(self) -> None:
+        self.w.abort()
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
+                known: KnownChunks, params: ChunkParams | None = None,
+                tick: Callable[[int], None] | None = None) -> StagedLayer:
+    """Read one layer blob, verify both digests, and cut it into packs kept in staging."""
     params = params or ChunkParams()
-    version = diff_id.removeprefix("sha256:")
     label = f"layer {desc.digest or diff_id} of {source.label}"
     staging = Path(tempfile.mkdtemp(prefix="import-", dir=store.staging_dir()))
     w = _Writer(store, known, params, staging, None, False, defer_uploads=True)
@@ -242,20 +268,18 @@ def import_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *
         if plain.digest != diff_id:
             raise IntegrityError(f"{label}: the uncompressed layer hashes to {plain.digest}, "
                                  f"not its diff_id {diff_id}; refused")
+        (staging / "small-files").unlink()
         w.seal_all()
-        locs = w.finish()  # uploads the packs, now that the bytes are known good
     except BaseException:
         w.abort()
-        raise
-    finally:
         shutil.rmtree(staging, ignore_errors=True)
-    index = LayerIndex(entries=entries, chunks=locs, packs=w.packs, params=params)
-    known.add_index(index)
-    digest, m = layer_manifest(store, index, name=LAYER_NAME, version=version,
-                               created_by=f"dsec import {desc.digest or diff_id}")
-    set_ref(store, LAYER_NAME, version, digest)
-    return ImportedLayer(m.ref, digest, m.content_digest, diff_id, desc.digest or "", m.size,
-                         m.stored_size, False, w.result_new_bytes)
+        raise
+    assert all(loc is not None for loc in w.locs)
+    index = LayerIndex(entries=entries, chunks=list(w.locs),  # type: ignore[arg-type]
+                       packs=w.packs, params=params)
+    known.add_index(index)  # later layers of the import reuse its chunks
+    return StagedLayer(w, staging, index, diff_id.removeprefix("sha256:"), diff_id,
+                       desc.digest or "")
 
 
 def _existing_layer(store: Store, diff_id: str) -> tuple[str, Manifest] | None:
@@ -432,25 +456,33 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
             progress(prog)
 
     known: KnownChunks | None = None
-    for desc, diff_id in zip(layers, diff_ids, strict=True):
-        have = _existing_layer(store, diff_id)
-        if have is not None:
-            d, m = have
-            report.layers.append(ImportedLayer(m.ref, d, m.content_digest, diff_id,
-                                               desc.digest or "", m.size, m.stored_size,
-                                               True))
-            prog.bytes_done += desc.size
-        else:
-            if known is None:
-                from ..core.config import load_config
+    staged: list[StagedLayer | ImportedLayer] = []
+    try:
+        for desc, diff_id in zip(layers, diff_ids, strict=True):
+            have = _existing_layer(store, diff_id)
+            if have is not None:
+                d, m = have
+                staged.append(ImportedLayer(m.ref, d, m.content_digest, diff_id,
+                                            desc.digest or "", m.size, m.stored_size, True))
+                prog.bytes_done += desc.size
+            else:
+                if known is None:
+                    from ..core.config import load_config
 
-                known = KnownChunks.load(store, Path(load_config().data_dir)
-                                         / "chunk-tables")
-            report.layers.append(import_layer(store, source, desc, diff_id, known=known,
-                                              tick=tick))
-        prog.objects_done += 1
-        if progress:
-            progress(prog)
+                    known = KnownChunks.load(store, Path(load_config().data_dir)
+                                             / "chunk-tables")
+                staged.append(stage_layer(store, source, desc, diff_id, known=known,
+                                          tick=tick))
+            prog.objects_done += 1
+            if progress:
+                progress(prog)
+        # every layer verified: only now does the store change
+        for x in staged:
+            report.layers.append(x.publish(store) if isinstance(x, StagedLayer) else x)
+    finally:
+        for x in staged:
+            if isinstance(x, StagedLayer):
+                x.discard()
     ann["oci.source"] = source_text
     if top_digest:
         ann["oci.digest"] = top_digest

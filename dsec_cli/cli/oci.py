@@ -16,8 +16,9 @@ def register(app: typer.Typer) -> None:
                                      "optionally :TAG)", show_default=False),
         as_ref: str | None = typer.Option(None, "--as", help="NAME@VERSION of the image "
                                           "(default: the repository's name and tag)"),
-        platform: str | None = typer.Option(None, "--platform", help="OS/ARCH or OS/ARCH/VARIANT to "
-                                            "pick from an image index (default: this host)"),
+        platform: str | None = typer.Option(None, "--platform", help="OS/ARCH or "
+                                            "OS/ARCH/VARIANT to pick from an image index "
+                                            "(default: this host)"),
         store: str | None = STORE, insecure: bool = INSECURE,
         replace: bool = typer.Option(False, "--replace", help="move a NAME@VERSION the store "
                                      "holds with other content"),
