@@ -489,7 +489,8 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
     digest, _ = write_image(store, name, version, [x.manifest for x in report.layers],
                             env=env, workdir=workdir, annotations=ann,
                             created_by=f"dsec import {source_text}")
-    _set_image_ref(store, name, version, digest, replace)
+    if as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
+        _set_image_ref(store, name, version, digest, replace)
     report.manifest = digest
     report.seconds = time.monotonic() - t0
     return report

@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
                                chunk_sha256=chunk_sha256, replace=replace)
         if json_:
             print_json({"store": report.store, "items": [i.__dict__ for i in report.items],
-                        "warnings": report.warnings})
+                        "warnings": report.warnings, "pinned": report.pinned})
             return
         rows = [(i.ref, i.kind, i.manifest[:12], "cached" if i.cached else f"{i.seconds:.2f}s",
                  human_bytes(i.size), human_bytes(i.stored_size),
@@ -58,6 +58,8 @@ def register(app: typer.Typer) -> None:
             if i.replaced:
                 err_console().print(f"replaced: {i.ref} named {i.replaced[:12]}, now "
                                     f"{i.manifest[:12]}", highlight=False)
+        for source, digest in report.pinned.items():
+            err_console().print(f"pinned: {source} at {digest}", highlight=False, markup=False)
         for w in report.warnings:
             err_console().print(f"[yellow]warning:[/] {w}", highlight=False)
 

@@ -350,4 +350,8 @@ def open_source(text: str, insecure: bool = False) -> Source:
             return ArchiveSource(p, tag)
     if text.startswith(("/", ".")):
         raise NotFoundError(f"no OCI layout or docker archive at {text}")
-    return RegistrySource(parse_image_ref(text), insecure)
+    ref = parse_image_ref(text)
+    host = ref.host.rsplit(":", 1)[0] if not ref.host.endswith("]") else ref.host
+    # as docker does: a registry on loopback is spoken to over plain HTTP
+    loopback = host in ("localhost", "[::1]") or host.startswith("127.")
+    return RegistrySource(ref, insecure or loopback)
