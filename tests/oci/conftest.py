@@ -44,3 +44,14 @@ def store_files(env: dict[str, str]) -> dict[str, int]:
             if not rel.startswith(("tmp/", "leases/")):
                 out[rel] = p.stat().st_size
     return out
+
+
+USERS = {"alice": "s3cret-pass"}
+
+
+@pytest.fixture(scope="session")
+def auth_registry() -> Iterator[str]:
+    """A registry that answers only requests with alice's credentials."""
+    server = testing.start_registry(users=USERS)
+    yield server.url
+    server.stop()
