@@ -244,7 +244,7 @@ def export_oci(store: Store, ref: str, dest: Path | None, *, to_registry: str | 
         raise UsageError("export --format oci needs a destination directory or --to-registry")
     t0 = time.monotonic()
     img = resolve_image(store, ref)
-    prog = _Progress(0, len(img.layers), 0, sum(m.stored_size for _, m in img.layers))
+    prog = _Progress(0, len(img.layers), 0, 0)  # the compressed size is known at the end
 
     def tick(n: int) -> None:
         prog.bytes_done += n
