@@ -46,6 +46,7 @@ from ..core.errors import (
 from ..format.index import ChunkParams, Entry, LayerIndex
 from ..format.manifest import Manifest, load_manifest
 from ..format.refs import get_ref, set_ref
+from ..push import retry
 from ..push.dedup import KnownChunks
 from ..push.ocisource import (
     INDEX_TYPES,
@@ -145,13 +146,16 @@ class _Hashed:
         return data
 
     def peek(self, n: int) -> bytes:
-        while len(self.head) < n:
-            piece = self.read(n - len(self.head)) if not self.head else b""
-            if not self.head:
-                self.head = piece
+        """The next ``n`` bytes (fewer at the end), left to be read again."""
+        head = self.head
+        self.head = b""
+        while len(head) < n:
+            piece = self.read(n - len(head))
             if not piece:
                 break
-        return self.head[:n]
+            head += piece
+        self.head = head
+        return head[:n]
 
     def drain(self) -> None:
         while self.read(1 << 20):
@@ -471,8 +475,12 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
 
                     known = KnownChunks.load(store, Path(load_config().data_dir)
                                              / "chunk-tables")
-                staged.append(stage_layer(store, source, desc, diff_id, known=known,
-                                          tick=tick))
+                # a connection that breaks mid-layer reads the layer again (transient
+                # failures only, under the one retry policy)
+                staged.append(retry.call(
+                    lambda desc=desc, diff_id=diff_id, k=known: stage_layer(  # type: ignore[misc]
+                        store, source, desc, diff_id, known=k, tick=tick),
+                    f"importing layer {desc.digest or diff_id}"))
             prog.objects_done += 1
             if progress:
                 progress(prog)

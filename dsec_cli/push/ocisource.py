@@ -278,7 +278,10 @@ class RegistrySource(Source):
         self.http = OCIStore(f"oci://{ref.host}/{ref.repo}", ref.host, ref.repo, insecure)
 
     def _get(self, path: str, what: str, **kw: Any) -> Any:
-        return self.http._request("GET", f"{self.http.base}/{path}", what, **kw)
+        from .retry import call
+
+        return call(lambda: self.http._request("GET", f"{self.http.base}/{path}", what, **kw),
+                    what)
 
     def root(self) -> tuple[bytes, str, str | None]:
         what = f"reading the manifest of {self.ref}"
