@@ -236,3 +236,25 @@ def test_docker_save_layout_with_uncompressed_members(env: dict[str, str],
     r = oci.import_image(f"{archive}:7")
     assert r.ref == "save@7" and images.inspect("save@7")["env"] == {"A": "1"}
     assert compress(b"", "none") == b""
+
+
+def test_registry_that_fails_each_request_twice(env: dict[str, str], tmp_path: Path,
+                                                registry: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every manifest and blob request meets two 503s first: the import retries them
+    (transient errors only) and gets the same image."""
+    from tests.flakyproxy import FlakyProxy
+
+    write_layout(base_image(), tmp_path / "layout")
+    skopeo("copy", "--dest-tls-verify=false", f"oci:{tmp_path / 'layout'}:v1",
+           f"docker://{registry}/flaky/base:v1")
+    direct = oci.import_image(f"{registry}/flaky/base:v1", as_ref="direct@1", insecure=True)
+    proxy = FlakyProxy(f"http://{registry}")
+    try:
+        host = proxy.url.removeprefix("http://")
+        monkeypatch.setenv("DSEC_STORE", (tmp_path / "other-store").as_uri())
+        r = oci.import_image(f"{host}/flaky/base:v1", as_ref="flaky@1", insecure=True)
+        assert proxy.failed >= 2 * 3  # manifest, config and layers each failed first
+    finally:
+        proxy.stop()
+    assert [x.content_digest for x in r.layers] == [x.content_digest for x in direct.layers]
