@@ -132,8 +132,8 @@ class _Hashed:
         if n is None or n < 0:
             n = 1 << 20
         if self.head:
-            data, self.head = self.head[:n], self.head[n:]
-            return data
+            first, self.head = self.head[:n], self.head[n:]
+            return first
         if self.limit is not None:
             n = min(n, self.limit + 1 - self.n)
             if n <= 0:
@@ -169,12 +169,12 @@ class _Hashed:
 def _decompressed(raw: _Hashed) -> IO[bytes]:
     head = raw.peek(4)
     if head[:2] == GZIP_MAGIC:
-        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[arg-type]
+        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[call-overload]
     if head == ZSTD_MAGIC:
         import zstandard
 
         return zstandard.ZstdDecompressor().stream_reader(  # type: ignore[return-value]
-            raw, read_across_frames=True)
+            raw, read_across_frames=True)  # type: ignore[arg-type]
     return raw  # type: ignore[return-value]
 
 
@@ -368,9 +368,9 @@ def image_settings(config: dict[str, Any], label: str) -> tuple[dict[str, str], 
     if isinstance(c.get("User"), str) and c["User"]:
         ann["oci.user"] = c["User"]
     for key, name in (("Entrypoint", "oci.entrypoint"), ("Cmd", "oci.cmd")):
-        v = _str_list(c.get(key))
-        if v is not None:
-            ann[name] = json.dumps(v)
+        items = _str_list(c.get(key))
+        if items is not None:
+            ann[name] = json.dumps(items)
     labels = c.get("Labels")
     if isinstance(labels, dict):
         for k, v in labels.items():

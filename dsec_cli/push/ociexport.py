@@ -167,7 +167,8 @@ def write_layout(store: Store, ref: str, dest: Path, *, compression: str = "gzip
     blobs.mkdir(parents=True)
     report = ExportReport(ref, img.digest, "", str(dest))
     try:
-        descs, diff_ids = [], []
+        descs: list[dict[str, Any]] = []
+        diff_ids: list[str] = []
         for d, m in img.layers:
             index, reader = _reader_for(store, d, m)
             part = blobs / f".layer-{len(descs)}"

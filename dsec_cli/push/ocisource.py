@@ -312,7 +312,7 @@ class RegistrySource(Source):
         r = self._get(f"blobs/{desc.digest}", f"reading blob {desc.digest} of {self.ref}",
                       stream=True)
         try:
-            yield _RawReader(r.raw)
+            yield _RawReader(r.raw)  # type: ignore[misc]  # read() is all a reader uses
         finally:
             r.close()
 
