@@ -24,10 +24,12 @@ import hashlib
 import json
 import logging
 import platform as _platform
+import queue
 import re
 import shutil
 import tarfile
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -166,6 +168,65 @@ class _Hashed:
         return "sha256:" + self.h.hexdigest()
 
 
+class _Prefetch:
+    """Reads a stream on a thread, a bounded queue of pieces ahead of the consumer: the
+    thread decompresses and hashes (zlib, zstd and sha256 release the GIL) while the caller
+    chunks and compresses, so the two overlap on two cores. At most ``depth`` pieces wait."""
+
+    PIECE = 1 << 20
+
+    def __init__(self, f: Any, depth: int = 8) -> None:
+        self.f = f
+        self.q: queue.Queue[bytes | BaseException] = queue.Queue(depth)
+        self.stop = threading.Event()
+        self.buf = memoryview(b"")
+        self.eof = False
+        self.t = threading.Thread(target=self._run, name="oci-layer-read", daemon=True)
+        self.t.start()
+
+    def _put(self, item: bytes | BaseException) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                data = self.f.read(self.PIECE)
+                if not self._put(data) or not data:
+                    return
+        except BaseException as e:  # handed to the reader, raised there
+            self._put(e)
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self.PIECE
+        while not self.buf and not self.eof:
+            item = self.q.get()
+            if isinstance(item, BaseException):
+                self.eof = True
+                raise item
+            if not item:
+                self.eof = True
+            self.buf = memoryview(item)
+        out = bytes(self.buf[:n])
+        self.buf = self.buf[n:]
+        return out
+
+    def drain(self) -> None:
+        while self.read(self.PIECE):
+            pass
+        self.t.join()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.t.join()
+
+
 def _decompressed(raw: _Hashed) -> IO[bytes]:
     head = raw.peek(4)
     if head[:2] == GZIP_MAGIC:
@@ -249,11 +310,14 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
     try:
         with source.blob(desc) as f, open(staging / "small-files", "w+b") as spool:
             raw = _Hashed(f, desc.size if desc.digest else None, tick)
+            plain = _Hashed(None)
+            ahead = None
             try:
-                plain = _Hashed(_decompressed(raw))
-                with tarfile.open(fileobj=plain, mode="r|") as tf:  # type: ignore[call-overload]
+                plain.f = _decompressed(raw)
+                ahead = _Prefetch(plain)
+                with tarfile.open(fileobj=ahead, mode="r|") as tf:  # type: ignore[call-overload]
                     entries = _scan_layer(tf, label, w, params, spool)
-                plain.drain()  # the end-of-archive padding is part of the diff_id
+                ahead.drain()  # the end-of-archive padding is part of the diff_id
                 raw.drain()
             except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
                 raise IntegrityError(f"{label}: cannot read it as a tar stream: {e}") from None
@@ -261,6 +325,9 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
                 if type(e).__name__ != "ZstdError":
                     raise
                 raise IntegrityError(f"{label}: cannot decompress it: {e}") from None
+            finally:
+                if ahead is not None:
+                    ahead.close()
         if desc.digest is not None:
             if raw.n != desc.size:
                 got = f"over {desc.size}" if raw.n > desc.size else str(raw.n)
