@@ -517,6 +517,8 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
                              f"one sha256 digest per layer ({len(layers)} layers)")
     env, workdir, ann = image_settings(config, source.label)
     name, version = parse_ref(as_ref) if as_ref else default_name(source)
+    if as_ref != "" and not replace:
+        _refuse_other_image(store, name, version, top_digest or "")
     prog = ImportProgress(0, len(layers), 0, sum(d.size for d in layers))
     report = ImportReport(source_text, f"{name}@{version}", "", top_digest or "", want)
 
@@ -569,6 +571,20 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
     report.manifest = digest
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _refuse_other_image(store: Store, name: str, version: str, source_digest: str) -> None:
+    """Before anything is read: a ``name@version`` that names an image imported from another
+    manifest (or not imported at all) is not moved without ``replace``."""
+    try:
+        current = get_ref(store, f"{name}@{version}").manifest
+    except NotFoundError:
+        return
+    m = load_manifest(store, current)
+    if not source_digest or m.annotations.get("oci.digest") != source_digest:
+        raise RefConflictError(f"{name}@{version}", store.url, current,
+                               f"an image from {source_digest or 'another source'}",
+                               verb="this import would make it")
 
 
 def _set_image_ref(store: Store, name: str, version: str, digest: str, replace: bool

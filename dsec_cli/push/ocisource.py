@@ -212,7 +212,8 @@ class ArchiveSource(Source):
                "config": {"digest": "sha256:" + hashlib.sha256(config).hexdigest(),
                           "size": len(config)},
                "layers": [{"path": p} for p in chosen["Layers"]]}
-        return json.dumps(doc).encode(), "docker-archive", None
+        # the image is known by its config's digest there (docker's image id)
+        return json.dumps(doc).encode(), "docker-archive", doc["config"]["digest"]
 
     def document(self, desc: Descriptor) -> bytes:
         return self.config

@@ -235,6 +235,8 @@ def test_docker_save_layout_with_uncompressed_members(env: dict[str, str],
             tf.addfile(ti, io.BytesIO(data))
     r = oci.import_image(f"{archive}:7")
     assert r.ref == "save@7" and images.inspect("save@7")["env"] == {"A": "1"}
+    assert r.source_digest == sha(config)
+    assert oci.import_image(f"{archive}:7").manifest == r.manifest  # again: no conflict
     assert compress(b"", "none") == b""
 
 
