@@ -270,7 +270,11 @@ class RegistrySource(Source):
     ACCEPT = ", ".join((*MANIFEST_TYPES, *INDEX_TYPES))
 
     def __init__(self, ref: ImageRef, insecure: bool) -> None:
-        from .stores.oci import OCIStore
+        try:
+            from .stores.oci import OCIStore
+        except ImportError as e:  # oras is the optional extra `oci`
+            raise UsageError(f"reading images from registries needs oras: {e}",
+                             hint="pip install 'dsec[oci]'") from e
 
         self.ref = ref
         self.label = f"registry image {ref}"
