@@ -388,9 +388,11 @@ def _pick_platform(index: dict[str, Any], want: str, label: str) -> Descriptor:
         if p.get("os") == os_ and p.get("architecture") == arch and (
                 not variant or p.get("variant") == variant):
             return desc
+    if not seen:
+        raise UsageError(f"{label} lists {len(items)} images and no platforms",
+                         hint="name one by its tag (SOURCE:TAG)")
     raise NotFoundError(f"{label} has no image for platform {want}",
-                        hint=f"it has: {', '.join(seen) or 'no platform-tagged manifest'}; "
-                        "choose with --platform")
+                        hint=f"it has: {', '.join(seen)}; choose with --platform")
 
 
 def _layers_of(doc: dict[str, Any], label: str) -> tuple[Descriptor, list[Descriptor]]:
