@@ -48,6 +48,7 @@ from ..core.errors import (
 from ..format.index import ChunkParams, Entry, LayerIndex
 from ..format.manifest import Manifest, load_manifest
 from ..format.refs import get_ref, set_ref
+from ..format.validate import MAX_TEXT
 from ..push import retry
 from ..push.dedup import KnownChunks
 from ..push.ocisource import (
@@ -74,6 +75,8 @@ LAYER_TYPES = {
 }
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+#: the most the env, workdir and annotations taken from an image config may weigh in all
+MAX_SETTINGS = 1 << 20
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
@@ -447,7 +450,19 @@ def image_settings(config: dict[str, Any], label: str) -> tuple[dict[str, str], 
                 ann[f"oci.label.{k}"] = v
     if isinstance(c.get("StopSignal"), str):
         ann["oci.stop_signal"] = c["StopSignal"]
-    return env, workdir or "", {k: v for k, v in ann.items() if "\x00" not in k + v}
+    ann = {k: v for k, v in ann.items() if "\x00" not in k + v}
+    workdir = workdir or ""
+    if "\x00" in workdir:
+        raise IntegrityError(f"{label}: the image config's WorkingDir holds a NUL byte")
+    if workdir and not workdir.startswith("/"):
+        workdir = "/" + workdir  # as docker reads a relative WorkingDir
+    # what becomes the dsec manifest must stay readable under its bounds
+    texts = [workdir, *env, *env.values(), *ann, *ann.values()]
+    if any(len(t) > MAX_TEXT for t in texts) or sum(map(len, texts)) > MAX_SETTINGS:
+        raise IntegrityError(f"{label}: the image config's env, labels or command are too "
+                             f"large (each at most {MAX_TEXT} characters, "
+                             f"{MAX_SETTINGS} in all)")
+    return env, workdir, ann
 
 
 def default_name(source: Source) -> tuple[str, str]:

@@ -123,3 +123,14 @@ def test_garbage_blob_is_refused(env: dict[str, str], tmp_path: Path,
     p = run_dsec("import", str(lay), "--as", "junk@1", check=2)
     assert "error:" in p.stderr and "Traceback" not in p.stderr
     assert store_files(env) == seeded
+
+
+def test_oversized_config_is_refused_before_any_layer(env: dict[str, str], tmp_path: Path,
+                                                      seeded: dict[str, int],
+                                                      run_dsec) -> None:  # type: ignore[no-untyped-def]
+    """Env and labels that would make an unreadable dsec manifest are refused up front."""
+    img = Image([[file("a", b"a")]], env=[f"BIG={'x' * (70 << 10)}"])
+    write_layout(img, tmp_path / "huge")
+    p = run_dsec("import", str(tmp_path / "huge"), "--as", "huge@1", check=2)
+    assert "too large" in _text(p.stderr)
+    assert store_files(env) == seeded
