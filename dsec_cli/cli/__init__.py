@@ -14,6 +14,7 @@ from ..core.errors import DsecError
 from . import build as _build
 from . import gc as _gc
 from . import node as _node
+from . import oci as _oci
 from . import optimize as _optimize
 from . import sandbox as _sandbox
 from . import store as _store
@@ -32,7 +33,7 @@ def _root() -> None:
     """Content-addressed layers and sandboxes for agentic-RL environments."""
 
 
-for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify):
+for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify, _oci):
     _module.register(app)
 
 
