@@ -385,21 +385,57 @@ def remove_job(name: str, state_dir: str | Path | None = None) -> dict[str, Any]
     return _jobs(state_dir).remove(name)
 
 
-def create_in_job(name: str, image: str, opts: Any,
-                  state_dir: str | Path | None = None) -> dict[str, Any]:
-    """A sandbox owned by job ``name`` (what `dsec run --job` does): admitted under the
-    job's cap, or refused while the job is at it."""
+def create_in_job(name: str, image: str, opts: Any, state_dir: str | Path | None = None,
+                  timeout: float | None = None) -> dict[str, Any]:
+    """A sandbox owned by job ``name`` (what `dsec run --job` does), created once the job's
+    concurrency cap admits it: past the cap it waits in the job's queue (``timeout``
+    seconds at most; None: as long as it takes)."""
     jobs = _jobs(state_dir)
     ticket = jobs.acquire(name)
-    if not jobs.admit(ticket):
-        jobs.release_slot(ticket)
-        raise DsecError(f"job {name!r} is at its concurrency cap",
-                        hint=f"release a rollout or raise the cap; `dsec job ls` shows it")
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
+        while not jobs.admit(ticket):
+            if deadline is not None and time.monotonic() > deadline:
+                raise DsecError(f"job {name!r} is at its concurrency cap: no slot within "
+                                f"{timeout:g} s", hint="`dsec job ls` shows its queue")
+            time.sleep(0.1)
         return jobs.add_rollout(name, image, asdict(opts), ticket=ticket)
     except BaseException:
         jobs.release_slot(ticket)
         raise
+
+
+def run_in_job(name: str, image: str, opts: Any, cmd: list[str] | None = None,
+               timeout: float | None = None, state_dir: str | Path | None = None
+               ) -> tuple[dict[str, Any], ExecResult | None]:
+    """`dsec run --job`: a sandbox owned by the job, with ``cmd`` as its first journaled
+    step; the sandbox stays (the job owns it)."""
+    doc = create_in_job(name, image, opts, state_dir)
+    res = None
+    if cmd:
+        res, _ = _jobs(state_dir).exec(doc["id"], cmd, timeout=timeout)
+    return _jobs(state_dir).rollout(doc["id"]), res
+
+
+def journaled_exec(node: Any, sandbox_id: str, argv: list[str], **kw: Any
+                   ) -> ExecResult | None:
+    """An exec into a job's sandbox, as a journaled step (`dsec exec` on a job sandbox);
+    None when the sandbox belongs to no job."""
+    jobs = node_jobs(node)
+    sid = node.lookup(sandbox_id).id
+    if not jobs.db.q("SELECT 1 FROM rollouts WHERE sandbox=?", (sid,)):
+        return None
+    stdin = kw.get("stdin")
+    if stdin is not None and not isinstance(stdin, bytes):
+        stdin = b"".join(stdin)  # the journal keeps the stdin to replay it
+    res, _ = jobs.exec(sid, argv, env=kw.get("env"), cwd=kw.get("cwd"), stdin=stdin,
+                       timeout=kw.get("timeout"), capture_limit=kw.get("capture_limit"))
+    on_output = kw.get("on_output")
+    if on_output is not None:
+        for kind, data in (("stdout", res.stdout), ("stderr", res.stderr)):
+            if data:
+                on_output(kind, data)
+    return res
 
 
 def journal(rollout: str, output: bool = True,
