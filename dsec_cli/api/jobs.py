@@ -214,7 +214,7 @@ class Job:
             self._jobs.start(name, settings(ttl, park_grace, reclaim_grace, retain,
                                             max_concurrent, snapshot_every, snapshot_interval))
         else:
-            self._jobs.renew(name)
+            self._jobs.reattach(name)
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(8, thread_name_prefix=f"job-{name}")
@@ -234,10 +234,19 @@ class Job:
         return cls(name, heartbeat=heartbeat, state_dir=state_dir, store=store, _create=False)
 
     @classmethod
-    def resume(cls, name: str, **kw: Any) -> Job:
+    def resume(cls, name: str, *, replay_lost: bool = False, **kw: Any) -> Job:
         """Reattach after a trainer died: `rollouts` then gives the live sandboxes with their
-        journals; a keyed exec the dead trainer had started is served or rerun exactly once."""
-        return cls.attach(name, **kw)
+        journals; a keyed exec the dead trainer had started is served or rerun exactly once.
+        With ``replay_lost``, rollouts whose sandbox is gone (or was being made or rebuilt
+        when the trainer died) are rebuilt first (`Rollout.replay`)."""
+        job = cls.attach(name, **kw)
+        if replay_lost:
+            for ro in job.rollouts(status=None):
+                d = ro._doc
+                if d["status"] in ("lost", "creating") or (d["status"] == "live"
+                                                           and not d["alive"]):
+                    ro.replay()
+        return job
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(max(self.info()["ttl"] / 3, 0.2)):

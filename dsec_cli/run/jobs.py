@@ -82,7 +82,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     idx INTEGER,
     ticket TEXT,
     created REAL NOT NULL,
-    status TEXT NOT NULL,           -- live | lost | released
+    status TEXT NOT NULL,           -- creating | live | lost | released
     snap_step INTEGER NOT NULL DEFAULT 0,
     snap_image TEXT,
     snap_time REAL NOT NULL
@@ -121,6 +121,8 @@ CREATE TABLE IF NOT EXISTS slots (
 );
 """
 
+#: the env variable naming a job sandbox's rollout (how orphans are found after a crash)
+TAG = "DSEC_ROLLOUT"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 KEY_MAX = 512
 
@@ -346,6 +348,12 @@ class NodeJobs:
         """Remove the job's sandboxes, snapshot refs and rows."""
         self._job(name)
         removed = self._remove_sandboxes(name, "released")
+        for rec in self._tagged(name):
+            try:
+                self.node.remove(rec.id)
+                removed.append(rec.id)
+            except NotFoundError:
+                pass
         snaps = [r["snap_image"] for r in self.db.q(
             "SELECT snap_image FROM rollouts WHERE job=? AND snap_image IS NOT NULL", (name,))]
         with self.db.tx() as db:
@@ -442,22 +450,75 @@ class NodeJobs:
         j = self._job(name)
         if j["reclaimed"] is not None or time.time() > j["expires"] + j["park_grace"]:
             raise SandboxError(f"job {name!r}'s lease has expired", hint=f"dsec job renew {name}")
-        o = CreateOptions(**opts)
-        o.ttl = max(j["expires"] - time.time(), 1.0) + j["reclaim_grace"]
-        rec = self.node.create(image, o)
+        CreateOptions(**opts).validate()
         rid = secrets.token_hex(6)
         t = time.time()
+        # the row first: a crash during the create leaves a tagged sandbox that
+        # `collect_orphans` finds, never one that nothing knows about
+        with self.db.tx() as db:
+            db.execute("INSERT INTO rollouts (id, job, sandbox, image, opts, base_layers, "
+                       "grp, idx, ticket, created, status, snap_time) "
+                       "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                       (rid, name, None, image, json.dumps(opts), 0, group, index, ticket, t,
+                        "creating", t))
         try:
-            with self.db.tx() as db:
-                db.execute("INSERT INTO rollouts (id, job, sandbox, image, opts, base_layers, "
-                           "grp, idx, ticket, created, status, snap_time) "
-                           "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                           (rid, name, rec.id, image, json.dumps(opts), len(rec.layers), group,
-                            index, ticket, t, "live", t))
+            rec = self._create(rid, j, image, opts)
         except BaseException:
-            self.node.remove(rec.id)
+            with self.db.tx() as db:
+                db.execute("DELETE FROM rollouts WHERE id=?", (rid,))
             raise
+        self._set_rollout(rid, sandbox=rec.id, base_layers=len(rec.layers), status="live")
         return self.rollout(rid)
+
+    def _create(self, rid: str, j: sqlite3.Row, image: str, opts: dict[str, Any]) -> Any:
+        """A sandbox for rollout ``rid``, tagged with it (``DSEC_ROLLOUT`` in its env) and
+        expiring at the job's reclaim horizon."""
+        o = CreateOptions(**opts)
+        o.env = {**o.env, TAG: rid}
+        o.ttl = max(j["expires"] - time.time(), 1.0) + j["reclaim_grace"]
+        rec = self.node.create(image, o)
+        self._set_rollout(rid, sandbox=rec.id)
+        return rec
+
+    def _tagged(self, name: str) -> list[Any]:
+        """The node's sandboxes made for the job's rollouts (by their tag)."""
+        rids = {r["id"] for r in self.db.q("SELECT id FROM rollouts WHERE job=?", (name,))}
+        return [rec for rec in self.node.db.all()
+                if (rec.spec.get("env") or {}).get(TAG) in rids]
+
+    def collect_orphans(self, name: str) -> list[str]:
+        """Remove sandboxes made for the job's rollouts that no rollout holds (their creator
+        died before linking them, or before removing the one a replay replaced)."""
+        current = {r["sandbox"] for r in self.db.q(
+            "SELECT sandbox FROM rollouts WHERE job=? AND sandbox IS NOT NULL", (name,))}
+        out = []
+        for rec in self._tagged(name):
+            if rec.id in current or _rootfs.alive(rec.owner_pid, rec.owner_start):
+                continue
+            try:
+                self.node.remove(rec.id)
+                out.append(rec.id)
+            except NotFoundError:
+                pass
+        return out
+
+    def reattach(self, name: str) -> dict[str, Any]:
+        """A trainer coming back: its lease renewed, sandboxes that a dead process left
+        frozen (a snapshot in progress) thawed unless the job is parked, orphans removed."""
+        out = self.renew(name)
+        if not out["parked"]:
+            for r in self._live_rollouts(name):
+                try:
+                    rec = self.node.lookup(r["sandbox"])
+                    b = self.node.backend(rec.backend)
+                    is_paused = getattr(b, "is_paused", None)
+                    if rec.status == "running" and is_paused and is_paused(
+                            self.node.handle_of(rec)):
+                        b.resume(self.node.handle_of(rec))
+                except Exception as e:
+                    log.warning("job %s: sandbox %s: %s", name, r["sandbox"], e)
+        self.collect_orphans(name)
+        return self.get(name)
 
     def _rollout_row(self, rid: str) -> sqlite3.Row:
         if not isinstance(rid, str) or not rid or not all(c.isalnum() or c in "-_"
@@ -699,17 +760,16 @@ class NodeJobs:
         j = self._job(r["job"])
         if r["status"] == "released":
             raise UsageError(f"rollout {r['id']} was released")
-        if r["sandbox"]:
-            try:
-                self.node.remove(r["sandbox"])
-            except NotFoundError:
-                pass
-            self._set_rollout(r["id"], sandbox=None, status="lost")
-        image = r["snap_image"] or r["image"]
-        o = CreateOptions(**json.loads(r["opts"]))
-        o.ttl = max(j["expires"] - time.time(), 1.0) + j["reclaim_grace"]
-        rec = self.node.create(image, o)
-        self._set_rollout(r["id"], sandbox=rec.id)
+        for old in self._tagged(r["job"]):  # its sandbox, and any a dead replay left
+            if old.spec["env"][TAG] == r["id"]:
+                try:
+                    self.node.remove(old.id)
+                except NotFoundError:
+                    pass
+        self._set_rollout(r["id"], sandbox=None, status="lost")
+        rec = self._create(r["id"], j, r["snap_image"] or r["image"], json.loads(r["opts"]))
+        if not r["snap_image"]:
+            self._set_rollout(r["id"], base_layers=len(rec.layers))
         r = self._rollout_row(r["id"])
         try:
             for s in self.db.q("SELECT * FROM steps WHERE rollout=? AND state='done' AND "
@@ -756,6 +816,8 @@ class NodeJobs:
                     if not dry_run:
                         self.remove(name)
                 continue
+            if not dry_run:
+                self.collect_orphans(name)
             if over >= j["reclaim_grace"]:
                 report["reclaimed"].append(name)
                 if not dry_run:
