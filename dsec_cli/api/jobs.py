@@ -437,8 +437,10 @@ def journaled_exec(node: Any, sandbox_id: str, argv: list[str], **kw: Any
     stdin = kw.get("stdin")
     if stdin is not None and not isinstance(stdin, bytes):
         stdin = b"".join(stdin)  # the journal keeps the stdin to replay it
+    # the journal keeps the whole output (a result served again must be the same), and the
+    # caller gets it once the step is committed
     res, _ = jobs.exec(sid, argv, env=kw.get("env"), cwd=kw.get("cwd"), stdin=stdin,
-                       timeout=kw.get("timeout"), capture_limit=kw.get("capture_limit"))
+                       timeout=kw.get("timeout"))
     on_output = kw.get("on_output")
     if on_output is not None:
         for kind, data in (("stdout", res.stdout), ("stderr", res.stderr)):
