@@ -109,8 +109,9 @@ class Rollout:
         process or a resumed trainer) returns the journaled result and runs nothing."""
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        res, _ = self.job._jobs.exec(self.id, argv, env=env, cwd=cwd, stdin=data,
-                                     timeout=timeout, key=key)
+        res, step = self.job._jobs.exec(self.id, argv, env=env, cwd=cwd, stdin=data,
+                                        timeout=timeout, key=key)
+        self._doc["sandbox"] = step["sandbox"]  # a rebuild (see `replay`) may have moved it
         return res
 
     def write_file(self, path: str, data: bytes | str, *, key: str | None = None) -> None:

@@ -663,7 +663,8 @@ class NodeJobs:
                        (_result_doc(res), res.stdout, res.stderr, after, time.time() - t0,
                         r["id"], step))
         self._maybe_snapshot(r["id"], step)
-        return res, {"step": step, "from_journal": False, "rollout": r["id"]}
+        return res, {"step": step, "from_journal": False, "rollout": r["id"],
+                     "sandbox": r["sandbox"]}
 
     def _begin(self, rid: str, key: str | None, argv: list[str], cwd: str | None,
                env: dict[str, str], stdin: bytes | None, timeout: float | None,
@@ -693,7 +694,8 @@ class NodeJobs:
             s = rows[0]
             if s["state"] == "done":
                 return self._result(s), {"step": s["step"], "from_journal": True,
-                                         "rollout": r["id"]}
+                                         "rollout": r["id"],
+                                         "sandbox": self._rollout_row(r["id"])["sandbox"]}
             if self._elsewhere(s):
                 if time.monotonic() > deadline:
                     raise SandboxError(f"step {s['step']} of rollout {r['id']} is still running")

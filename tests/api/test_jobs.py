@@ -93,7 +93,7 @@ def test_trainer_killed_at_random_resumes_every_rollout(node_env: dict[str, str]
     assert [m.status for m in group.members] == ["ok"] * width
     env = {**os.environ, **node_env, "PYTHONPATH": str(REPO)}
     kills = 0
-    for attempt in range(40):
+    for _ in range(40):
         p = subprocess.Popen([sys.executable, str(TRAINER), "killed", str(rounds), str(width)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         assert p.stdout is not None
@@ -301,3 +301,54 @@ def test_cli_job_lifecycle(node_env: dict[str, str]) -> None:
     dsec(node_env, "job", "rm", "cli")
     assert json.loads(dsec(node_env, "job", "ls", "--json").stdout) == []
     _assert_clean(node_env, "cli")
+
+
+def _kill_mid_step(node_env: dict[str, str], cmd: str, ready: str) -> None:
+    """A trainer starts keyed step ``k`` running ``cmd`` and is SIGKILLed once ``ready``
+    (a shell test inside the sandbox) holds."""
+    code = ("import sys\nfrom dsec_cli.api.jobs import Job\n"
+            "job = Job.attach('midstep', heartbeat=False)\n"
+            "job.rollouts()[0].exec(sys.argv[1], key='k')\n")
+    env = {**os.environ, **node_env, "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen([sys.executable, "-c", code, cmd], env=env)
+    jobs = _jobs(node_env)
+    ro = jobs.rollouts("midstep")[0]
+
+    def started() -> bool:
+        if not jobs.db.q("SELECT 1 FROM steps WHERE key='k' AND state='running'"):
+            return False
+        return _node(node_env).exec(ro["sandbox"], ["/bin/sh", "-c", ready]).exit_code == 0
+
+    try:
+        _poll("the step to start", started)
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def test_interrupted_keyed_step_never_runs_twice(node_env: dict[str, str]) -> None:
+    with Job.start("midstep", ttl=60, snapshot_every=0, snapshot_interval=0) as job:
+        ro = job.sandbox(IMAGE, "container")
+        ro.exec("echo base > /root/base", key="base")
+        # killed before the command changed anything: run again in the same sandbox
+        _kill_mid_step(node_env, "sleep 600; echo x >> /root/f",
+                       "ps | grep -q \"[s]leep 600\"")
+        sid = ro.sandbox_id
+        res = job.rollouts()[0].exec("echo x >> /root/f", key="k")
+        assert res.exit_code == 0
+        assert job.rollouts()[0].sandbox_id == sid
+        assert ro.read_file("/root/f") == b"x\n"
+    with Job.start("midstep", ttl=60, snapshot_every=0, snapshot_interval=0) as job:
+        ro = job.sandbox(IMAGE, "container")
+        ro.exec("echo base > /root/base", key="base")
+        # killed after the command wrote: the rollout is rebuilt to its last committed step
+        # and the step runs once there
+        _kill_mid_step(node_env, "echo x >> /root/f; sleep 600", "test -s /root/f")
+        sid = ro.sandbox_id
+        again = job.rollouts()[0]
+        assert again.exec("echo x >> /root/f; echo ran", key="k").stdout == b"ran\n"
+        assert again.sandbox_id != sid
+        assert again.read_file("/root/f") == b"x\n"
+        assert again.read_file("/root/base") == b"base\n"
+        assert [s["key"] for s in again.journal()] == ["base", "k"]
+    _assert_clean(node_env, "midstep")
