@@ -73,11 +73,15 @@ def settings(ttl: float | str | None = None, park_grace: float | str | None = No
 
 
 class Rollout:
-    """One sandbox of a job: its execs are journaled steps."""
+    """One sandbox of a job: its execs are journaled steps (on the node holding it)."""
 
-    def __init__(self, job: Job, doc: dict[str, Any]) -> None:
+    def __init__(self, job: Job, doc: dict[str, Any], jobs: Any = None,
+                 node: str | None = None, ticket: str | None = None) -> None:
         self.job = job
         self._doc = doc
+        self._jobs = jobs if jobs is not None else job._jobs  # NodeJobs or RemoteJobs
+        self.node = node  # a cluster node's name; None: this node
+        self._ticket = ticket  # the home node's admission ticket (remote rollouts)
 
     @property
     def id(self) -> str:
@@ -96,11 +100,12 @@ class Rollout:
         return int(self._doc.get("last_step") or 0)
 
     def info(self) -> dict[str, Any]:
-        self._doc = self.job._jobs.rollout(self.id)
+        self._doc = self._jobs.rollout(self.id)
         return dict(self._doc)
 
     def __repr__(self) -> str:
-        return f"Rollout({self.id!r}, sandbox={self.sandbox_id!r}, status={self.status!r})"
+        where = f", node={self.node!r}" if self.node else ""
+        return f"Rollout({self.id!r}, sandbox={self.sandbox_id!r}, status={self.status!r}{where})"
 
     def exec(self, cmd: str | list[str], *, key: str | None = None,
              stdin: bytes | str | None = None, env: dict[str, str] | None = None,
@@ -109,7 +114,7 @@ class Rollout:
         process or a resumed trainer) returns the journaled result and runs nothing."""
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        res, step = self.job._jobs.exec(self.id, argv, env=env, cwd=cwd, stdin=data,
+        res, step = self._jobs.exec(self.id, argv, env=env, cwd=cwd, stdin=data,
                                         timeout=timeout, key=key)
         self._doc["sandbox"] = step["sandbox"]  # a rebuild (see `replay`) may have moved it
         return res
@@ -126,23 +131,26 @@ class Rollout:
     def read_file(self, path: str) -> bytes:
         if not self.sandbox_id:
             raise UsageError(f"rollout {self.id} has no live sandbox")
-        return self.job._jobs.node.get_file(self.sandbox_id, path)
+        return bytes(self._jobs.node.get_file(self.sandbox_id, path))
 
     def journal(self, output: bool = True) -> list[dict[str, Any]]:
         """The rollout's steps in order (see `dsec journal`)."""
-        return self.job._jobs.journal(self.id, output)
+        return self._jobs.journal(self.id, output)
 
     def replay(self) -> Rollout:
         """Rebuild the rollout in a fresh sandbox (image + last snapshot + later steps)."""
-        self._doc = self.job._jobs.replay(self.id)
+        self._doc = self._jobs.replay(self.id)
         return self
 
     def snapshot(self) -> dict[str, Any] | None:
-        return self.job._jobs.snapshot(self.id)
+        return self._jobs.snapshot(self.id)
 
     def release(self) -> None:
         """Remove the sandbox and free its slot for a queued rollout; the journal stays."""
-        self._doc = self.job._jobs.release(self.id)
+        self._doc = self._jobs.release(self.id)
+        if self._ticket:
+            self.job._jobs.release_slot(self._ticket)
+            self._ticket = None
 
 
 @dataclass
@@ -211,11 +219,18 @@ class Job:
         check_name(name)
         self.name = name
         self._jobs = _jobs(state_dir, store)
+        self._remote: dict[str, Any] = {}  # cluster node name -> RemoteJobs holding rollouts
+        self._remote_lock = threading.Lock()
         if _create:
-            self._jobs.start(name, settings(ttl, park_grace, reclaim_grace, retain,
-                                            max_concurrent, snapshot_every, snapshot_interval))
+            self._settings = settings(ttl, park_grace, reclaim_grace, retain, max_concurrent,
+                                      snapshot_every, snapshot_interval)
+            self._jobs.start(name, self._settings)
         else:
-            self._jobs.reattach(name)
+            doc = self._jobs.reattach(name)
+            self._settings = {k: doc[k] for k in ("ttl", "park_grace", "reclaim_grace",
+                                                  "retain", "max_concurrent",
+                                                  "snapshot_steps", "snapshot_seconds")}
+            self._find_remote()
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(8, thread_name_prefix=f"job-{name}")
@@ -249,28 +264,72 @@ class Job:
                     ro.replay()
         return job
 
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(max(self.info()["ttl"] / 3, 0.2)):
+    # -- cluster nodes holding rollouts of the job ----------------------------------------------
+    def _remote_jobs(self, node: Any) -> Any:
+        """The job on cluster node ``node`` (a RemoteNode), started there on first use."""
+        from ..run.cluster.jobs import RemoteJobs
+
+        with self._remote_lock:
+            rj = self._remote.get(node.name)
+        if rj is None:
+            rj = RemoteJobs(node)
+            rj.start(self.name, self._settings, exist_ok=True)
+            with self._remote_lock:
+                self._remote[node.name] = rj
+        return rj
+
+    def _find_remote(self) -> None:
+        """Cluster nodes that hold the job (a resumed trainer does not know them): each
+        configured node is asked; one that does not answer is skipped."""
+        from ..run.cluster.jobs import RemoteJobs
+        from ..run.cluster.registry import load_nodes
+        from ..run.cluster.remote import RemoteNode
+
+        for entry in load_nodes().values():
+            rj = RemoteJobs(RemoteNode(entry))
             try:
-                self._jobs.renew(self.name)
-            except Exception as e:  # a missed beat is retried; the grace covers it
-                log.warning("job %s: heartbeat failed: %s", self.name, e)
+                rj.reattach(self.name)
+            except DsecError:
+                continue  # no such job there, or the node does not answer
+            self._remote[entry.name] = rj
+
+    def _all_jobs(self) -> list[tuple[str | None, Any]]:
+        with self._remote_lock:
+            return [(None, self._jobs), *self._remote.items()]
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(max(self._settings.get("ttl", 60.0) / 3, 0.2)):
+            for where, jobs in self._all_jobs():
+                try:
+                    jobs.renew(self.name)
+                except Exception as e:  # a missed beat is retried; the grace covers it
+                    log.warning("job %s: heartbeat to %s failed: %s", self.name,
+                                where or "this node", e)
 
     def info(self) -> dict[str, Any]:
         return self._jobs.get(self.name)
 
     def renew(self, ttl: float | str | None = None) -> dict[str, Any]:
-        return self._jobs.renew(self.name, _secs(ttl, "ttl"))
+        t = _secs(ttl, "ttl")
+        for _, jobs in self._all_jobs()[1:]:
+            jobs.renew(self.name, t)
+        return self._jobs.renew(self.name, t)
 
     def park(self) -> dict[str, Any]:
+        """Pause every sandbox of the job, on every node holding some."""
+        for _, jobs in self._all_jobs()[1:]:
+            jobs.park(self.name)
         return self._jobs.park(self.name)
 
     def thaw(self) -> dict[str, Any]:
+        for _, jobs in self._all_jobs()[1:]:
+            jobs.thaw(self.name)
         return self._jobs.thaw(self.name)
 
     def rollouts(self, status: str | None = "live") -> list[Rollout]:
-        """The job's rollouts (default: those with a sandbox)."""
-        return [Rollout(self, d) for d in self._jobs.rollouts(self.name)
+        """The job's rollouts on every node holding some (default: those with a sandbox)."""
+        return [Rollout(self, d, jobs, where, d.get("ticket") if where else None)
+                for where, jobs in self._all_jobs() for d in jobs.rollouts(self.name)
                 if status is None or d["status"] == status]
 
     def sandbox(self, image: str | Path, backend: str = "container", *,
@@ -298,11 +357,27 @@ class Job:
                                 f"(max_concurrent {self.info()['max_concurrent']})")
             time.sleep(0.05)
 
-    def group(self, n: int, image: str | Path, backend: str = "container",
+    def group(self, n: int, image: str | Path, backend: str = "container", *,
+              node: str | None = None, nodes: list[str] | None = None,
               **options: Any) -> Group:
         """``n`` rollouts of one image: one `Member` per index. A member that cannot be
         created is an ``infra_failure`` and the rest go on; members past the concurrency cap
-        are ``queued`` and created as slots free (`Member.wait`, `Group.wait`)."""
+        are ``queued`` and created as slots free (`Member.wait`, `Group.wait`).
+
+        ``node``: None or ``local`` for this node; ``auto`` spreads the members over the
+        cluster's nodes (or ``nodes``) by placement, as `create_many` does, and a cluster
+        node's name puts them all there. Each member is journaled on its node."""
+        validate.node_option(node, "node")
+        where: list[str] | None = None
+        if node == "auto":
+            from ..run.cluster.registry import load_nodes
+
+            where = list(nodes or load_nodes())
+            if not where:
+                raise UsageError("node='auto' needs cluster nodes",
+                                 hint="dsec node add NAME USER@HOST")
+        elif node not in (None, "local"):
+            where = [str(node)]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise UsageError(f"invalid group size {n!r}: expected a whole number >= 1")
         opts = asdict(create_options(backend, **options))  # bad options fail the whole call
@@ -313,21 +388,57 @@ class Job:
         admitted = [m for m in members if self._jobs.admit(m.ticket or "")]
         for m in members:
             if m not in admitted:
-                self._pool.submit(self._when_admitted, m, str(image), opts, name)
-        if admitted:
-            with ThreadPoolExecutor(min(8, len(admitted))) as ex:
-                list(ex.map(lambda m: self._create_member(m, str(image), opts, name),
-                            admitted))
+                self._pool.submit(self._when_admitted, m, str(image), opts, name, where)
+        self._create_members(admitted, str(image), opts, name, where)
         return Group(name, members)
 
-    def _when_admitted(self, m: Member, image: str, opts: dict[str, Any], name: str) -> None:
+    def _when_admitted(self, m: Member, image: str, opts: dict[str, Any], name: str,
+                       where: list[str] | None) -> None:
         try:
             self._wait_slot(m.ticket or "", None)
         except BaseException as e:
             m.status, m.error = "infra_failure", str(e)
             m._done.set()
             return
-        self._create_member(m, image, opts, name)
+        self._create_members([m], image, opts, name, where)
+
+    def _create_members(self, members: list[Member], image: str, opts: dict[str, Any],
+                        name: str, where: list[str] | None) -> None:
+        if not members:
+            return
+        if where is None:
+            with ThreadPoolExecutor(min(8, len(members))) as ex:
+                list(ex.map(lambda m: self._create_member(m, image, opts, name), members))
+            return
+        from ..run.cluster.api import create_many
+        from ..run.node import CreateOptions
+
+        def make(i: int, node: Any) -> Any:
+            rj = self._remote_jobs(node)
+            return rj, rj.add_rollout(self.name, image, opts, name, members[i].index)
+
+        try:
+            results = create_many(len(members), image, CreateOptions(**opts), where,
+                                  make=make)
+        except DsecError as e:  # no node at all: every member is an infrastructure failure
+            results = []
+            for m in members:
+                self._infra_failure(m, e)
+        for m, r in zip(members, results, strict=False):
+            if r.ok:
+                rj, doc = r.sandbox
+                m.rollout = Rollout(self, doc, rj, r.node, m.ticket)
+                m.status = "ok"
+                m._done.set()
+            else:
+                self._infra_failure(m, r.error)
+
+    def _infra_failure(self, m: Member, e: Any) -> None:
+        log.warning("job %s: group member %d could not be created: %s", self.name, m.index, e)
+        m.status, m.error = "infra_failure", str(e)
+        if m.ticket:
+            self._jobs.release_slot(m.ticket)
+        m._done.set()
 
     def _create_member(self, m: Member, image: str, opts: dict[str, Any], name: str) -> None:
         try:
@@ -350,8 +461,11 @@ class Job:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def remove(self) -> dict[str, Any]:
-        """Stop the heartbeat and remove every sandbox, snapshot and row of the job."""
+        """Stop the heartbeat and remove every sandbox, snapshot and row of the job, on
+        every node holding some."""
         self.close()
+        for _, jobs in self._all_jobs()[1:]:
+            jobs.remove(self.name)
         return self._jobs.remove(self.name)
 
     def __enter__(self) -> Job:
