@@ -200,8 +200,15 @@ class JobStore:
         return db
 
     @contextmanager
-    def tx(self) -> Iterator[sqlite3.Connection]:
-        with immediate(self._connect()) as db:
+    def tx(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """A write transaction; ``durable=False`` commits without the fsync (WAL with
+        ``synchronous=NORMAL``: it survives a crash of any process, not a power loss)."""
+        db = self._connect()
+        mode = "FULL" if durable else "NORMAL"
+        if getattr(self._local, "sync", "FULL") != mode:
+            db.execute(f"PRAGMA synchronous={mode}")
+            self._local.sync = mode
+        with immediate(db) as db:
             yield db
 
     def q(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
@@ -671,7 +678,9 @@ class NodeJobs:
                before: str | None, t0: float) -> int:
         """Write a step as ``running`` (before its command starts); its number."""
         pid, start = _owner()
-        with self._running_lock, self.db.tx() as db:
+        # not fsynced: a power loss that drops this row also stopped the sandbox, whose
+        # rollout is then rebuilt from its committed steps anyway
+        with self._running_lock, self.db.tx(durable=False) as db:
             step = db.execute("SELECT coalesce(max(step), 0) + 1 FROM steps WHERE rollout=?",
                               (rid,)).fetchone()[0]
             db.execute("INSERT INTO steps (rollout, step, key, argv, cwd, env, stdin, "
