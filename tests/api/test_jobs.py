@@ -234,7 +234,7 @@ def test_queue_past_the_cap_with_eta(node_env: dict[str, str]) -> None:
 def test_lease_expiry_parks_then_reclaims_leaving_nothing(node_env: dict[str, str]) -> None:
     """No heartbeat: past the park grace node gc freezes the sandboxes, past the reclaim
     grace it removes them and (retain 0) the job's rows: zero orphans."""
-    job = Job.start("lapse", ttl=1, park_grace=1, reclaim_grace=4, retain=0,
+    job = Job.start("lapse", ttl=300, park_grace=1, reclaim_grace=8, retain=0,
                     snapshot_every=2, heartbeat=False)
     g = job.group(2, IMAGE, "container")
     fn = job.sandbox(IMAGE, "fncall")
@@ -244,6 +244,7 @@ def test_lease_expiry_parks_then_reclaims_leaving_nothing(node_env: dict[str, st
             m.rollout.exec(f"echo {i} >> /root/x", key=str(i))
     fn.exec(["true"])
     job.close()
+    job.renew(ttl=1)  # the trainer's last heartbeat: the lease lapses in a second
     n = _node(node_env)
     sids = [m.rollout.sandbox_id for m in g.ok() if m.rollout]
     info = job.info()
@@ -251,7 +252,7 @@ def test_lease_expiry_parks_then_reclaims_leaving_nothing(node_env: dict[str, st
     n.gc()
     assert {r.id: r.status for r in n.db.all() if r.id in sids} == {s: "paused" for s in sids}
     assert job.info()["lease"] == "parked"
-    _poll("the reclaim grace", lambda: time.time() > info["expires"] + 4.2)
+    _poll("the reclaim grace", lambda: time.time() > info["expires"] + 8.2)
     report = n.gc()
     assert "lapse" in report["jobs"]["reclaimed"]
     with pytest.raises(NotFoundError):
