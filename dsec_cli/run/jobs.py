@@ -276,7 +276,7 @@ class NodeJobs:
             "SELECT status, count(*) AS n FROM rollouts WHERE job=? GROUP BY status",
             (j["name"],))}
         queued = self.db.q("SELECT ticket FROM slots WHERE job=? AND state='queued' "
-                           "ORDER BY enqueued", (j["name"],))
+                           "ORDER BY rowid", (j["name"],))
         held = self.db.q("SELECT count(*) AS n FROM slots WHERE job=? AND state='held'",
                          (j["name"],))[0]["n"]
         if j["reclaimed"] is not None:
@@ -429,7 +429,7 @@ class NodeJobs:
                 held = db.execute("SELECT count(*) FROM slots WHERE job=? AND state='held'",
                                   (row["job"],)).fetchone()[0]
                 ahead = db.execute("SELECT ticket FROM slots WHERE job=? AND state='queued' "
-                                   "ORDER BY enqueued, ticket LIMIT ?",
+                                   "ORDER BY rowid LIMIT ?",
                                    (row["job"], max(cap - held, 0))).fetchall()
                 if ticket not in {a[0] for a in ahead}:
                     return False
@@ -815,8 +815,10 @@ class NodeJobs:
         report: dict[str, list[str]] = {"parked": [], "reclaimed": [], "forgotten": [],
                                         "lost": []}
         t = time.time()
+        # tickets of dead processes: queued ones, and held ones no rollout took up
         for s in self.db.q("SELECT ticket, owner_pid, owner_start FROM slots WHERE "
-                           "state='queued'"):
+                           "(state='queued' OR ticket NOT IN (SELECT ticket FROM rollouts "
+                           "WHERE ticket IS NOT NULL))"):
             if not _rootfs.alive(s["owner_pid"], s["owner_start"]) and not dry_run:
                 self.release_slot(s["ticket"])
         for j in self.db.q("SELECT * FROM jobs"):
