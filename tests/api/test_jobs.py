@@ -78,6 +78,24 @@ def test_keyed_exec_runs_once_and_is_journaled(node_env: dict[str, str]) -> None
     _assert_clean(node_env, "once")
 
 
+def test_fncall_rollout_is_journaled_and_replayed(node_env: dict[str, str]) -> None:
+    """fncall keeps its writes in memory: no state digest, no snapshot; keys still hold and
+    replay re-executes the whole trajectory from the image."""
+    with Job.start("fn", ttl=60) as job:
+        ro = job.sandbox(IMAGE, "fncall")
+        assert ro.exec("echo a >> /tmp/x; cat /tmp/x", key="k1").stdout == b"a\n"
+        assert ro.exec("echo a >> /tmp/x; cat /tmp/x", key="k1").stdout == b"a\n"
+        ro.exec("echo b >> /tmp/x", key="k2")
+        steps = ro.journal()
+        assert [s["key"] for s in steps] == ["k1", "k2"]
+        assert steps[0]["digest_before"] is None and steps[0]["digest_after"] is None
+        old = ro.sandbox_id
+        ro.replay()
+        assert ro.sandbox_id != old
+        assert ro.exec(["cat", "/tmp/x"]).stdout == b"a\nb\n"
+    _assert_clean(node_env, "fn")
+
+
 def test_trainer_killed_at_random_resumes_every_rollout(node_env: dict[str, str]) -> None:
     """100 rounds of 8 rollouts, the trainer SIGKILLed at random moments: every rollout ends
     with each keyed step applied once, in the state an uninterrupted run reaches."""
