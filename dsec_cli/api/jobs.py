@@ -564,12 +564,27 @@ def journaled_exec(node: Any, sandbox_id: str, argv: list[str], **kw: Any
     return res
 
 
+def _holder(rollout: str, state_dir: str | Path | None) -> tuple[Any, str]:
+    """The jobs of the node holding a rollout: ``NODE/ID`` names a cluster node."""
+    node, sep, rid = rollout.rpartition("/")
+    if not sep:
+        return _jobs(state_dir), rollout
+    validate.node_name(node)
+    from ..run.cluster.jobs import RemoteJobs
+    from ..run.cluster.registry import get_node
+
+    return RemoteJobs(get_node(node)), rid
+
+
 def journal(rollout: str, output: bool = True,
             state_dir: str | Path | None = None) -> list[dict[str, Any]]:
-    """The steps of a rollout (by rollout id or sandbox id)."""
-    return _jobs(state_dir).journal(rollout, output)
+    """The steps of a rollout (by rollout id or sandbox id; ``NODE/ID`` on a cluster
+    node)."""
+    jobs, rid = _holder(rollout, state_dir)
+    return list(jobs.journal(rid, output))
 
 
 def replay(rollout: str, state_dir: str | Path | None = None) -> dict[str, Any]:
     """Rebuild a rollout in a fresh sandbox from its image, last snapshot and journal."""
-    return _jobs(state_dir).replay(rollout)
+    jobs, rid = _holder(rollout, state_dir)
+    return dict(jobs.replay(rid))

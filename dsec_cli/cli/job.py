@@ -144,7 +144,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def journal(
-        rollout: Annotated[str, typer.Argument(help="rollout id or job sandbox id")],
+        rollout: Annotated[str, typer.Argument(
+            help="rollout id or job sandbox id (NODE/ID on a cluster node)")],
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
     ) -> None:

@@ -5,6 +5,7 @@ the job leaves no sandbox on any node."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 from dsec_cli.api.jobs import Job
@@ -19,7 +20,8 @@ def _node_sandboxes() -> dict[str, int]:
     return {name: len(get_node(name).sandboxes()) for name in ("node1", "node2", "node3")}
 
 
-def test_group_across_nodes_is_journaled_resumed_and_removed(client: SshCluster) -> None:
+def test_group_across_nodes_is_journaled_resumed_and_removed(client: SshCluster,
+                                                             run_dsec) -> None:  # type: ignore[no-untyped-def]
     job = Job.start("spread", ttl=120)
     try:
         g = job.group(6, IMAGE, "fncall", node="auto")
@@ -41,6 +43,11 @@ def test_group_across_nodes_is_journaled_resumed_and_removed(client: SshCluster)
             steps = ro.journal()
             assert [s["key"] for s in steps] == ["turn-1", None]
             assert steps[0]["stdout"] == f"{ro.info()['index']}\n".encode()
+        ro = rollouts[0]
+        doc = json.loads(run_dsec("journal", f"{ro.node}/{ro.id}", "--json").stdout)
+        assert [s["key"] for s in doc] == ["turn-1", None]
+        rebuilt = json.loads(run_dsec("replay", f"{ro.node}/{ro.id}", "--json").stdout)
+        assert rebuilt["alive"] and rebuilt["sandbox"] != ro.sandbox_id
         # a group on a node that cannot take it: every member reported, none raised
         bad = resumed.group(2, IMAGE, "fncall", node="node1", memory="1000T")
         assert [m.status for m in bad.members] == ["infra_failure"] * 2
