@@ -415,7 +415,8 @@ class Job:
 
         def make(i: int, node: Any) -> Any:
             rj = self._remote_jobs(node)
-            return rj, rj.add_rollout(self.name, image, opts, name, members[i].index)
+            return rj, rj.add_rollout(self.name, image, opts, name, members[i].index,
+                                      members[i].ticket)
 
         try:
             results = create_many(len(members), image, CreateOptions(**opts), where,

@@ -85,9 +85,10 @@ class RemoteJobs:
     def add_rollout(self, name: str, image: str, opts: dict[str, Any],
                     group: str | None = None, index: int | None = None,
                     ticket: str | None = None) -> dict[str, Any]:
-        # the ticket is the home node's: admission to the job's cap is decided there
+        # the ticket is the home node's (admission to the job's cap is decided there): kept
+        # with the rollout so that a resumed trainer frees it on release
         return dict(self._call("add_rollout", name=name, image=image, opts=opts, group=group,
-                               index=index))
+                               index=index, ticket=ticket))
 
     def rollout(self, rid: str) -> dict[str, Any]:
         return dict(self._call("rollout", rid=rid))
