@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     res["replay_from_snapshot_s"] = round(min(replay_from(True) for _ in range(2)), 4)
     res["replay_from_image_s"] = round(min(replay_from(False) for _ in range(2)), 4)
     job.remove()
+    res["load_average"] = [round(x, 1) for x in os.getloadavg()]
     save("jobs", res)
     write_doc(res)
     print(res)
@@ -144,7 +145,8 @@ def write_doc(r: dict) -> None:  # type: ignore[type-arg]
 
 `python -m benchmarks jobs` (benchmarks/bench_jobs.py), on one node, container sandboxes of
 the busybox image; raw results in `benchmarks/results/jobs.json`. The machine is shared and
-noisy (see docs/benchmarks.md): compare figures of the same run.
+noisy (see docs/benchmarks.md): compare figures of the same run. Load average while this
+ran: {r['load_average']} (2 cores).
 
 | what | p50 | p99 |
 | --- | --- | --- |
