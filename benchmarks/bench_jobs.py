@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks jobs [--steps 50] [--appends 300]
 
 Measures, on one container rollout: the journal append alone (the two sqlite transactions of
-a step, `synchronous=FULL`: written `running`, then `done`), the state digest, a journaled
+a step: written `running` without fsync, then `done` with one), the state digest, a journaled
 exec next to a raw exec on the same sandbox; resuming a 50-step trajectory whose sandbox is
 alive (every step served from the journal) against re-executing it in a fresh sandbox; and
 replay of a lost sandbox from a snapshot near the end against replay from the image. Writes
@@ -150,7 +150,7 @@ ran: {r['load_average']} (2 cores).
 
 | what | p50 | p99 |
 | --- | --- | --- |
-| journal append: a step's two sqlite transactions, `synchronous=FULL` (target p99 ≤ 2 ms) | {r['journal_append']['p50_ms']} ms | {r['journal_append']['p99_ms']} ms |
+| journal append: a step's two sqlite transactions, `running` (no fsync) and `done` (fsync) (target p99 ≤ 2 ms) | {r['journal_append']['p50_ms']} ms | {r['journal_append']['p99_ms']} ms |
 | state digest of the rollout's writable state | {r['state_digest']['p50_ms']} ms | {r['state_digest']['p99_ms']} ms |
 | raw exec of `true` (no journal) | {r['raw_exec']['p50_ms']} ms | {r['raw_exec']['p99_ms']} ms |
 | journaled exec of `true` (digests, journal, exec) | {r['journaled_exec']['p50_ms']} ms | {r['journaled_exec']['p99_ms']} ms |
@@ -164,6 +164,11 @@ A {r['steps']}-step trajectory (each step a shell loop of 3,000 iterations, then
 | **resume speed-up** (target ≥ 20×) | **{r['resume_speedup']}×** |
 | replay of a lost sandbox from a snapshot 10 steps before the end | {r['replay_from_snapshot_s']} s |
 | replay of a lost sandbox from the image (every step re-executed) | {r['replay_from_image_s']} s |
+
+The journal append is bound by one fsync of the node's disk per step (the `done` commit);
+on this shared, loaded disk its tail is well above the 2 ms target, which an idle local SSD
+meets. Resume is served from the journal without touching the sandbox, so its speed-up grows
+with the cost of the steps it skips.
 """
     (REPO / "docs/benchmarks-jobs.md").write_text(doc)
 
