@@ -166,8 +166,8 @@ A {r['steps']}-step trajectory (each step a shell loop of 3,000 iterations, then
 | replay of a lost sandbox from the image (every step re-executed) | {r['replay_from_image_s']} s |
 
 The journal append is bound by one fsync of the node's disk per step (the `done` commit);
-on this shared, loaded disk its tail is well above the 2 ms target, which an idle local SSD
-meets. Resume is served from the journal without touching the sandbox, so its speed-up grows
+on this shared, loaded disk its tail is above the 2 ms target (not measured on an idle
+disk). Resume is served from the journal without touching the sandbox, so its speed-up grows
 with the cost of the steps it skips.
 """
     (REPO / "docs/benchmarks-jobs.md").write_text(doc)
