@@ -20,7 +20,7 @@ from ..backends.base import ExecResult, OutputCallback
 from ..backends.fnpool import FunctionCallError, FunctionPool
 from ..core import validate
 from ..run.contract import NodeAPI
-from ..run.node import CreateOptions, local_node
+from ..run.node import CreateOptions, Node, local_node
 from ..run.state import SandboxRecord
 
 __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "CreateOptions", "NodeAPI",
@@ -259,8 +259,16 @@ def create(image: str | Path, opts: CreateOptions, node: str | None = None,
 
 def exec_in(sandbox_id: str, argv: list[str], *, node: str | None = None,
             state_dir: str | Path | None = None, **kw: Any) -> ExecResult:
-    """Run ``argv`` in a sandbox (keywords as `NodeAPI.exec`)."""
-    return target(sandbox_id, node, state_dir).exec(sandbox_id, argv, **kw)
+    """Run ``argv`` in a sandbox (keywords as `NodeAPI.exec`); in a job's sandbox on this
+    node, as a journaled step (api/jobs.py)."""
+    node_api = target(sandbox_id, node, state_dir)
+    if isinstance(node_api, Node) and (node_api.root / "jobs.db").exists():
+        from .jobs import journaled_exec
+
+        res = journaled_exec(node_api, sandbox_id, argv, **kw)
+        if res is not None:
+            return res
+    return node_api.exec(sandbox_id, argv, **kw)
 
 
 def copy(src: str, dst: str, node: str | None = None,

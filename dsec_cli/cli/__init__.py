@@ -13,6 +13,7 @@ import typer
 from ..core.errors import DsecError
 from . import build as _build
 from . import gc as _gc
+from . import job as _job
 from . import node as _node
 from . import oci as _oci
 from . import optimize as _optimize
@@ -33,7 +34,7 @@ def _root() -> None:
     """Content-addressed layers and sandboxes for agentic-RL environments."""
 
 
-for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify, _oci):
+for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify, _oci, _job):
     _module.register(app)
 
 

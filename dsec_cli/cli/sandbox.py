@@ -73,6 +73,30 @@ def _report(res: Any, json_out: bool, sid: str | None = None) -> None:
     raise typer.Exit(res.exit_code)
 
 
+def _run_in_job(job: str, image: str, opts: Any, cmd: list[str] | None,
+                timeout: float | None, json_out: bool, node_name: str | None,
+                state_dir: str | None) -> None:
+    """`dsec run --job`: the sandbox stays with the job; CMD's output is shown after it ran."""
+    from ..api.jobs import run_in_job
+    from ..core.errors import UsageError
+    from .render import print_json
+
+    if node_name not in (None, "local"):
+        raise UsageError("--job sandboxes run on the job's node: drop --node")
+    doc, res = run_in_job(job, image, opts, cmd, timeout, state_dir)
+    if json_out:
+        print_json({**doc, "result": None if res is None else {
+            "exit_code": res.exit_code, "stdout": res.stdout.decode(errors="replace"),
+            "stderr": res.stderr.decode(errors="replace"), "duration": res.duration}})
+    else:
+        typer.echo(doc["sandbox"])
+        if res is not None:
+            _stream("stdout", res.stdout)
+            _stream("stderr", res.stderr)
+    if res is not None and res.exit_code:
+        raise typer.Exit(res.exit_code)
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 StateOpt = Annotated[str | None, typer.Option("--state-dir", help=STATE_HELP)]  # noqa: UP007
 EnvOpt = Annotated[list[str] | None,  # noqa: UP007
@@ -121,6 +145,9 @@ def register(app: typer.Typer) -> None:
         node_name: Annotated[str | None, typer.Option(  # noqa: UP007
             "--node", help="cluster node NAME, auto (placed by capacity and cache) or local")
                              ] = None,
+        job: Annotated[str | None, typer.Option(  # noqa: UP007
+            "--job", help="a job on this node owns the sandbox (it stays; CMD is its first "
+                          "journaled step)")] = None,
     ) -> None:
         """Create a sandbox; run CMD in it and remove it, or leave it running with -d."""
         from ..api import sandboxes
@@ -131,11 +158,14 @@ def register(app: typer.Typer) -> None:
         validate.image(image)
         validate.node_option(node_name)
         validate.positive_float(timeout, "--timeout")
-        if not detach and not cmd:
+        if not detach and not cmd and job is None:
             raise UsageError("give a command after -- or use -d to leave the sandbox running")
         opts = sandboxes.create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
                                         network=network, env=_parse_env(env), workdir=workdir,
                                         fetch=fetch, disk=disk, prefix="--")
+        if job is not None:
+            _run_in_job(job, image, opts, cmd, timeout, json_out, node_name, state_dir)
+            return
         node, rec = sandboxes.create(image, opts, node_name, state_dir)
         if detach:
             if cmd:

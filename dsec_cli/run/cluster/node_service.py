@@ -142,8 +142,14 @@ class NodeService:
     def gc(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         return self.node.gc(args.get("budget"), bool(args.get("dry_run")))
 
+    def job(self, args: dict[str, Any], emit: Emit) -> Any:
+        """A job request (run/cluster/jobs.py): leases, rollouts, journaled execs, replay."""
+        from .jobs import serve
+
+        return serve(self.node, self.admission, args)
+
     OPS = ("hello", "info", "create", "exec", "put", "get", "lookup", "remove", "pause",
-           "resume", "describe", "snapshot", "fork", "ps", "gc")
+           "resume", "describe", "snapshot", "fork", "ps", "gc", "job")
 
     def handle(self, msg: dict[str, Any], emit: Emit) -> Any:
         op = msg.get("op")
