@@ -15,6 +15,7 @@ from . import build as _build
 from . import gc as _gc
 from . import node as _node
 from . import optimize as _optimize
+from . import pool as _pool
 from . import sandbox as _sandbox
 from . import store as _store
 from . import verify as _verify
@@ -32,7 +33,7 @@ def _root() -> None:
     """Content-addressed layers and sandboxes for agentic-RL environments."""
 
 
-for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify):
+for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify, _pool):
     _module.register(app)
 
 

@@ -44,6 +44,8 @@ class Config:
     #: bounds on store objects read (`StoreLimits` field -> size or count), e.g.
     #: ``limits: {index_json_bytes: 1G, index_entries: 8000000}``
     limits: dict[str, Any] = field(default_factory=dict)
+    #: warm pools (run/pool.py `PoolSettings`), e.g. ``pool: {auto: true, memory: 4G}``
+    pool: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # key -> where it was set
 
     def resolve(self) -> Config:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def reconcile(node: Node) -> dict[str, list[str]]:
     """Make the database and the system agree after crashes: finish half-done creates,
     mark dead sandboxes, remove mounts, dirs, cgroups and runc state nobody owns."""
-    report: dict[str, list[str]] = {"aborted": [], "dead": [], "orphans": []}
+    report: dict[str, list[str]] = {"aborted": [], "dead": [], "orphans": [], "pool_dead": []}
     # list the system first, then read rows: a row is written before its resources exist
     dirs = {p.name for p in node.sandboxes_dir.iterdir()} if node.sandboxes_dir.is_dir() \
         else set()
@@ -44,6 +44,13 @@ def reconcile(node: Node) -> dict[str, list[str]]:
             if not node.backend(r.backend).is_alive(node.handle_of(r)):
                 node.db.update(r.id, status="dead")
                 report["dead"].append(r.id)
+        elif r.status == "pooled":  # nobody's yet: a dead member just goes
+            if not node.backend(r.backend).is_alive(node.handle_of(r)):
+                try:
+                    node.remove(r.id)
+                except NotFoundError:
+                    continue  # taken or removed concurrently
+                report["pool_dead"].append(r.id)
     for sid in (dirs | groups | runc) - set(rows):
         if sid.startswith("."):
             continue
@@ -69,6 +76,8 @@ def gc(node: Node, budget: int | None = None, dry_run: bool = False) -> dict[str
     # staging dirs (and overlay mounts) of builds killed during a `run` step
     report["stale_builds"] = clean_stale_staging(Path(load_config().data_dir) / "tmp",
                                                  dry_run=dry_run)
+    # warm pool members past their pool's size or age (pool.py)
+    report["pool_reclaimed"] = node.pools.reclaim(dry_run=dry_run)
     t = now()
     for r in node.db.all():
         expired = r.expires is not None and r.expires <= t
