@@ -206,6 +206,7 @@ class QemuBackend(AgentBackend):
     # -- lifecycle -----------------------------------------------------------------------------
     def create(self, spec: SandboxSpec) -> SandboxHandle:
         self._validate(spec)
+        self._kernel()  # a missing kernel is bad input: refused before anything is made
         if self.boot == "snapshot":
             try:
                 return self._create_restored(spec)
