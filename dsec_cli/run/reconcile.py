@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from .node import Node
 
 
+TEMPLATE_IDLE = 7 * 86400.0
+
+
 def reconcile(node: Node) -> dict[str, list[str]]:
     """Make the database and the system agree after crashes: finish half-done creates,
     mark dead sandboxes, remove mounts, dirs, cgroups and runc state nobody owns."""
@@ -78,6 +81,10 @@ def gc(node: Node, budget: int | None = None, dry_run: bool = False) -> dict[str
                                                  dry_run=dry_run)
     # warm pool members past their pool's size or age (pool.py)
     report["pool_reclaimed"] = node.pools.reclaim(dry_run=dry_run)
+    # saved VM boots no restore used for a week (backends/vm/vmsnap.py)
+    from ..backends.vm.vmsnap import prune
+
+    report["vm_boots_pruned"] = prune(node.root / "vm", TEMPLATE_IDLE, dry_run)
     t = now()
     for r in node.db.all():
         expired = r.expires is not None and r.expires <= t

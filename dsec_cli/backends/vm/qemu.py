@@ -296,6 +296,7 @@ class QemuBackend(AgentBackend):
 
     def _create_restored(self, spec: SandboxSpec) -> SandboxHandle:
         tdir = self.template_for(spec)
+        vmsnap.touch(tdir)
         sdir = spec.state_dir
         st = self._state(spec)
         st["restored"] = tdir.name

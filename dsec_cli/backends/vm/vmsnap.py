@@ -113,6 +113,42 @@ def wait_restored(qmp_path: str, timeout: float, alive: Any) -> None:
         qmp(qmp_path, "cont")
 
 
+def touch(tdir: Path) -> None:
+    """Mark a template used now (what `prune` goes by)."""
+    try:
+        os.utime(tdir)
+    except OSError:
+        pass
+
+
+def prune(vm_dir: Path, max_age: float, dry_run: bool = False) -> list[str]:
+    """Remove saved boots no restore used for ``max_age`` seconds (node gc); their keys.
+    A removed one is built again by the next create that needs it."""
+    root = vm_dir / "templates"
+    if not root.is_dir():
+        return []
+    out = []
+    now = time.time()
+    for d in root.iterdir():
+        if d.name.startswith(".") or not d.is_dir():
+            continue
+        try:
+            idle = now - d.stat().st_mtime
+        except OSError:
+            continue
+        if idle <= max_age:
+            continue
+        out.append(d.name)
+        if not dry_run:
+            gone = root / f".evict-{d.name}-{os.getpid()}"
+            try:
+                os.rename(d, gone)  # atomic: a restore starting now builds it again
+            except OSError:
+                continue
+            shutil.rmtree(gone, ignore_errors=True)
+    return out
+
+
 def copy_disk(src: Path, dest: Path) -> None:
     """The sandbox's own writable disk: a sparse (or reflinked) copy of the template's."""
     r = subprocess.run(["cp", "--sparse=always", "--reflink=auto", str(src), str(dest)],

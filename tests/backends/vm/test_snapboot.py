@@ -119,3 +119,17 @@ def test_kill_9_while_the_saved_boot_is_built_leaves_nothing(base_layer: Path,
     templates = node_dir / "vm" / "templates"
     assert all(vmsnap.ready(p) for p in templates.iterdir() if not p.name.startswith("."))
     assert str(node_dir) not in Path("/proc/mounts").read_text()
+
+
+def test_gc_prunes_only_saved_boots_left_unused(tmp_path: Path) -> None:
+    root = tmp_path / "templates"
+    for name in ("old", "new"):
+        (root / name).mkdir(parents=True)
+        (root / name / "state").write_bytes(b"x")
+    (root / ".old.lock").write_bytes(b"")
+    week_ago = time.time() - 8 * 86400
+    os.utime(root / "old", (week_ago, week_ago))
+    assert vmsnap.prune(tmp_path, 7 * 86400, dry_run=True) == ["old"]
+    assert (root / "old").is_dir()
+    assert vmsnap.prune(tmp_path, 7 * 86400) == ["old"]
+    assert sorted(p.name for p in root.iterdir()) == [".old.lock", "new"]
