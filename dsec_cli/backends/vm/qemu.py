@@ -52,6 +52,9 @@ DEFAULT_MEMORY = 512 << 20
 MIN_MEMORY = 128 << 20
 #: how long one connection waits for the agent's answer before it is made again
 AGENT_RETRY = 10.0
+#: the same for a guest just restored: its agent may still be reopening its port after the
+#: template's connection went away, which can swallow the first ping
+RESTORED_RETRY = 1.0
 BOOT_TIMEOUT = 180.0  # TCG on a loaded 2-core host boots in tens of seconds
 CONNECT_TIMEOUT = 60.0  # waiting for another process to release the agent connection
 
@@ -283,6 +286,7 @@ class QemuBackend(AgentBackend):
             h = self._create_cold(tspec, snap=True)
             try:
                 self._drop_client(h.sandbox_id)  # the guest's port must not hold a connection
+                time.sleep(0.5)  # let the agent see the port close and reopen it before the stop
                 vmsnap.save(h.state["qmp"], out / "state", self.boot_timeout)
                 qmp(h.state["qmp"], "quit", timeout=5)
                 _wait_gone(h.state["pid"], 30.0)
@@ -310,7 +314,7 @@ class QemuBackend(AgentBackend):
             argv = self._argv(spec, st, kernel, initramfs, root, Path(st["disk"]), snap=True)
             self._launch(spec, st, argv + vmsnap.incoming_argv(tdir))
             vmsnap.wait_restored(st["qmp"], self.boot_timeout, lambda: self.is_alive(handle))
-            self._wait_ready(handle)
+            self._wait_ready(handle, RESTORED_RETRY)
             self._set_identity(handle, spec)
         except BaseException:
             self.destroy(handle)
@@ -328,7 +332,8 @@ class QemuBackend(AgentBackend):
             raise SandboxError(f"giving restored sandbox {handle.sandbox_id} its identity "
                                f"failed (code {r.exit_code}): {r.stderr.decode(errors='replace')}")
 
-    def _open_agent(self, handle: SandboxHandle, timeout: float) -> AgentClient:
+    def _open_agent(self, handle: SandboxHandle, timeout: float,
+                    retry: float = AGENT_RETRY) -> AgentClient:
         """A client whose agent answered a ping within `timeout` (QEMU accepts one
         connection on the port's socket at a time: a second process waits its turn, and a
         guest still booting has not opened the port yet). A connection that gets no answer
@@ -336,7 +341,7 @@ class QemuBackend(AgentBackend):
         stay unanswered while a new one is served. Fails early if QEMU exits."""
         deadline = time.monotonic() + timeout
         while True:
-            client = self._ping_within(handle, min(AGENT_RETRY, deadline - time.monotonic()))
+            client = self._ping_within(handle, min(retry, deadline - time.monotonic()))
             if client is not None:
                 return client
             if not self.is_alive(handle):
@@ -377,9 +382,9 @@ class QemuBackend(AgentBackend):
             raise SandboxError(f"the guest agent failed: {error[0]}")
         return client
 
-    def _wait_ready(self, handle: SandboxHandle) -> None:
+    def _wait_ready(self, handle: SandboxHandle, retry: float = AGENT_RETRY) -> None:
         try:
-            client = self._open_agent(handle, self.boot_timeout)
+            client = self._open_agent(handle, self.boot_timeout, retry)
         except SandboxError as e:
             raise BackendError(f"sandbox {handle.sandbox_id} did not boot: {e.message}; "
                                f"console: {self._console_tail(handle)}") from e
