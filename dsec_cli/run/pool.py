@@ -153,6 +153,7 @@ class Pools:
         self._last_pass = False  # process exit: one more pass, then stop
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._take_lock = threading.Lock()
 
     # -- database ----------------------------------------------------------------------------
     def _tx(self) -> Any:
@@ -194,10 +195,11 @@ class Pools:
         if not img.from_store:
             return None
         key = pool_key(img.digest, opts)
-        self._note(key, image, img.digest, opts)
         try:
+            noted = False
             while True:
-                rec = self._claim(key, image, opts.ttl)
+                rec = self._claim(key, image, img.digest, opts, note=not noted)
+                noted = True
                 if rec is None:
                     return None
                 b = self.node.backend(rec.backend)
@@ -208,10 +210,16 @@ class Pools:
         finally:
             self.kick()
 
-    def _claim(self, key: str, image: str, ttl: float | None) -> SandboxRecord | None:
+    def _claim(self, key: str, image: str, digest: str, opts: CreateOptions,
+               note: bool) -> SandboxRecord | None:
+        """One write transaction: note the creation (learned sizes) and turn the oldest
+        member of the pool into a running sandbox. Threads of this process take turns on a
+        lock first: sqlite's busy wait sleeps in steps of milliseconds, a lock wakes at once."""
         t = now()
         pid = os.getpid()
-        with self.node.db.tx() as db:
+        with self._take_lock, self.node.db.tx() as db:
+            if note:
+                self._note(db, key, image, digest, opts, t)
             row = db.execute("SELECT id FROM sandboxes WHERE status='pooled' AND "
                              "json_extract(spec, '$.pool')=? ORDER BY created LIMIT 1",
                              (key,)).fetchone()
@@ -219,25 +227,22 @@ class Pools:
                 return None
             db.execute("UPDATE sandboxes SET status='running', image=?, created=?, expires=?, "
                        "spec=json_remove(spec, '$.pool'), owner_pid=?, owner_start=? "
-                       "WHERE id=?", (image, t, t + ttl if ttl else None, pid,
+                       "WHERE id=?", (image, t, t + opts.ttl if opts.ttl else None, pid,
                                       _rootfs.proc_start_time(pid), row[0]))
         return self.node.db.get(row[0])
 
-    def _note(self, key: str, image: str, digest: str, opts: CreateOptions) -> None:
-        t = now()
-        with self._tx() as db:
-            row = db.execute("SELECT recent FROM pools WHERE key=?", (key,)).fetchone()
-            if row is None:
-                if not self.settings.auto:
-                    return
+    def _note(self, db: Any, key: str, image: str, digest: str, opts: CreateOptions,
+              t: float) -> None:
+        row = db.execute("SELECT recent FROM pools WHERE key=?", (key,)).fetchone()
+        if row is None:
+            if self.settings.auto:
                 db.execute("INSERT INTO pools VALUES (?,?,?,?,?,?,?)",
                            (key, image, digest, json.dumps(key_options(opts)), None,
                             json.dumps([t]), t))
-                return
-            recent = [c for c in json.loads(row[0]) if t - c <= self.settings.idle]
-            recent = [*recent[-(RECENT_MAX - 1):], t]
-            db.execute("UPDATE pools SET recent=?, last=? WHERE key=?",
-                       (json.dumps(recent), t, key))
+            return
+        recent = [c for c in json.loads(row[0]) if t - c <= self.settings.idle]
+        recent = [*recent[-(RECENT_MAX - 1):], t]
+        db.execute("UPDATE pools SET recent=?, last=? WHERE key=?", (json.dumps(recent), t, key))
 
     # -- set / drain / status ------------------------------------------------------------------
     def set(self, image: str, opts: CreateOptions, size: int | None,
