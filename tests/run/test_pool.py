@@ -118,7 +118,7 @@ def test_the_pool_refills_in_the_background(pnode: Node) -> None:
 def test_learned_pools_and_gc_reclaim(node_env: dict[str, str], tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tmp_path / "config.yaml"
-    cfg.write_text("pool: {auto: true, window: 1h, idle: 3s, max: 3}\n")
+    cfg.write_text("pool: {auto: true, window: 1h, idle: 1h, max: 3}\n")
     monkeypatch.setenv("DSEC_CONFIG", str(cfg))
     n = Node(node_env["DSEC_STATE_DIR"], node_env["DSEC_STORE"])
     try:
@@ -128,10 +128,14 @@ def test_learned_pools_and_gc_reclaim(node_env: dict[str, str], tmp_path: Path,
         wait_for("the learned pool", lambda: n.pools.status()[0]["ready"] == st["target"])
         for r in made:
             n.remove(r.id)
-        time.sleep(3.5)  # no creation for longer than `idle`: the learned size falls to 0
-        assert n.pools.status()[0]["target"] == 0
-        report = n.gc()
-        assert len(report["pool_reclaimed"]) == st["target"] and not ready_ids(n)
+        n.close()  # its refill thread would make them again
+        # the same node once the key has been idle longer than `idle`: size 0, gc reclaims
+        cfg.write_text("pool: {auto: true, window: 1h, idle: 1s, max: 3}\n")
+        idle = Node(node_env["DSEC_STATE_DIR"], node_env["DSEC_STORE"])
+        time.sleep(1.5)
+        assert idle.pools.status()[0]["target"] == 0
+        report = idle.gc()
+        assert len(report["pool_reclaimed"]) == st["target"] and not ready_ids(idle)
     finally:
         n.close()
         n.pools.drain()

@@ -338,12 +338,15 @@ class QemuBackend(AgentBackend):
         connection on the port's socket at a time: a second process waits its turn, and a
         guest still booting has not opened the port yet). A connection that gets no answer
         is dropped and made again every few seconds: one left behind by a killed process can
-        stay unanswered while a new one is served. Fails early if QEMU exits."""
+        stay unanswered while a new one is served. A shorter first ``retry`` doubles up to
+        the usual one, so a slow guest is still given time to answer. Fails early if QEMU
+        exits."""
         deadline = time.monotonic() + timeout
         while True:
             client = self._ping_within(handle, min(retry, deadline - time.monotonic()))
             if client is not None:
                 return client
+            retry = min(retry * 2, AGENT_RETRY)
             if not self.is_alive(handle):
                 raise SandboxError("QEMU exited")
             if time.monotonic() >= deadline:
