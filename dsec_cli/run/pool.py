@@ -172,8 +172,6 @@ class Pools:
     def target(self, row: PoolRow, t: float | None = None) -> int:
         if row.size is not None:
             return row.size
-        if not self.settings.auto:
-            return 0
         return learned_size(row.recent, t if t is not None else now(), self.settings)
 
     def members(self) -> dict[str, dict[str, list[SandboxRecord]]]:

@@ -222,7 +222,16 @@ def test_pool_command(node_env: dict[str, str]) -> None:
     ps = json.loads(dsec(node_env, "ps", "--json").stdout)
     assert [s["id"] for s in ps] == [sid]
     dsec(node_env, "rm", sid)
-    assert json.loads(dsec(node_env, "pool", "drain", "--json").stdout)["removed"]
+    # a pool of learned size: empty until a matching create, then sized by it (the exiting
+    # CLI process makes the member)
+    auto = json.loads(dsec(node_env, "pool", "set", IMAGE, "--pids", "45", "--json").stdout)
+    assert (auto["size"], auto["target"], auto["ready"]) == ("auto", 0, 0)
+    sid = dsec(node_env, "run", "-d", "--pids", "45", IMAGE).stdout.decode().strip()
+    pools = {p["key"]: p for p in json.loads(dsec(node_env, "pool", "ls", "--json").stdout)
+             ["pools"]}
+    assert (pools[auto["key"]]["target"], pools[auto["key"]]["ready"]) == (1, 1)
+    dsec(node_env, "rm", sid)
+    assert len(json.loads(dsec(node_env, "pool", "drain", "--json").stdout)["removed"]) == 2
     assert json.loads(dsec(node_env, "pool", "ls", "--json").stdout)["pools"] == []
     for bad in (["set", IMAGE, "--size", "-1"], ["set", IMAGE, "--size", "many"],
                 ["set", IMAGE, "--memory", "1"], ["drain", "nosuchpool"]):
