@@ -9,15 +9,16 @@ transaction that turns the row into a running sandbox with the caller's image na
 so two processes never take the same member, and admission counts each member exactly once:
 as ``pooled`` while it waits, as ``running`` after.
 
-Which pools exist: the ``pools`` table (``dsec pool set``: a fixed size) and, with config
-``pool: {auto: true}``, every key created recently, sized for the largest burst of creations
-that fell in one ``window`` over the last ``idle``. All members together stay under the
-``memory`` budget (a member costs its memory limit, or a per-backend estimate without one).
+Which pools exist: the ``pools`` table (``dsec pool set``: a fixed size, or ``auto``) and,
+with config ``pool: {auto: true}``, every key created recently. A learned size is the largest
+burst of creations that fell in one ``window`` over the last ``idle``. All members together
+stay under the ``memory`` budget (a member costs its memory limit, or a per-backend estimate
+without one).
 
 Refill runs in a thread of the process that owns the `Node` (the SDK process or the node
-service; a short-lived CLI process finishes the member it is making before it exits). One
-refiller works at a time per node, under a lock file, so processes sharing a node never
-overfill it. A refill killed midway leaves a ``creating`` row whose owner is dead:
+service; a short-lived CLI process that took members makes their replacements before it
+exits). One refiller works at a time per node, under a lock file, so processes sharing a node
+never overfill it. A refill killed midway leaves a ``creating`` row whose owner is dead:
 reconcile tears it down like any interrupted create. Node gc removes members past their
 pool's current size, members older than ``max_age``, and members that died.
 """
