@@ -213,7 +213,7 @@ class QemuBackend(AgentBackend):
         if self.boot == "snapshot":
             try:
                 return self._create_restored(spec)
-            except (BackendError, SandboxError) as e:  # cold boot stays the fallback
+            except (BackendError, SandboxError, OSError) as e:  # cold boot: the fallback
                 log.warning("sandbox %s: snapshot boot failed (%s); booting cold",
                             spec.sandbox_id, e)
         return self._create_cold(spec)
@@ -256,33 +256,34 @@ class QemuBackend(AgentBackend):
         return handle
 
     # -- snapshot boot (vmsnap.py) -------------------------------------------------------------
-    def _template(self, spec: SandboxSpec) -> tuple[str, list[str], Path]:
-        """The template's key, the accelerator, and its directory."""
+    def _template(self, spec: SandboxSpec) -> tuple[str, str, Path]:
+        """The template's key, the document it digests, and its directory."""
         kernel, initramfs, root = self._parts(spec)
         accel = self.acceleration(kernel)["accel"]
         lim = spec.limits
-        key = vmsnap.template_key(
+        key, doc = vmsnap.template_key(
             {"machine": self.machine, "accel": accel, "cpus": lim.cpus,
              "memory": lim.memory or DEFAULT_MEMORY, "pids": lim.pids, "disk": lim.disk,
              "network": spec.network},
             [boot_image(kernel, self.vm_dir / "kernel"), initramfs, root,
              Path(self._qemu_binary())])
-        return key, [accel], vmsnap.template_dir(self.vm_dir, key)
+        return key, doc, vmsnap.template_dir(self.vm_dir, key)
 
     def template_for(self, spec: SandboxSpec) -> Path:
         """The saved boot a sandbox like ``spec`` restores from; built (by booting a guest
-        under ``<sandbox id>-tpl`` in the sandbox's state dir) when missing."""
-        key, _, tdir = self._template(spec)
+        under ``<sandbox id>-tpl`` in a build dir named after the sandbox) when missing."""
+        key, doc, tdir = self._template(spec)
         if vmsnap.ready(tdir):
             return tdir
         with vmsnap.build_lock(self.vm_dir, key):
             if vmsnap.ready(tdir):
                 return tdir
-            work = spec.state_dir / "template"
+            work = vmsnap.build_dir(self.vm_dir, spec.sandbox_id)
             tspec = dataclasses.replace(spec, sandbox_id=_template_id(spec.sandbox_id),
                                         state_dir=work / "vm", hostname="sandbox", env={})
             out = work / "out"
             out.mkdir(parents=True, exist_ok=True)
+            (out / "key.json").write_text(doc + "\n")
             h = self._create_cold(tspec, snap=True)
             try:
                 self._drop_client(h.sandbox_id)  # the guest's port must not hold a connection
@@ -403,10 +404,10 @@ class QemuBackend(AgentBackend):
     def destroy(self, handle: SandboxHandle) -> None:
         if not handle.sandbox_id.endswith(TEMPLATE_SUFFIX):
             # a template boot interrupted inside this sandbox's create (snapshot boot)
-            sdir = handle.state.get("state_dir")
+            work = vmsnap.build_dir(self.vm_dir, handle.sandbox_id)
             self.destroy(SandboxHandle(_template_id(handle.sandbox_id), self.name,
-                                       {"state_dir": str(Path(sdir) / "template" / "vm")}
-                                       if sdir else {}))
+                                       {"state_dir": str(work / "vm")}))
+            shutil.rmtree(work, ignore_errors=True)
         st = {**_default_state(handle.sandbox_id, handle.state.get("state_dir")), **handle.state}
         self._drop_client(handle.sandbox_id)
         pid = st.get("pid")

@@ -4,13 +4,14 @@ sandboxes with the same key are created by restoring it instead of booting.
 
 A template is a directory ``<vm dir>/templates/<key>/`` holding ``state`` (QEMU's migration
 stream of the stopped guest: RAM and device state) and ``disk.ext4`` (the writable disk as the
-guest left it when it was stopped). It is built inside the create that first needs it, in that
-sandbox's own state dir and under its id (so a kill at any point leaves only what the sandbox's
-teardown removes), and renamed into place complete. A restore copies the disk (each sandbox
-writes its own copy), starts QEMU with the same devices and ``-incoming``, resumes the guest,
-then gives it its own identity with `identity_binary` (hostname, a CRNG reseeded from host
-randomness, a fresh machine id where the image has one). QEMU 7.2 reads the whole stream
-at restore (its ``mapped-ram`` format, which maps RAM on demand, arrived in 9.0).
+guest left it when it was stopped). It is built inside the create that first needs it, in a
+build dir and under a guest name derived from that sandbox's id (so a kill at any point leaves
+only what the sandbox's teardown removes), and renamed into place complete. A restore copies
+the disk (each sandbox writes its own copy), starts QEMU with the same devices and
+``-incoming``, resumes the guest, then gives it its own identity with `identity_binary`
+(hostname, a CRNG reseeded from host randomness, a fresh machine id where the image has one).
+QEMU 7.2 reads the whole stream at restore (its ``mapped-ram`` format, which maps RAM on
+demand, arrived in 9.0).
 """
 
 from __future__ import annotations
@@ -44,16 +45,23 @@ def _stamp(p: Path) -> list[Any]:
     return [str(p), st.st_size, st.st_mtime_ns]
 
 
-def template_key(parts: dict[str, Any], files: list[Path]) -> str:
+def template_key(parts: dict[str, Any], files: list[Path]) -> tuple[str, str]:
     """The key of a template: every argument that shapes the guest, and the identity (path,
-    size, mtime) of every file it boots from."""
+    size, mtime) of every file it boots from; and the document it digests (kept with the
+    template as ``key.json``)."""
     doc = json.dumps({"format": FORMAT, **parts, "files": [_stamp(f) for f in files]},
                      sort_keys=True)
-    return hashlib.sha256(doc.encode()).hexdigest()[:24]
+    return hashlib.sha256(doc.encode()).hexdigest()[:24], doc
 
 
 def template_dir(vm_dir: Path, key: str) -> Path:
     return vm_dir / "templates" / key
+
+
+def build_dir(vm_dir: Path, sid: str) -> Path:
+    """Where the create of sandbox ``sid`` builds a template (beside the templates, so the
+    result is renamed into place; removed with the sandbox)."""
+    return vm_dir / "templates" / f".build-{sid}"
 
 
 def ready(tdir: Path) -> bool:
