@@ -134,3 +134,18 @@ def test_gc_prunes_only_saved_boots_left_unused(tmp_path: Path) -> None:
     assert (root / "old").is_dir()
     assert vmsnap.prune(tmp_path, 7 * 86400) == ["old"]
     assert sorted(p.name for p in root.iterdir()) == [".old.lock", "new"]
+
+
+def test_root_images_of_one_manifest_digest_are_shared(tmp_path: Path) -> None:
+    """A node passes the bare manifest digest: it keys the root image (and so the saved
+    boot) whatever the layer directories' timestamps, as the prefixed form does."""
+    from dsec_cli.backends.vm import vmimage
+
+    layer = tmp_path / "layer"
+    (layer / "bin").mkdir(parents=True)
+    hexd = "ab" * 32
+    before = vmimage.image_key([layer], hexd)
+    os.utime(layer, (1, 1))  # the layer cache marks a use this way
+    assert vmimage.image_key([layer], hexd) == before
+    assert vmimage.image_key([layer], "sha256:" + hexd) == before
+    assert vmimage.image_key([layer], "") != vmimage.image_key([layer / "bin"], "")
