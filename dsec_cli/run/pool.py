@@ -328,9 +328,10 @@ class Pools:
         with self._refill_lock(block) as mine:
             if not mine:
                 return 0
-            return self._refill_locked()
+            # a caller waiting for the members (pool set, fill) gets them even after stop()
+            return self._refill_locked(stoppable=not block)
 
-    def _refill_locked(self) -> int:
+    def _refill_locked(self, stoppable: bool) -> int:
         t = now()
         rows = [r for r in self.rows() if self.target(r, t) > 0]
         members = self.members()
@@ -342,12 +343,13 @@ class Pools:
                             for r in v)
         made = 0
         blocked: set[str] = set()
-        while not self._stopping.is_set():
+        stopped = self._stopping.is_set if stoppable else (lambda: False)
+        while not stopped():
             todo = [r for r in rows if r.key not in blocked and have[r.key] < self.target(r, t)]
             if not todo:
                 break
             for row in todo:
-                if self._stopping.is_set():
+                if stopped():
                     break
                 opts = row.create_options()
                 if used + member_cost(opts) > self.settings.memory:
