@@ -17,6 +17,7 @@ from . import job as _job
 from . import node as _node
 from . import oci as _oci
 from . import optimize as _optimize
+from . import pool as _pool
 from . import sandbox as _sandbox
 from . import store as _store
 from . import verify as _verify
@@ -34,7 +35,7 @@ def _root() -> None:
     """Content-addressed layers and sandboxes for agentic-RL environments."""
 
 
-for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify, _oci, _job):
+for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify, _oci, _job, _pool):
     _module.register(app)
 
 

@@ -52,6 +52,7 @@ class NodeService:
     def __init__(self, node: Node) -> None:
         self.node = node
         self.admission = Admission(node)
+        node.pools.admit = self.admission.admit_member
 
     # -- node facts -----------------------------------------------------------------------------
     def hello(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
@@ -72,11 +73,15 @@ class NodeService:
     def create(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         opts = from_wire(CreateOptions, args.get("opts") or {})
         opts.validate()  # bad input is refused before anything is reserved
-        token = self.admission.reserve(opts.cpus, opts.memory)
-        try:
-            rec = self.node.create(str(args["image"]), opts)
-        finally:
-            self.admission.release(token)
+        image = str(args["image"])
+        # a warm pool member is already counted: taking it reserves nothing
+        rec = self.node.take_pooled(image, opts)
+        if rec is None:
+            token = self.admission.reserve(opts.cpus, opts.memory)
+            try:
+                rec = self.node.create(image, opts, from_pool=False)
+            finally:
+                self.admission.release(token)
         return to_wire(rec)
 
     def exec(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
