@@ -21,17 +21,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ls": ("build", "List layers and images in a store."),
     "inspect": ("build", "Show a layer's or image's manifest and index, or a sandbox's state."),
     "export": ("build", "Write an image's merged tree (whiteouts applied) to a directory or a "
-                        "tar."),
+                        "tar, or the image as a runnable OCI image (--format oci, "
+                        "--to-registry)."),
     "version": ("build", "Print the dsec version."),
-    "push": ("store", "Copy layers or images (with their layers) to a store; sends only what "
-                      "it lacks."),
+    "push": ("store", "Copy layers or images (with their layers) to a store; sends only what it "
+                      "lacks."),
     "pull": ("store", "Copy layers or images from a store into the local one; verifies "
                       "everything read."),
     "rmi": ("store", "Remove layer or image refs; `dsec gc` frees what only they reached."),
-    "run": ("sandbox", "Create a sandbox; run CMD in it and remove it, or leave it running "
-                       "with -d."),
-    "exec": ("sandbox", "Run a command in a sandbox: streams output, forwards stdin, exits "
-                        "with its code."),
+    "run": ("sandbox", "Create a sandbox; run CMD in it and remove it, or leave it running with "
+                       "-d."),
+    "exec": ("sandbox", "Run a command in a sandbox: streams output, forwards stdin, exits with "
+                        "its code."),
     "cp": ("sandbox", "Copy a file into a sandbox, or a file, symlink or directory out of one "
                       "(one side is [NODE/]SANDBOX:PATH)."),
     "ps": ("sandbox", "List sandboxes: this node's, a cluster node's (--node) or every node's "
@@ -40,19 +41,31 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rm": ("sandbox", "Remove sandboxes (stops everything they run)."),
     "pause": ("sandbox", "Freeze every process of a sandbox (cgroup freezer)."),
     "resume": ("sandbox", "Thaw a paused sandbox."),
-    "snapshot": ("sandbox", "Turn a sandbox's changes into a new layer and an image stacking "
-                            "it."),
+    "snapshot": ("sandbox", "Turn a sandbox's changes into a new layer and an image stacking it."),
+    "fork": ("sandbox", "Make copies of a sandbox's files: new sandboxes on its node, "
+                        "copy-on-write over one snapshot layer where the backend snapshots; "
+                        "prints the copies' ids."),
     "gc": ("gc", "Delete what nothing references: store objects no ref or pin reaches (safe "
                  "while others push), and with --node this node's expired sandboxes and least "
                  "recently used layers."),
+    "agent": ("node", "The node service of the cluster: serves the node protocol for `dsec "
+                      "--node`."),
     "node": ("node", "Cluster nodes reached over SSH (each runs `dsec agent`)."),
-    "agent": ("node", "The node service of the cluster: serves the node protocol for "
-                      "`dsec --node`."),
-    "optimize": ("optimize", "Profiled prefetch: record what IMAGE reads at start (from "
-                             "earlier `dsec run --fetch lazy` runs, or by running CMD now) and "
-                             "publish layer versions that prefetch it."),
-    "verify": ("verify", "Check the objects reachable from refs: one line per bad object, "
-                         "then counts."),
+    "optimize": ("optimize", "Profiled prefetch: record what IMAGE reads at start (from earlier "
+                             "`dsec run --fetch lazy` runs, or by running CMD now) and publish "
+                             "layer versions that prefetch it."),
+    "verify": ("verify", "Check the objects reachable from refs: one line per bad object, then "
+                         "counts."),
+    "import": ("oci", "Import an OCI or Docker image: each layer becomes a dsec layer, the "
+                      "config an image."),
+    "journal": ("job", "A rollout's steps: number, key, command, exit code, state digests, "
+                       "duration."),
+    "replay": ("job", "Rebuild a rollout in a fresh sandbox: its image, its last snapshot, and "
+                      "the journal's later steps re-executed with their state digests checked."),
+    "job": ("job", "Jobs: sandboxes owned through a lease, with a journal of every exec "
+                   "(docs/jobs.md)."),
+    "pool": ("pool", "Warm pools: sandboxes made ahead, taken by creates with the same image, "
+                     "backend, limits and environment."),
 }
 
 ABOUT = "Content-addressed layers and sandboxes for agentic-RL environments."

@@ -1,4 +1,4 @@
-"""Sandbox commands: run, exec, cp, ps, rm, pause, resume, snapshot (thin: parse, call
+"""Sandbox commands: run, exec, cp, ps, rm, pause, resume, snapshot, fork (thin: parse, call
 dsec_cli.api.sandboxes, which routes NODE/ID ids and --node, render)."""
 
 from __future__ import annotations
@@ -9,15 +9,39 @@ import typer
 
 from .sandbox_io import (
     JSON_OUTPUT_LIMIT,
-    create_sandbox,
     exec_command,
     list_sandboxes,
     report,
+    sandbox_options,
     stdin_source,
     stream_output,
 )
 
 STATE_HELP = "node state directory (default: DSEC_STATE_DIR or the config's state_dir)"
+
+
+def _run_in_job(job: str, image: str, opts: Any, cmd: list[str] | None,
+                timeout: float | None, json_out: bool, node_name: str | None,
+                state_dir: str | None) -> None:
+    """`dsec run --job`: the sandbox stays with the job; CMD's output is shown after it ran."""
+    from ..api.jobs import run_in_job
+    from ..core.errors import UsageError
+    from .render import print_json
+
+    if node_name not in (None, "local"):
+        raise UsageError("--job sandboxes run on the job's node: drop --node")
+    doc, res = run_in_job(job, image, opts, cmd, timeout, state_dir)
+    if json_out:
+        print_json({**doc, "result": None if res is None else {
+            "exit_code": res.exit_code, "stdout": res.stdout.decode(errors="replace"),
+            "stderr": res.stderr.decode(errors="replace"), "duration": res.duration}})
+    else:
+        typer.echo(doc["sandbox"])
+        if res is not None:
+            stream_output("stdout", res.stdout)
+            stream_output("stderr", res.stderr)
+    if res is not None and res.exit_code:
+        raise typer.Exit(res.exit_code)
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
@@ -68,17 +92,25 @@ def register(app: typer.Typer) -> None:
         node_name: Annotated[str | None, typer.Option(  # noqa: UP007
             "--node", help="cluster node NAME, auto (placed by capacity and cache) or local")
                              ] = None,
+        job: Annotated[str | None, typer.Option(  # noqa: UP007
+            "--job", help="a job on this node owns the sandbox (it stays; CMD is its first "
+                          "journaled step)")] = None,
     ) -> None:
         """Create a sandbox; run CMD in it and remove it, or leave it running with -d."""
         from ..core.errors import UsageError
         from .render import print_json
 
-        if not detach and not cmd:
+        if not detach and not cmd and job is None:
             raise UsageError("give a command after -- or use -d to leave the sandbox running")
-        node, rec = create_sandbox(image, backend=backend, cpus=cpus, memory=memory, pids=pids,
-                                   ttl=ttl, network=network, disk=disk, env=env,
-                                   workdir=workdir, timeout=timeout, fetch=fetch,
-                                   state_dir=state_dir, node_name=node_name)
+        opts = sandbox_options(image, backend=backend, cpus=cpus, memory=memory, pids=pids,
+                               ttl=ttl, network=network, disk=disk, env=env, workdir=workdir,
+                               timeout=timeout, fetch=fetch, node_name=node_name)
+        if job is not None:
+            _run_in_job(job, image, opts, cmd, timeout, json_out, node_name, state_dir)
+            return
+        from ..api import sandboxes
+
+        node, rec = sandboxes.create(image, opts, node_name, state_dir)
         if detach:
             if cmd:
                 node.exec(rec.id, cmd, timeout=timeout, capture_limit=0)
@@ -195,6 +227,28 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"warning: {w}", err=True)
             typer.echo(f"{out['image']} {out['image_digest'][:12]} "
                        f"(layer {out['layer']} {out['layer_digest'][:12]})")
+
+    @app.command()
+    def fork(
+        sandbox: SandboxArg,
+        count: Annotated[int, typer.Option("-n", "--count",
+                                           help="how many copies to make (1-256)")] = 1,
+        json_out: JsonOpt = False,
+        state_dir: StateOpt = None,
+        node: NodeOpt = None,
+    ) -> None:
+        """Make copies of a sandbox's files: new sandboxes on its node, copy-on-write over one
+        snapshot layer where the backend snapshots; prints the copies' ids."""
+        from ..api.sandboxes import fork as fork_sandbox
+        from .render import print_json
+
+        out = fork_sandbox(sandbox, count, node, state_dir)
+        copies = [r.public() for r in out["copies"]]
+        if json_out:
+            print_json({**out, "copies": copies})
+        else:
+            for c in copies:
+                typer.echo(c["id"])
 
 
 def _status(rec: Any, json_out: bool) -> None:

@@ -84,22 +84,30 @@ def ps_table(recs: list[dict[str, Any]]) -> None:
     table(None, ["ID", "BACKEND", "IMAGE", "STATUS", "AGE", "TTL LEFT"], rows)
 
 
-def create_sandbox(image: str, *, backend: str = "container", cpus: float | None = None,
-                   memory: str | None = None, pids: int | None = None, ttl: str | None = None,
-                   network: str = "none", disk: str | None = None,
-                   env: list[str] | None = None, workdir: str | None = None,
-                   timeout: float | None = None, fetch: str = "eager",
-                   state_dir: str | None = None, node_name: str | None = None) -> Any:
-    """`dsec run`'s create: the node and the new sandbox's record."""
+def sandbox_options(image: str, *, backend: str = "container", cpus: float | None = None,
+                    memory: str | None = None, pids: int | None = None, ttl: str | None = None,
+                    network: str = "none", disk: str | None = None,
+                    env: list[str] | None = None, workdir: str | None = None,
+                    timeout: float | None = None, fetch: str = "eager",
+                    node_name: str | None = None) -> Any:
+    """`dsec run`'s options, checked: the `CreateOptions` of the new sandbox."""
     from ..api import sandboxes
     from ..core import validate
 
     validate.image(image)
     validate.node_option(node_name)
     validate.positive_float(timeout, "--timeout")
-    opts = sandboxes.create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
+    return sandboxes.create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
                                     network=network, env=parse_env(env), workdir=workdir,
                                     fetch=fetch, disk=disk, prefix="--")
+
+
+def create_sandbox(image: str, *, state_dir: str | None = None, node_name: str | None = None,
+                   **options: Any) -> Any:
+    """`dsec run -d`'s create: the node and the new sandbox's record."""
+    from ..api import sandboxes
+
+    opts = sandbox_options(image, node_name=node_name, **options)
     return sandboxes.create(image, opts, node_name, state_dir)
 
 
