@@ -4,6 +4,8 @@ per-node fan-outs, and the node service each node runs for `dsec --node` (what `
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..core import validate
 from ..core.errors import UsageError
 from ..run.cluster.api import NodeResult, create_many, gc_all, node_status, ps_all
@@ -32,18 +34,24 @@ def check_nodes(names: list[str] | None = None, timeout: float | None = None
 
 
 def serve_node(stdio: bool = False, listen: str | None = None,
-               state_dir: str | None = None) -> None:
+               state_dir: str | None = None, *, resident: bool = False) -> dict[str, Any] | None:
     """Serve this node to the cluster (the node service `dsec agent` runs), on stdin/stdout
-    (over ssh) or on a unix socket."""
+    (over ssh) or on a unix socket; or, with ``resident``, make sure the node's long-lived
+    service runs and return where it listens."""
     from ..run.cluster import node_service
 
-    if stdio == bool(listen):
-        raise UsageError("give exactly one of --stdio or --listen PATH")
+    if stdio + bool(listen) + resident != 1:
+        raise UsageError("give exactly one of --stdio, --listen PATH or --resident")
+    if resident:
+        from ..run.cluster import resident as resident_service
+
+        return resident_service.ensure(state_dir)
     if stdio:
         node_service.serve_stdio(state_dir)
     else:
         assert listen
         node_service.serve_unix(listen, state_dir)
+    return None
 
 
 def gc_nodes(budget: int | str | None = None, dry_run: bool = False) -> list[NodeResult]:

@@ -14,10 +14,9 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..backends.base import ExecResult, OutputCallback
-from ..backends.fnpool import FunctionCallError, FunctionPool
 from ..core import validate
 from ..run.contract import NodeAPI
 from ..run.node import CreateOptions, Node, local_node
@@ -27,6 +26,19 @@ __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "Create
            "run",
            "list_sandboxes", "gc_node", "create_many", "create", "create_options", "target",
            "exec_in", "copy", "ps", "remove", "pause", "resume", "snapshot", "fork"]
+
+if TYPE_CHECKING:
+    from ..backends.fnpool import FunctionCallError, FunctionPool
+
+
+def __getattr__(name: str) -> Any:
+    """`FunctionPool` and `FunctionCallError` load on first use: a command that only execs in
+    a sandbox does not import the function pool."""
+    if name in ("FunctionPool", "FunctionCallError"):
+        from ..backends import fnpool
+
+        return getattr(fnpool, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _size(v: int | str | None, what: str) -> int | None:

@@ -1,42 +1,97 @@
 """The `dsec` command line: thin typer commands that call the SDK and render results.
 
-Only this package prints and exits. Each submodule registers the commands of one area.
+Only this package prints and exits. Each submodule registers the commands of one area; the
+table below names them so that `dsec --help` and every command start without importing the
+other areas (group.py builds the typer app and loads a command's module on first use), and
+fast.py runs the plain forms of the hot commands without typer at all.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
-
-import typer
+from typing import Any
 
 from ..core.errors import DsecError
-from . import build as _build
-from . import gc as _gc
-from . import job as _job
-from . import node as _node
-from . import oci as _oci
-from . import optimize as _optimize
-from . import pool as _pool
-from . import sandbox as _sandbox
-from . import store as _store
-from . import verify as _verify
 
-app = typer.Typer(
-    name="dsec",
-    help="Content-addressed layers and sandboxes for agentic-RL environments.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+#: command -> (module in this package that registers it, one-line help). A module that adds
+#: commands adds its lines here; tests/test_cli_start.py checks the table against what every
+#: module of this package registers.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "build": ("build", "Build layer and image specs (default: layerspecs/) into a store."),
+    "ls": ("build", "List layers and images in a store."),
+    "inspect": ("build", "Show a layer's or image's manifest and index, or a sandbox's state."),
+    "export": ("build", "Write an image's merged tree (whiteouts applied) to a directory or a "
+                        "tar, or the image as a runnable OCI image (--format oci, "
+                        "--to-registry)."),
+    "version": ("build", "Print the dsec version."),
+    "push": ("store", "Copy layers or images (with their layers) to a store; sends only what it "
+                      "lacks."),
+    "pull": ("store", "Copy layers or images from a store into the local one; verifies "
+                      "everything read."),
+    "rmi": ("store", "Remove layer or image refs; `dsec gc` frees what only they reached."),
+    "run": ("sandbox", "Create a sandbox; run CMD in it and remove it, or leave it running with "
+                       "-d."),
+    "exec": ("sandbox", "Run a command in a sandbox: streams output, forwards stdin, exits with "
+                        "its code."),
+    "cp": ("sandbox", "Copy a file into a sandbox, or a file, symlink or directory out of one "
+                      "(one side is [NODE/]SANDBOX:PATH)."),
+    "ps": ("sandbox", "List sandboxes: this node's, a cluster node's (--node) or every node's "
+                      "(--all-nodes, in parallel; a node that does not answer is reported and "
+                      "skipped)."),
+    "rm": ("sandbox", "Remove sandboxes (stops everything they run)."),
+    "pause": ("sandbox", "Freeze every process of a sandbox (cgroup freezer)."),
+    "resume": ("sandbox", "Thaw a paused sandbox."),
+    "snapshot": ("sandbox", "Turn a sandbox's changes into a new layer and an image stacking it."),
+    "fork": ("sandbox", "Make copies of a sandbox's files: new sandboxes on its node, "
+                        "copy-on-write over one snapshot layer where the backend snapshots; "
+                        "prints the copies' ids."),
+    "gc": ("gc", "Delete what nothing references: store objects no ref or pin reaches (safe "
+                 "while others push), and with --node this node's expired sandboxes and least "
+                 "recently used layers."),
+    "agent": ("node", "The node service of the cluster: serves the node protocol for `dsec "
+                      "--node`."),
+    "node": ("node", "Cluster nodes reached over SSH (each runs `dsec agent`)."),
+    "optimize": ("optimize", "Profiled prefetch: record what IMAGE reads at start (from earlier "
+                             "`dsec run --fetch lazy` runs, or by running CMD now) and publish "
+                             "layer versions that prefetch it."),
+    "verify": ("verify", "Check the objects reachable from refs: one line per bad object, then "
+                         "counts."),
+    "import": ("oci", "Import an OCI or Docker image: each layer becomes a dsec layer, the "
+                      "config an image."),
+    "journal": ("job", "A rollout's steps: number, key, command, exit code, state digests, "
+                       "duration."),
+    "replay": ("job", "Rebuild a rollout in a fresh sandbox: its image, its last snapshot, and "
+                      "the journal's later steps re-executed with their state digests checked."),
+    "job": ("job", "Jobs: sandboxes owned through a lease, with a journal of every exec "
+                   "(docs/jobs.md)."),
+    "pool": ("pool", "Warm pools: sandboxes made ahead, taken by creates with the same image, "
+                     "backend, limits and environment."),
+}
 
-@app.callback()
-def _root() -> None:
-    """Content-addressed layers and sandboxes for agentic-RL environments."""
+ABOUT = "Content-addressed layers and sandboxes for agentic-RL environments."
 
 
-for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify, _oci, _job, _pool):
-    _module.register(app)
+def root_help() -> str:
+    """`dsec --help`, from the table alone (no command module, typer or rich imported)."""
+    import shutil
+    import textwrap
+
+    width = max(map(len, COMMANDS)) + 2
+    cols = max(60, min(shutil.get_terminal_size().columns, 100))
+    lines = ["Usage: dsec [OPTIONS] COMMAND [ARGS]...", "", f"  {ABOUT}", "", "Options:",
+             f"  {'--help':<{width}}Show this message and exit.", "", "Commands:"]
+    for name, (_, short) in COMMANDS.items():
+        lines += textwrap.wrap(short, cols, initial_indent=f"  {name:<{width}}",
+                               subsequent_indent=" " * (width + 2))
+    return "\n".join(lines) + "\n"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":  # the typer app, built on first use
+        from .group import app
+
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 #: longest error message printed whole; longer ones quote a huge input and are cut
@@ -71,15 +126,56 @@ def _print_error(e: DsecError) -> None:
         err_console().print(f"[dim]hint:[/] {escape(e.hint[:MAX_MESSAGE])}", highlight=False)
 
 
+def _served(argv: list[str], idle: str | None) -> int | None:
+    """The exit code of ``argv`` run by the command server (server.py), when one is enabled
+    and takes it; None to run it here."""
+    if not idle or not argv or argv[0] not in ("exec", "run", "ps"):
+        return None
+    from ..core.errors import ConfigError
+
+    try:
+        ok = 0 < float(idle) < 1e9
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"$DSEC_CLI_SERVER: {idle!r} must be the seconds a command server "
+                          "may stay idle (a number above 0), or unset")
+    from . import server
+
+    try:
+        return server.try_run(argv, idle)
+    except server.ServerGone:
+        raise DsecError("the dsec command server stopped before the command finished; it was "
+                        "not run again", hint="run it again: a new server starts, or unset "
+                        "DSEC_CLI_SERVER to run commands in-process") from None
+
+
 def main() -> None:
+    if sys.argv[1:] in ([], ["--help"]):  # the root help needs no command module, nor typer
+        sys.stdout.write(root_help())
+        if not sys.argv[1:]:
+            sys.exit(2)  # no command is a usage error, as click has it
+        return
     from ..core.config import env
 
-    level = (env("DSEC_LOG") or "WARNING").upper()
-    if level not in logging.getLevelNamesMapping():
-        level = "WARNING"  # a mistyped DSEC_LOG must not stop the command
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         _check_argv(sys.argv[1:])
+        code = _served(sys.argv[1:], env("DSEC_CLI_SERVER"))
+        if code is not None:
+            sys.exit(code)
+        import logging  # after the command server's turn: a served command never logs here
+
+        level = (env("DSEC_LOG") or "WARNING").upper()
+        if level not in logging.getLevelNamesMapping():
+            level = "WARNING"  # a mistyped DSEC_LOG must not stop the command
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+        from . import fast
+
+        code = fast.run(sys.argv[1:])  # plain hot commands (exec, run -d, ps) skip typer
+        if code is not None:
+            sys.exit(code)
+        from .group import app
+
         app()  # click renders its own usage errors (exit 2)
     except DsecError as e:
         _print_error(e)

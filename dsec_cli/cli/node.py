@@ -121,25 +121,25 @@ def register(app: typer.Typer) -> None:
                          ] = False,
         listen: Annotated[str | None, typer.Option(  # noqa: UP007
             "--listen", help="serve on this unix socket")] = None,
+        resident: Annotated[bool, typer.Option(
+            "--resident", help="make sure this node's long-lived service runs; print where "
+            "it listens (JSON)")] = False,
         state_dir: Annotated[str | None, typer.Option(  # noqa: UP007
             "--state-dir", help="node state directory (default: DSEC_STATE_DIR)")] = None,
     ) -> None:
         """The node service of the cluster: serves the node protocol for `dsec --node`."""
         from ..api.cluster import serve_node
 
-        serve_node(stdio, listen, state_dir)
+        out = serve_node(stdio, listen, state_dir, resident=resident)
+        if out is not None:
+            print_json(out)
 
 
 def render_fanout(failed: list[dict[str, Any]]) -> None:
     """Report the nodes a fan-out skipped (on stderr) and exit 1 if there were any; the
     other nodes' results have been printed already."""
-    from rich.markup import escape
+    from .sandbox_io import report_failed_nodes
 
-    from .render import err_console
-
-    for f in failed:
-        what = "unreachable, skipped" if f.get("unreachable") else "failed"
-        err_console().print(f"[yellow]node {escape(f['node'])} {what}:[/] {escape(f['error'])}",
-                            highlight=False)
-    if failed:
-        raise typer.Exit(1)
+    code = report_failed_nodes(failed)
+    if code:
+        raise typer.Exit(code)

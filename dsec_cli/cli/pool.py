@@ -8,7 +8,8 @@ from typing import Annotated, Any
 import typer
 
 from .render import human_bytes, print_json, table
-from .sandbox import EnvOpt, JsonOpt, StateOpt, WorkdirOpt, _parse_env
+from .sandbox import EnvOpt, JsonOpt, StateOpt, WorkdirOpt
+from .sandbox_io import parse_env
 
 pool_app = typer.Typer(help="Warm pools: sandboxes made ahead, taken by creates with the same "
                             "image, backend, limits and environment.", no_args_is_help=True)
@@ -68,7 +69,7 @@ def set_(
 
     validate.image(image)
     out = set_pool(image, size, backend, cpus=cpus, memory=memory, pids=pids, disk=disk,
-                   network=network, env=_parse_env(env), workdir=workdir, fill=fill,
+                   network=network, env=parse_env(env), workdir=workdir, fill=fill,
                    state_dir=state_dir, prefix="--")
     if json_out:
         print_json(out)

@@ -7,19 +7,26 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
+
+# rich is imported where it draws, not here: a command that prints plain text or JSON (exec,
+# run -d, --json) never pays for it
 
 
 @cache
 def console() -> Console:
+    from rich.console import Console
+
     return Console()
 
 
 @cache
 def err_console() -> Console:
+    from rich.console import Console
+
     return Console(stderr=True)
 
 
@@ -28,6 +35,8 @@ def print_json(data: Any) -> None:
 
 
 def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    from rich.table import Table
+
     t = Table(title=title, show_edge=False, header_style="bold")
     for c in columns:
         t.add_column(c)

@@ -3,74 +3,21 @@ dsec_cli.api.sandboxes, which routes NODE/ID ids and --node, render)."""
 
 from __future__ import annotations
 
-import os
-import sys
-import time
 from typing import Annotated, Any
 
 import typer
 
+from .sandbox_io import (
+    JSON_OUTPUT_LIMIT,
+    exec_command,
+    list_sandboxes,
+    report,
+    sandbox_options,
+    stdin_source,
+    stream_output,
+)
+
 STATE_HELP = "node state directory (default: DSEC_STATE_DIR or the config's state_dir)"
-#: bytes of each of stdout and stderr that `--json` puts in its document; past it the
-#: field holds the first JSON_OUTPUT_LIMIT bytes and `stdout_truncated` / `stderr_truncated`
-#: say so (without --json, output streams through and nothing is kept)
-JSON_OUTPUT_LIMIT = 8 << 20
-
-
-def _stream(kind: str, data: bytes) -> None:
-    out = sys.stdout.buffer if kind == "stdout" else sys.stderr.buffer
-    out.write(data)
-    out.flush()
-
-
-def _stdin_source() -> Any:
-    """Stdin chunks when stdin is a pipe or file (a terminal is not forwarded)."""
-    if sys.stdin is None or sys.stdin.isatty():
-        return None
-
-    def chunks() -> Any:
-        # raw reads of fd 0 (no buffered reader whose lock a still-blocked feeder thread
-        # would hold at interpreter shutdown)
-        while True:
-            b = os.read(0, 1 << 20)
-            if not b:
-                return
-            yield b
-
-    return chunks()
-
-
-def _parse_env(items: list[str] | None) -> dict[str, str]:
-    from ..core.errors import UsageError
-
-    env: dict[str, str] = {}
-    for item in items or []:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise UsageError(f"invalid --env {item!r}: expected KEY=VALUE")
-        env[k] = v
-    return env
-
-
-def _report(res: Any, json_out: bool, sid: str | None = None) -> None:
-    from .render import err_console, print_json
-
-    if json_out:
-        doc = {"exit_code": res.exit_code, "stdout": res.stdout.decode(errors="replace"),
-               "stderr": res.stderr.decode(errors="replace"), "duration": res.duration,
-               "timed_out": res.timed_out, "oom_killed": res.oom_killed,
-               "stdout_truncated": res.stdout_truncated,
-               "stderr_truncated": res.stderr_truncated}
-        if sid:
-            doc["id"] = sid
-        print_json(doc)
-    if res.timed_out:
-        err_console().print("[yellow]dsec: the command timed out and was killed[/]")
-    if res.oom_killed:
-        err_console().print("[yellow]dsec: the sandbox's memory limit killed the command[/]")
-    if res.pids_limited:
-        err_console().print("[yellow]dsec: the sandbox hit its process limit[/]")
-    raise typer.Exit(res.exit_code)
 
 
 def _run_in_job(job: str, image: str, opts: Any, cmd: list[str] | None,
@@ -91,8 +38,8 @@ def _run_in_job(job: str, image: str, opts: Any, cmd: list[str] | None,
     else:
         typer.echo(doc["sandbox"])
         if res is not None:
-            _stream("stdout", res.stdout)
-            _stream("stderr", res.stderr)
+            stream_output("stdout", res.stdout)
+            stream_output("stderr", res.stderr)
     if res is not None and res.exit_code:
         raise typer.Exit(res.exit_code)
 
@@ -150,22 +97,19 @@ def register(app: typer.Typer) -> None:
                           "journaled step)")] = None,
     ) -> None:
         """Create a sandbox; run CMD in it and remove it, or leave it running with -d."""
-        from ..api import sandboxes
-        from ..core import validate
         from ..core.errors import UsageError
         from .render import print_json
 
-        validate.image(image)
-        validate.node_option(node_name)
-        validate.positive_float(timeout, "--timeout")
         if not detach and not cmd and job is None:
             raise UsageError("give a command after -- or use -d to leave the sandbox running")
-        opts = sandboxes.create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
-                                        network=network, env=_parse_env(env), workdir=workdir,
-                                        fetch=fetch, disk=disk, prefix="--")
+        opts = sandbox_options(image, backend=backend, cpus=cpus, memory=memory, pids=pids,
+                               ttl=ttl, network=network, disk=disk, env=env, workdir=workdir,
+                               timeout=timeout, fetch=fetch, node_name=node_name)
         if job is not None:
             _run_in_job(job, image, opts, cmd, timeout, json_out, node_name, state_dir)
             return
+        from ..api import sandboxes
+
         node, rec = sandboxes.create(image, opts, node_name, state_dir)
         if detach:
             if cmd:
@@ -177,12 +121,12 @@ def register(app: typer.Typer) -> None:
             return
         assert cmd
         try:
-            res = node.exec(rec.id, cmd, stdin=_stdin_source(), timeout=timeout,
-                            on_output=None if json_out else _stream,
+            res = node.exec(rec.id, cmd, stdin=stdin_source(), timeout=timeout,
+                            on_output=None if json_out else stream_output,
                             capture_limit=JSON_OUTPUT_LIMIT if json_out else 0)
         finally:
             node.remove(rec.id)
-        _report(res, json_out, rec.id)
+        raise typer.Exit(report(res, json_out, rec.id))
 
     @app.command("exec", context_settings={"ignore_unknown_options": True})
     def exec_(
@@ -196,20 +140,9 @@ def register(app: typer.Typer) -> None:
         node: NodeOpt = None,
     ) -> None:
         """Run a command in a sandbox: streams output, forwards stdin, exits with its code."""
-        from ..api.sandboxes import exec_in
-        from ..core import validate
-        from ..core.errors import UsageError
-
-        validate.positive_float(timeout, "--timeout")
-        if cmd and cmd[0] == "--":
-            cmd = cmd[1:]
-        if not cmd:
-            raise UsageError("exec needs a command, e.g. `dsec exec ID -- ls /`")
-        res = exec_in(sandbox, cmd, node=node, state_dir=state_dir, env=_parse_env(env),
-                      cwd=workdir, stdin=_stdin_source(), timeout=timeout,
-                      on_output=None if json_out else _stream,
-                      capture_limit=JSON_OUTPUT_LIMIT if json_out else 0)
-        _report(res, json_out)
+        raise typer.Exit(exec_command(sandbox, cmd or [], env=env, workdir=workdir,
+                                      timeout=timeout, json_out=json_out,
+                                      state_dir=state_dir, node=node))
 
     @app.command()
     def cp(
@@ -235,18 +168,7 @@ def register(app: typer.Typer) -> None:
                "--all-nodes", help="every configured node, in parallel")] = False) -> None:
         """List sandboxes: this node's, a cluster node's (--node) or every node's
         (--all-nodes, in parallel; a node that does not answer is reported and skipped)."""
-        from ..api.sandboxes import ps as list_all
-        from .render import print_json
-
-        recs, failed = list_all(state_dir, node, all_nodes=all_nodes)
-        if json_out:
-            print_json({"sandboxes": recs, "failed": failed} if all_nodes else recs)
-        else:
-            _ps_table(recs)
-        if all_nodes:
-            from .node import render_fanout
-
-            render_fanout(failed)  # exits 1 when a node did not answer
+        raise typer.Exit(list_sandboxes(json_out, state_dir, node, all_nodes))
 
     @app.command()
     def rm(
@@ -327,16 +249,6 @@ def register(app: typer.Typer) -> None:
         else:
             for c in copies:
                 typer.echo(c["id"])
-
-
-def _ps_table(recs: list[dict[str, Any]]) -> None:
-    from .render import table
-
-    t = time.time()
-    rows = [(r["id"], r["backend"], r["image"], r["status"], f"{t - r['created']:.0f}s",
-             "" if r["expires"] is None else f"{max(0, r['expires'] - t):.0f}s")
-            for r in recs]
-    table(None, ["ID", "BACKEND", "IMAGE", "STATUS", "AGE", "TTL LEFT"], rows)
 
 
 def _status(rec: Any, json_out: bool) -> None:

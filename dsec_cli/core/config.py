@@ -9,8 +9,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .errors import ConfigError
 
 SYSTEM_FILE = Path("/etc/dsec/config.yaml")
@@ -75,6 +73,8 @@ def user_config_file() -> Path:
 def _apply_file(cfg: Config, path: Path) -> None:
     if not path.is_file():
         return
+    import yaml  # only when a config file exists: commands start without it otherwise
+
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -109,6 +109,8 @@ def load_config(project_dir: Path | None = None, **flags: Any) -> Config:
 
 def save_user_config(updates: dict[str, Any]) -> Path:
     """Merge keys into the user config file (used by `dsec node add/rm`)."""
+    import yaml
+
     path = user_config_file()
     data: dict[str, Any] = {}
     if path.is_file():
@@ -200,6 +202,13 @@ ENV_SETTINGS: dict[str, str] = {
     "DSEC_SSH_CONFIG": "an ssh config file used instead of ~/.ssh/config",
     "DSEC_SSH_PERSIST": "how long an idle ssh master connection stays (ssh syntax, 600)",
     "DSEC_VM_VERBOSE": "any value: show the guest kernel's full boot log",
+    "DSEC_NODE_AGENT": "how the client reaches a node's service: resident (one long-lived "
+                       "service per node, the default) or stdio (one per connection)",
+    "DSEC_AGENT_DIR": "where a node's resident service keeps its socket, pid and log "
+                      "(default $XDG_RUNTIME_DIR/dsec-node or /tmp/dsec-node-UID)",
+    "DSEC_CLI_SERVER": "seconds a per-user command server that runs plain exec, run -d and ps "
+                       "stays idle (unset: commands run in-process)",
+    "DSEC_AGENT_IDLE": "seconds a resident node service stays without clients (default 900)",
 }
 
 

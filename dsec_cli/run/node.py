@@ -120,9 +120,11 @@ class Node:
 
     # -- create / remove -----------------------------------------------------------------------
     def create(self, image: str, opts: CreateOptions | None = None, *,
-               from_pool: bool = True) -> SandboxRecord:
+               from_pool: bool = True, sid: str | None = None) -> SandboxRecord:
         """A new sandbox: a warm pool member of the same (image, backend, limits, env) when
-        the node keeps one (pool.py), else created now. ``from_pool=False`` always creates."""
+        the node keeps one (pool.py), else created now. ``from_pool=False`` always creates;
+        ``sid`` is the id a sandbox created now gets (the node service's admission reserved
+        it by that id)."""
         opts = opts or CreateOptions()
         opts.validate()
         fetch = images.fetch_mode(opts.fetch, image)
@@ -131,8 +133,8 @@ class Node:
             rec = self.pools.take(image, img, opts)
             if rec is not None:
                 return rec
-            return self._make(image, img, opts, fetch)
-        return self._make(image, None, opts, fetch)
+            return self._make(image, img, opts, fetch, sid=sid)
+        return self._make(image, None, opts, fetch, sid=sid)
 
     def take_pooled(self, image: str, opts: CreateOptions) -> SandboxRecord | None:
         """A warm pool member for this create, or None (no pool, or it is empty)."""
@@ -142,11 +144,11 @@ class Node:
         return self.pools.take(image, self.resolve_image(image), opts)
 
     def _make(self, image: str, img: Image | None, opts: CreateOptions, fetch: str,
-              pool_key: str | None = None) -> SandboxRecord:
+              pool_key: str | None = None, sid: str | None = None) -> SandboxRecord:
         """Create one sandbox now; with ``pool_key`` it becomes a warm pool member (status
         ``pooled``) instead of a running sandbox."""
         backend = self.backend(opts.backend)
-        sid = secrets.token_hex(6)
+        sid = sid or secrets.token_hex(6)
         if img is None:
             img = self.resolve_image(image) if fetch == "eager" else \
                 images.lazy(self.store(), self.cache_root, self.sandboxes_dir / sid, image)

@@ -7,6 +7,7 @@ touches the user's ~/.ssh: keys, known_hosts and control sockets live in temp di
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,6 +64,38 @@ class SshNode:
     proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def agent_dir(self) -> Path:
+        """Where the node's resident services keep their sockets and pid files."""
+        return Path(self.env["DSEC_AGENT_DIR"])
+
+    def agent_pids(self) -> set[int]:
+        """The node's running resident services (by their pid files)."""
+        pids = set()
+        for f in self.agent_dir.glob("*.pid"):
+            try:
+                pid = int(f.read_text().split()[0])
+                os.kill(pid, 0)
+            except (OSError, ValueError, IndexError):
+                continue
+            pids.add(pid)
+        return pids
+
+    def agent_processes(self, sock: str | None = None) -> set[int]:
+        """Every process serving one of the node's resident sockets (or ``sock``), pid file or
+        not."""
+        out = set()
+        marker = (sock or str(self.agent_dir)).encode()
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/cmdline", "rb") as f:
+                        if marker in f.read() and int(d) != os.getpid():
+                            out.add(int(d))
+                except OSError:
+                    continue
+        return out
+
+    @property
     def address(self) -> str:
         return f"root@127.0.0.1:{self.port}"
 
@@ -90,10 +123,11 @@ class SshNode:
                            f"{(self.root / 'sshd.log').read_text()[-2000:]}")
 
     def stop(self) -> None:
-        """Kill sshd and every session under it (agents included): the node is gone."""
+        """Kill sshd, every session under it and the node's resident services: the node is
+        gone."""
         if self.proc is None:
             return
-        pids = [self.proc.pid, *descendants(self.proc.pid)]
+        pids = [self.proc.pid, *descendants(self.proc.pid), *self.agent_processes()]
         for p in pids:
             try:
                 os.kill(p, signal.SIGKILL)
@@ -128,7 +162,10 @@ class SshCluster:
         state = root / "state"
         state.mkdir()
         port = free_port()
+        agents = Path(f"{self.control_dir}-{name}")  # short: socket path limit
+        agents.mkdir(mode=0o700)
         env = {"DSEC_STATE_DIR": str(state), "DSEC_STORE": self.store_url,
+               "DSEC_AGENT_DIR": str(agents),
                "XDG_DATA_HOME": str(data_dir), "DSEC_CONFIG": str(root / "config.yaml"),
                "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                # this checkout's code, even where the venv's dsec is installed from another
@@ -163,14 +200,16 @@ SetEnv {setenv}
 
     def close_masters(self) -> None:
         for sock in self.control_dir.iterdir():
-            if sock.is_socket():
+            if sock.is_socket() and "-" not in sock.name:  # not a forward's local end
                 subprocess.run(["ssh", "-F", "/dev/null", "-o", f"ControlPath={sock}",
                                 "-O", "exit", "x"], capture_output=True, timeout=10)
 
     def cleanup_node(self, node: SshNode) -> None:
-        """Remove every sandbox a node still holds, through the node's own API."""
+        """Remove every sandbox a node still holds, through the node's own API, and the
+        files of its (stopped) resident services."""
         from dsec_cli.run.node import Node
 
+        shutil.rmtree(node.agent_dir, ignore_errors=True)
         n = Node(node.state_dir, self.store_url)
         for r in n.db.all():
             try:
@@ -205,3 +244,4 @@ def destroy_cluster(c: SshCluster) -> None:
     for p in c.control_dir.iterdir():
         p.unlink()
     c.control_dir.rmdir()
+

@@ -4,9 +4,10 @@ Two clients may create on one node at once, each through its own `dsec agent` pr
 admission is decided under a cross-process lock: a write transaction (``BEGIN IMMEDIATE``) on
 ``<state dir>/admission.db``. Inside it the node service adds up what the node already holds
 (the node database's live sandboxes plus the reservations of creates still in progress) and
-either records a reservation for the new sandbox or refuses. The reservation is dropped only after
-the sandbox's own row exists (or its create failed), so a sandbox is never counted zero times;
-for a moment it is counted twice, which errs on the side of refusing. Reservations of a dead
+either records a reservation for the new sandbox or refuses. A reservation carries the id the
+sandbox will have and counts only until a live row of that id exists; it is dropped after the
+create returns (or failed), so a sandbox is counted exactly once, however many creates one
+node service process runs at once. Reservations of a dead
 node service process (pid gone) are ignored and pruned.
 
 Capacity comes from ``<state dir>/capacity.yaml`` (keys ``sandboxes``, ``cpus``, ``memory``);
@@ -142,13 +143,24 @@ class Admission:
             "total(json_extract(spec, '$.limits.memory')) FROM sandboxes "
             f"WHERE status IN ({','.join('?' * len(LIVE))})", LIVE).fetchone()
         u.sandboxes, u.cpus, u.memory = int(n), float(cpus), int(memory)
+        held = []
         stale = []
         for token, pid, start, cpus, memory in db.execute(
                 "SELECT token, pid, start, cpus, memory FROM reservations"):
             if _rootfs.alive(pid, start):
-                u.add(cpus, memory)
+                held.append((token, cpus, memory))
             else:
                 stale.append((token,))
+        if held:
+            # a reservation is named by the id of the sandbox it admits: once that sandbox's
+            # row exists the row is what counts, so a create in flight is counted once
+            tokens = [t for t, _, _ in held]
+            rows = {r[0] for r in self._node_db().execute(
+                f"SELECT id FROM sandboxes WHERE id IN ({','.join('?' * len(tokens))}) "
+                f"AND status IN ({','.join('?' * len(LIVE))})", (*tokens, *LIVE))}
+            for token, cpus, memory in held:
+                if token not in rows:
+                    u.add(cpus, memory)
         if stale:
             db.executemany("DELETE FROM reservations WHERE token=?", stale)
         return u
@@ -157,8 +169,9 @@ class Admission:
         with self._locked() as db:
             return self._usage(db)
 
-    def reserve(self, cpus: float | None, memory: int | None) -> str:
-        """Admit one sandbox or raise CapacityError; returns the reservation token."""
+    def reserve(self, cpus: float | None, memory: int | None, token: str | None = None) -> str:
+        """Admit one sandbox or raise CapacityError; returns the reservation token, the id
+        the sandbox will have (``token``, or a new one)."""
         cap = self.capacity()
         with self._locked() as db:
             u = self._usage(db)
@@ -172,7 +185,7 @@ class Admission:
             if short:
                 raise CapacityError("node is full: " + ", ".join(short),
                                     hint="place with --node auto, or remove sandboxes")
-            token = secrets.token_hex(8)
+            token = token or secrets.token_hex(6)
             pid = os.getpid()
             db.execute("INSERT INTO reservations VALUES (?,?,?,?,?,?)",
                        (token, pid, _rootfs.proc_start_time(pid), cpus, memory, time.time()))

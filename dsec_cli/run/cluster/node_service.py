@@ -8,8 +8,9 @@ connection, all of them sharing the node's state dir (its sqlite databases make 
 processes safe; admission.py keeps them from oversubscribing the node). Requests run on a
 thread pool, so a slow create does not hold up an exec on the same connection. When the
 client goes away (stdin closes) the node service finishes what is in flight and exits.
-``--listen PATH`` serves the same protocol on a unix socket, for a resident service behind
-SSH socket forwarding.
+``--listen PATH`` serves the same protocol on a unix socket; ``--resident`` keeps one such
+service per node environment running and says where (resident.py): the client reaches it
+through a socket forwarded over its SSH master.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -61,7 +63,8 @@ class NodeService:
             raise UsageError(f"client speaks node protocol {version!r}, this node speaks "
                              f"{PROTOCOL_VERSION}", hint="install the same dsec on both sides")
         return {"protocol": PROTOCOL_VERSION, "dsec": _dsec_version,
-                "hostname": socket.gethostname(), "state_dir": str(self.node.root)}
+                "hostname": socket.gethostname(), "state_dir": str(self.node.root),
+                "pid": os.getpid()}
 
     def info(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         image = args.get("image")
@@ -79,7 +82,7 @@ class NodeService:
         if rec is None:
             token = self.admission.reserve(opts.cpus, opts.memory)
             try:
-                rec = self.node.create(image, opts, from_pool=False)
+                rec = self.node.create(image, opts, from_pool=False, sid=token)
             finally:
                 self.admission.release(token)
         return to_wire(rec)
@@ -227,8 +230,9 @@ def serve_stdio(state_dir: str | None = None) -> None:
     serve_stream(service, sys.stdin.buffer, proto_out)
 
 
-def serve_unix(path: str, state_dir: str | None = None) -> None:
-    """Serve on a unix socket (one thread per connection) until killed."""
+def serve_unix(path: str, state_dir: str | None = None, idle: float | None = None) -> None:
+    """Serve on a unix socket (one thread per connection) until killed, or, with ``idle``,
+    until no client has been connected for that many seconds; then the socket goes."""
     service = NodeService(local_node(state_dir))
     p = Path(path)
     if p.is_socket():
@@ -236,14 +240,44 @@ def serve_unix(path: str, state_dir: str | None = None) -> None:
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     os.chmod(path, 0o600)  # the socket is the node: only its owner may speak to it
+    ours = p.stat().st_ino
     srv.listen(64)
-    while True:
-        conn, _ = srv.accept()
+    lock = threading.Lock()
+    clients = 0
+    last = time.monotonic()
+    if idle is not None:
+        srv.settimeout(min(idle, 5.0))
 
-        def one(c: socket.socket = conn) -> None:
+    def one(c: socket.socket) -> None:
+        nonlocal clients, last
+        try:
             with c, c.makefile("rb") as r, c.makefile("wb") as w:
                 serve_stream(service, r, w)
+        except OSError:  # the client went away mid-answer
+            pass
+        finally:
+            with lock:
+                clients -= 1
+                last = time.monotonic()
 
-        threading.Thread(target=one, daemon=True).start()
-
-
+    try:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                with lock:
+                    if idle is not None and not clients and time.monotonic() - last >= idle:
+                        log.info("no client for %gs: exiting", idle)
+                        return
+                continue
+            conn.settimeout(None)
+            with lock:
+                clients += 1
+            threading.Thread(target=one, args=(conn,), daemon=True).start()
+    finally:
+        srv.close()
+        try:
+            if p.stat().st_ino == ours:  # a successor may have bound the path anew
+                p.unlink()
+        except OSError:
+            pass

@@ -11,22 +11,30 @@ channel, and read-only requests); an error the node service returns is the same 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
+import json
 import logging
+import os
 import queue
 import shlex
+import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from ...backends.base import ExecResult, OutputCallback
-from ...core.config import net_timeouts
-from ...core.errors import DsecError, NodeUnreachableError
+from ...core.config import env, net_timeouts
+from ...core.errors import ConfigError, DsecError, NodeUnreachableError
 from ..node import CreateOptions
 from ..state import SandboxRecord
+from .errors import NodeCommandError
 from .protocol import (
     PROTOCOL_VERSION,
     b64,
@@ -37,7 +45,7 @@ from .protocol import (
     to_wire,
     unb64,
 )
-from .ssh import SshTarget, classify
+from .ssh import SshTarget, classify, control_dir
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,9 @@ class NodeEntry:
     def remote_command(self) -> list[str]:
         return [self.dsec, "agent", "--stdio"]
 
+    def resident_command(self) -> list[str]:
+        return [self.dsec, "agent", "--resident"]
+
     def key(self) -> tuple[str, SshTarget, str]:
         """What identifies a connection (labels do not)."""
         return (self.name, self.target, self.dsec)
@@ -66,60 +77,204 @@ class NodeEntry:
 _EOF = object()
 
 
+# -- the resident node service: where its forwarded socket is, and starting it ----------------
+def _memo(entry: NodeEntry) -> Path:
+    """The file naming the node's resident service socket (on the node), for this entry."""
+    tag = hashlib.sha256(entry.dsec.encode()).hexdigest()[:8]
+    return control_dir() / f"{entry.target.control_path.name}-{tag}.agent"
+
+
+def _local_end(entry: NodeEntry, remote: str) -> Path:
+    """The local end of the forward to the node's socket ``remote`` (bound by the master)."""
+    tag = hashlib.sha256(remote.encode()).hexdigest()[:8]
+    return control_dir() / f"{entry.target.control_path.name}-{tag}.s"
+
+
+def resident_socket(entry: NodeEntry) -> Path | None:
+    """The forwarded socket of the node's resident service, as last set up (None: never)."""
+    try:
+        remote = _memo(entry).read_text().strip()
+    except OSError:
+        return None
+    return _local_end(entry, remote) if remote else None
+
+
+def start_resident(entry: NodeEntry, greet: float) -> Path | None:
+    """Make sure the node's resident service runs (``dsec agent --resident`` over the
+    master) and that the master forwards a local socket to it; that socket, or None when the
+    node's dsec has no resident service (an older install)."""
+    target = entry.target
+    target.ensure_master(entry.name)
+    command = entry.resident_command()
+    with tempfile.TemporaryFile() as err:
+        try:
+            p = subprocess.run(target.command_argv(command), stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=err, timeout=greet)
+        except subprocess.TimeoutExpired as e:
+            raise NodeUnreachableError(
+                f"{entry.name} ({target.address}): `{shlex.join(command)}` did not answer the "
+                f"protocol greeting within {greet:g}s",
+                hint="check the node with `dsec node check`; DSEC_READ_TIMEOUT sets the wait"
+            ) from e
+        err.seek(0)
+        text = err.read()[-4000:].decode(errors="replace")
+    if p.returncode == 2 and "--resident" in text:
+        log.info("%s: the node's dsec has no resident service: a session per connection",
+                 entry.name)
+        return None
+    if p.returncode in (127, 255):
+        raise classify(entry.name, text + ("\ncommand not found" if p.returncode == 127
+                                           else ""))
+    try:
+        remote = str(json.loads(p.stdout)["socket"])
+    except (ValueError, KeyError, TypeError):
+        tail = "; ".join(text.strip().splitlines()[-3:]) or p.stdout[:200].decode(errors="replace")
+        raise NodeCommandError(f"{entry.name} ({target.address}): `{shlex.join(command)}` "
+                               f"failed (exit {p.returncode}): {tail}",
+                               hint="dsec node add --bootstrap installs a matching dsec") from None
+    local = _local_end(entry, remote)
+    target.forward(local, remote)
+    memo = _memo(entry)
+    tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+    tmp.write_text(remote + "\n")
+    os.replace(tmp, memo)
+    return local
+
+
 class Channel:
-    """One node service session over the node's shared SSH connection."""
+    """One node service connection: to the node's resident service through a socket
+    forwarded over the node's SSH master (the default), or one ``dsec agent --stdio`` session
+    over that master (``DSEC_NODE_AGENT=stdio``, and where the resident service cannot be
+    used: a node whose dsec lacks it, or whose sshd forwards no sockets)."""
 
     def __init__(self, entry: NodeEntry, timeout: float) -> None:
         self.name = entry.name
-        entry.target.ensure_master(entry.name)
-        self.proc = subprocess.Popen(entry.target.command_argv(entry.remote_command()),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE)
+        self.entry = entry
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sock: socket.socket | None = None
+        self._rfile: IO[bytes] | None = None
+        self._wfile: IO[bytes] | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, queue.Queue[Any]] = {}
         self._plock = threading.Lock()
         self._wlock = threading.Lock()
         self._stderr: list[bytes] = []
         self.closed = False
-        threading.Thread(target=self._read, daemon=True, name=f"dsec-ch-{self.name}").start()
-        threading.Thread(target=self._drain_err, daemon=True).start()
         # the node service's first line is awaited no longer than one read timeout: a node whose
         # sshd answers but whose node service never speaks fails like a silent endpoint
-        greet = min(timeout, net_timeouts().read)
+        self.greet = min(timeout, net_timeouts().read)
+        mode = env("DSEC_NODE_AGENT") or "resident"
+        if mode not in ("resident", "stdio"):
+            raise ConfigError(f"$DSEC_NODE_AGENT: {mode!r} must be resident or stdio")
+        if mode == "stdio" or not self._open_resident():
+            self._open_stdio()
+
+    # -- transports -----------------------------------------------------------------------------
+    def _greeting_error(self, command: list[str], cause: BaseException | None = None
+                        ) -> NodeUnreachableError:
+        err = NodeUnreachableError(
+            f"{self.name} ({self.entry.target.address}): `{shlex.join(command)}` "
+            f"did not answer the protocol greeting within {self.greet:g}s",
+            hint="check the node with `dsec node check`; DSEC_READ_TIMEOUT sets the wait")
+        err.__cause__ = cause
+        return err
+
+    def _say_hello(self, command: list[str]) -> None:
         try:
-            self.hello = self.call("hello", {"version": PROTOCOL_VERSION}, timeout=greet)
+            self.hello = self.call("hello", {"version": PROTOCOL_VERSION}, timeout=self.greet)
         except NodeUnreachableError as e:
             self.close()  # no session left behind by a node that never greeted
             if "no answer to hello" not in e.message:
                 raise
-            raise NodeUnreachableError(
-                f"{self.name} ({entry.target.address}): `{shlex.join(entry.remote_command())}` "
-                f"did not answer the protocol greeting within {greet:g}s",
-                hint="check the node with `dsec node check`; DSEC_READ_TIMEOUT sets the wait"
-            ) from e
+            raise self._greeting_error(command, e) from e
         except BaseException:
             self.close()
             raise
 
+    def _open_stdio(self) -> None:
+        target = self.entry.target
+        target.ensure_master(self.name)
+        self.proc = subprocess.Popen(target.command_argv(self.entry.remote_command()),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE)
+        self._rfile, self._wfile = self.proc.stdout, self.proc.stdin
+        self.closed = False
+        threading.Thread(target=self._read, daemon=True, name=f"dsec-ch-{self.name}").start()
+        threading.Thread(target=self._drain_err, daemon=True).start()
+        self._say_hello(self.entry.remote_command())
+
+    def _open_resident(self) -> bool:
+        """Connect to the node's resident service, starting it (and the forward to it) when
+        no answer comes; False when this node cannot serve one (use a stdio session)."""
+        known = resident_socket(self.entry)
+        for attempt in range(2):
+            if attempt or known is None:
+                known = start_resident(self.entry, self.greet)
+                if known is None:
+                    return False
+            try:
+                self._connect(known)
+            except OSError:
+                if attempt:
+                    raise NodeUnreachableError(
+                        f"{self.name}: the node service's forwarded socket refused the "
+                        "connection") from None
+                continue  # no forward (the master was restarted): set it up again
+            try:
+                self._say_hello(self.entry.resident_command())
+                return True
+            except NodeUnreachableError as e:
+                if attempt == 0:
+                    log.info("%s: resident node service did not answer (%s): restarting it",
+                             self.name, e.message)
+                    continue
+                if "did not answer the protocol greeting" in e.message:
+                    raise
+                # started and answering on the node, yet unreachable through the forward
+                log.warning("%s: the node's sshd does not forward to its node service (%s): "
+                            "using a session per connection", self.name, e.message)
+                return False
+        return False
+
+    def _connect(self, local: Path) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(self.greet)
+            s.connect(str(local))
+            s.settimeout(None)
+        except OSError:
+            s.close()
+            raise
+        self.sock = s
+        self._rfile, self._wfile = s.makefile("rb"), s.makefile("wb")
+        self.closed = False
+        threading.Thread(target=self._read, daemon=True, name=f"dsec-ch-{self.name}").start()
+
     def _drain_err(self) -> None:
-        assert self.proc.stderr is not None
+        assert self.proc is not None and self.proc.stderr is not None
         for line in self.proc.stderr:
             self._stderr.append(line)
             del self._stderr[:-20]
             log.debug("%s node service: %s", self.name, line.decode(errors="replace").rstrip())
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                msg = decode(line)
-            except ValueError:
-                log.warning("%s: not a node service message: %r", self.name, line[:200])
-                continue
-            with self._plock:
-                q = self._pending.get(msg.get("id"))  # type: ignore[arg-type]
-            if q is not None:
-                q.put(msg)
+        rfile = self._rfile
+        assert rfile is not None
+        try:
+            for line in rfile:
+                try:
+                    msg = decode(line)
+                except ValueError:
+                    log.warning("%s: not a node service message: %r", self.name, line[:200])
+                    continue
+                with self._plock:
+                    q = self._pending.get(msg.get("id"))  # type: ignore[arg-type]
+                if q is not None:
+                    q.put(msg)
+        except (OSError, ValueError):  # the connection was closed under the reader
+            pass
+        if self._rfile is not rfile:
+            return  # a connection given up while opening; the channel uses another now
         self.closed = True
         with self._plock:
             waiting = list(self._pending.values())
@@ -127,7 +282,10 @@ class Channel:
             q.put(_EOF)
 
     def failure(self) -> DsecError:
-        """Why the session ended, from ssh's exit status and messages."""
+        """Why the connection ended: for a session, from ssh's exit status and messages."""
+        if self.proc is None:
+            return NodeUnreachableError(f"{self.name} ({self.entry.target.address}): the "
+                                        "connection to the node service closed")
         try:
             rc = self.proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
@@ -150,9 +308,9 @@ class Channel:
             data = encode({"id": rid, "op": op, "args": args or {}})
             try:
                 with self._wlock:
-                    assert self.proc.stdin is not None
-                    self.proc.stdin.write(data)
-                    self.proc.stdin.flush()
+                    assert self._wfile is not None
+                    self._wfile.write(data)
+                    self._wfile.flush()
             except (BrokenPipeError, OSError):
                 self.closed = True
                 raise self.failure() from None
@@ -179,7 +337,15 @@ class Channel:
 
     def close(self) -> None:
         self.closed = True
-        if self.proc.poll() is None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the reader; the service drops us
+            for f in (self._wfile, self._rfile):
+                with contextlib.suppress(OSError):
+                    f.close()  # type: ignore[union-attr]
+            sock.close()
+        if self.proc is not None and self.proc.poll() is None:
             try:
                 assert self.proc.stdin is not None
                 self.proc.stdin.close()  # the node service finishes what is in flight and exits

@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shlex
+import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -149,7 +150,9 @@ class SshTarget:
             with tempfile.TemporaryFile() as err:
                 try:
                     p = subprocess.run(
-                        [*self.base_argv("yes"), "-o", f"ControlPersist={persist}", "-f", "-N",
+                        [*self.base_argv("yes"), "-o", f"ControlPersist={persist}",
+                         # a forward to a node service replaces a dead master's stale socket
+                         "-o", "StreamLocalBindUnlink=yes", "-f", "-N",
                          self.address.host], stdin=subprocess.DEVNULL,
                         stdout=subprocess.DEVNULL, stderr=err, timeout=_timeout() + 5)
                 except subprocess.TimeoutExpired as e:
@@ -168,8 +171,35 @@ class SshTarget:
             subprocess.run([*self.base_argv(), "-O", "exit", self.address.host],
                            capture_output=True, timeout=_timeout())
 
+    def forward(self, local: Path, remote: str) -> None:
+        """Have the master forward the unix socket ``local`` here to ``remote`` on the node
+        (kept while the master lives; asking again for the same forward is harmless). A local
+        end that accepts nothing (its file removed or left by a dead master) is dropped and
+        set up anew."""
+        if not _accepts(local):
+            subprocess.run([*self.base_argv(), "-O", "cancel", "-L", f"{local}:{remote}",
+                            self.address.host], capture_output=True, timeout=_timeout())
+            local.unlink(missing_ok=True)
+        p = subprocess.run([*self.base_argv(), "-O", "forward", "-L", f"{local}:{remote}",
+                            self.address.host], capture_output=True, timeout=_timeout())
+        if p.returncode != 0:
+            raise classify(str(self.address), p.stderr.decode(errors="replace") or
+                           "the ssh master refused the forward")
+
     def command_argv(self, remote: list[str]) -> list[str]:
         return [*self.base_argv(), self.address.host, "--", shlex.join(remote)]
+
+
+def _accepts(path: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(2)
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
 
 
 def classify(node: str, stderr: str) -> Exception:

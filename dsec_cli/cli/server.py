@@ -1,0 +1,248 @@
+"""The command server: a per-user process that keeps dsec imported and runs the plain hot
+commands (fast.py: `exec ID -- CMD`, `run -d`, `ps`) for short-lived `dsec` processes, which
+then cost little more than Python's own start. Off unless ``DSEC_CLI_SERVER`` is set to the
+seconds a server may stay idle.
+
+A client connects to the server's unix socket and passes its stdin, stdout and stderr along
+(SCM_RIGHTS) with its argv; the server runs the command on those descriptors (output streams
+straight to the client's terminal or pipe, stdin is read from the client's) and answers with
+the exit code. The server's socket is named by a digest of the client's whole environment,
+working directory, dsec install and config files (their size and time), so a command always
+runs as it would in-process. A client interrupted (Ctrl-C) stops waiting; the command it sent
+runs on in the server to its end or its ``--timeout``.
+
+Safe to kill: no server (or a dead one) means the command runs in-process, and a server is
+started in the background for the next call; a server killed while running a command makes
+that one call fail with a clear message (it is never run twice), and the next call starts a
+new server. A server exits after ``DSEC_CLI_SERVER`` idle seconds, removing its socket.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+#: environment variables that vary between calls without changing what a command does
+_VOLATILE = ("_", "OLDPWD", "SHLVL")
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def server_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return Path(base) / f"dsec-cli-{os.getuid()}"
+
+
+def _stamp(path: Path) -> list[int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return []
+    return [st.st_mtime_ns, st.st_size, st.st_ino]
+
+
+def server_key() -> str:
+    """What a server's behaviour depends on: the environment, the working directory, the
+    install, and the config files as they are now (an edited config means a new server)."""
+    from ..core.config import SYSTEM_FILE, user_config_file
+
+    env = sorted((k, v) for k, v in os.environ.items() if k not in _VOLATILE)
+    files = [_stamp(p) for p in (SYSTEM_FILE, user_config_file(), Path("dsec.yaml"))]
+    doc = json.dumps([env, os.getcwd(), sys.executable, _PACKAGE_ROOT, os.getuid(),
+                      os.umask(os.umask(0o022)), files])
+    return hashlib.sha256(doc.encode()).hexdigest()[:20]
+
+
+# -- client -------------------------------------------------------------------------------------
+class ServerGone(Exception):
+    """The server accepted the command, then went away before answering."""
+
+
+def try_run(argv: list[str], idle: str) -> int | None:
+    """Run ``argv`` on this environment's server: its exit code, or None when there is no
+    server (one is started for next time) or it does not take this command line."""
+    d = server_dir()
+    sock_path = d / f"{server_key()}.sock"
+    if not _private(d):  # a socket anyone else could have put there would get our stdio
+        _spawn(d, sock_path, idle)
+        return None
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(sock_path))
+    except OSError:
+        s.close()
+        _spawn(d, sock_path, idle)
+        return None
+    with s:
+        msg = json.dumps({"argv": argv}).encode()
+        fds = array.array("i", [0, 1, 2])
+        try:
+            s.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            s.shutdown(socket.SHUT_WR)
+        except OSError:  # a closed stdin, a server dying as we came: nothing was sent
+            return None
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+    if not data:
+        raise ServerGone()
+    answer = json.loads(data)
+    return None if answer.get("fallback") else int(answer["code"])
+
+
+def _private(d: Path) -> bool:
+    """``d`` is a real directory that only this user can write to (and so holds only
+    sockets this user made)."""
+    try:
+        st = d.lstat()
+    except OSError:
+        return False
+    import stat
+
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def _spawn(d: Path, sock_path: Path, idle: str) -> None:
+    """Start a server for this environment in the background (it does not delay this call)."""
+    import subprocess
+
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        if not _private(d):
+            return  # not a directory private to us: never serve from it
+        code = (f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
+                "from dsec_cli.cli.server import serve; serve(sys.argv[1], float(sys.argv[2]))")
+        with open(d / f"{sock_path.stem}.log", "ab") as log:
+            subprocess.Popen([sys.executable, "-c", code, str(sock_path), idle],
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                             start_new_session=True, close_fds=True)
+    except (OSError, ValueError):
+        pass  # no server: every call runs in-process, as without DSEC_CLI_SERVER
+
+
+# -- server -------------------------------------------------------------------------------------
+class _ThreadStream:
+    """``sys.stdin``/``stdout``/``stderr`` of the server: each request thread's own client
+    stream, or the server's own outside requests."""
+
+    def __init__(self, name: str, default: Any) -> None:
+        import threading
+
+        self._name = name
+        self._default = default
+        self._local = threading.local()
+
+    def bind(self, stream: Any) -> None:
+        self._local.stream = stream
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(getattr(self._local, "stream", None) or self._default, attr)
+
+
+def serve(sock_path: str, idle: float) -> None:
+    """Serve until idle for ``idle`` seconds (or killed)."""
+    import fcntl
+    import logging
+    import threading
+    import time
+
+    from . import fast
+    from .render import err_console
+
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = Path(sock_path)
+    lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 - held for the process's life
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # another server of this environment is starting or running
+    import dsec_cli.api.sandboxes  # noqa: F401 - imported once here, not per call
+
+    streams = {n: _ThreadStream(n, getattr(sys, n)) for n in ("stdin", "stdout", "stderr")}
+    for n, proxy in streams.items():
+        setattr(sys, n, proxy)
+    path.unlink(missing_ok=True)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(sock_path)
+    os.chmod(sock_path, 0o600)
+    srv.listen(64)
+    srv.settimeout(min(idle, 5.0))
+    state = {"busy": 0, "last": time.monotonic()}
+    guard = threading.Lock()
+
+    def one(conn: socket.socket) -> None:
+        try:
+            _handle(conn, streams, fast, err_console)
+        finally:
+            with guard:
+                state["busy"] -= 1
+                state["last"] = time.monotonic()
+
+    try:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                with guard:
+                    if not state["busy"] and time.monotonic() - state["last"] >= idle:
+                        return
+                continue
+            conn.settimeout(None)
+            with guard:
+                state["busy"] += 1
+            threading.Thread(target=one, args=(conn,), daemon=True).start()
+    finally:
+        srv.close()
+        path.unlink(missing_ok=True)
+
+
+def _handle(conn: socket.socket, streams: dict[str, _ThreadStream], fast: Any,
+            err_console: Any) -> None:
+    from ..core.errors import DsecError
+
+    with conn:
+        fds: list[int] = []
+        try:
+            msg, anc, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * 4))
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds += array.array("i", data[:len(data) - len(data) % 4]).tolist()
+            argv = json.loads(msg)["argv"]
+            if len(fds) != 3 or not isinstance(argv, list):
+                return
+            files = [os.fdopen(fds[0], "r", closefd=True),
+                     os.fdopen(fds[1], "w", closefd=True),
+                     os.fdopen(fds[2], "w", closefd=True)]
+            fds = []
+            for name, f in zip(("stdin", "stdout", "stderr"), files, strict=True):
+                streams[name].bind(f)
+            try:
+                try:
+                    code = fast.run(argv)
+                except DsecError as e:
+                    from . import _print_error
+
+                    _print_error(e)
+                    code = e.exit_code
+                for f in files[1:]:
+                    f.flush()
+            finally:
+                for name in streams:
+                    streams[name].bind(None)
+                for f in files:
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
+            conn.sendall(json.dumps({"fallback": True} if code is None else
+                                    {"code": code}).encode())
+        except (OSError, ValueError, KeyError):
+            pass  # the client went away, or sent something else: nothing to answer
+        finally:
+            for fd in fds:
+                os.close(fd)
