@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import skip_unless
+
 from .sshnodes import SshCluster, destroy_cluster, make_cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,7 +20,7 @@ IMAGE = "busybox@1.35-1"
 TINY = "tiny@1"
 CAPACITY = {"node1": 20, "node2": 40, "node3": 60}
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes and sshd need root")
+requires_root = skip_unless(os.geteuid() == 0, "sandboxes and sshd need root")
 
 
 def _build_store(root: Path, data: Path) -> str:

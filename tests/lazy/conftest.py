@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import skip_unless
+
 from dsec_cli.push import testing
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
-                                reason="lazy mounts need root and /dev/fuse")
+requires_root_and_fuse = skip_unless(os.geteuid() == 0 and os.path.exists("/dev/fuse"),
+                                     "lazy mounts need root and /dev/fuse")
 
 
 def make_lazy_tree(root: Path) -> Path:

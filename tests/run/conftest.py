@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import skip_unless
+
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = "busybox@1.35-1"
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
+requires_root = skip_unless(os.geteuid() == 0, "sandboxes need root")
 
 
 @pytest.fixture(scope="session")
