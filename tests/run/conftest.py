@@ -78,11 +78,11 @@ def node(node_env: dict[str, str]) -> object:
 
 
 def dsec(env: dict[str, str], *args: str, input: bytes | None = None,
-         check: int | None = 0) -> subprocess.CompletedProcess[bytes]:
-    """Run the real `dsec` console script."""
+         check: int | None = 0, timeout: float = 600) -> subprocess.CompletedProcess[bytes]:
+    """Run the real `dsec` console script (a run longer than `timeout` fails the test)."""
     exe = Path(os.sys.executable).with_name("dsec")  # type: ignore[attr-defined]
     p = subprocess.run([str(exe), *args], input=input, capture_output=True,
-                       env={**os.environ, **env})
+                       env={**os.environ, **env}, timeout=timeout)
     if check is not None:
         assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
     return p
