@@ -47,13 +47,22 @@ PLANTS: dict[str, Plant] = {
         (("dsec_cli/backends/container.py", 'if spec.network == "none":\n        namespaces',
           'if False:\n        namespaces'),),
         ("tests/run/test_isolation.py::test_no_network_by_default",)),
+    "container-caps": Plant(
+        "a container sandbox keeps CAP_SYS_ADMIN and may gain privileges",
+        (("dsec_cli/backends/container.py", '"CAP_KILL", "CAP_AUDIT_WRITE"]',
+          '"CAP_KILL", "CAP_AUDIT_WRITE", "CAP_SYS_ADMIN"]'),
+         ("dsec_cli/backends/container.py", '"noNewPrivileges": True',
+          '"noNewPrivileges": False')),
+        ("tests/run/test_promises.py::test_container_hardening",)),
     "seccomp-list": Plant(
         "the seccomp deny list loses unshare, setns and the mount calls",
         (("dsec_cli/backends/seccomp.py",
           '"setns": 308, "unshare": 272,', ""),
          ("dsec_cli/backends/seccomp.py",
           '"mount": 165, "umount2": 166, "pivot_root": 155, ', "")),
-        ("tests/security/test_walls.py",)),
+        ("tests/security/test_walls.py::test_seccomp_denies_in_sandboxes",
+         "tests/security/test_walls.py::test_seccomp_in_build_steps",
+         "tests/security/test_walls.py::test_seccomp_in_function_pool")),
     "lease": Plant(
         "store gc ignores live writer leases",
         (("dsec_cli/push/gc.py", "live_leases = [le for le in read_leases(store) if le.live()]",

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import skip_unless
-
 from dsec_cli.push import testing
+from tests.conftest import skip_unless
 
 REPO = Path(__file__).resolve().parents[2]
 
