@@ -6,13 +6,17 @@ unchanged, so each store request meets that many transient errors in a row: code
 retries succeeds, code that does not fails at its first request. Two failures by default:
 botocore makes one extra attempt of its own even when configured with ``max_attempts: 1``
 (that setting counts retries), and the test must not depend on it. Request and response
-bodies are relayed byte for byte.
+bodies are relayed byte for byte. ``status`` picks the failure (429, 500, or 401/403 to see
+that an error that is not transient is never tried again). ``key`` maps (method, path) to
+what makes two tries "the same request", for protocols whose retries get fresh URLs (an OCI
+blob upload: a new upload session each time).
 """
 
 from __future__ import annotations
 
 import http.client
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
@@ -23,7 +27,8 @@ HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te"
 
 
 class FlakyProxy:
-    def __init__(self, upstream: str, failures: int = 2) -> None:
+    def __init__(self, upstream: str, failures: int = 2, status: int = 503,
+                 key: Callable[[str, str], str] | None = None) -> None:
         up = urlparse(upstream)
         self.up_host, self.up_port = up.hostname or "127.0.0.1", up.port or 80
         self.tries: dict[tuple[str, str, str], int] = {}
@@ -57,16 +62,17 @@ class FlakyProxy:
 
             def _handle(self) -> None:
                 body, chunked = self._body()
-                key = (self.command, self.path, self.headers.get("Range", ""))
+                path = key(self.command, self.path) if key else self.path
+                key_ = (self.command, path, self.headers.get("Range", ""))
                 with proxy._lock:
-                    proxy.tries[key] = proxy.tries.get(key, 0) + 1
-                    fail = proxy.tries[key] <= failures
+                    proxy.tries[key_] = proxy.tries.get(key_, 0) + 1
+                    fail = proxy.tries[key_] <= failures
                     if fail:
                         proxy.failed += 1
                     else:
                         proxy.forwarded += 1
                 if fail:
-                    self.send_response(503)
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(SLOWDOWN)))
                     self.end_headers()
