@@ -47,6 +47,11 @@ PLANTS: dict[str, Plant] = {
         (("dsec_cli/backends/container.py", 'if spec.network == "none":\n        namespaces',
           'if False:\n        namespaces'),),
         ("tests/run/test_isolation.py::test_no_network_by_default",)),
+    "build-network": Plant(
+        "build run steps always share the host's network",
+        (("dsec_cli/backends/oneshot.py", "    if network:\n        cmd += [\"--share-net\"]",
+          "    if True:\n        cmd += [\"--share-net\"]"),),
+        ("tests/build/test_promises.py::test_run_steps_have_network_only_when_asked",)),
     "container-caps": Plant(
         "a container sandbox keeps CAP_SYS_ADMIN and may gain privileges",
         (("dsec_cli/backends/container.py", '"CAP_KILL", "CAP_AUDIT_WRITE"]',
@@ -54,6 +59,20 @@ PLANTS: dict[str, Plant] = {
          ("dsec_cli/backends/container.py", '"noNewPrivileges": True',
           '"noNewPrivileges": False')),
         ("tests/run/test_promises.py::test_container_hardening",)),
+    "oci-no-retry": Plant(
+        "an OCI registry's 429 and 5xx answers are not retried",
+        (("dsec_cli/push/stores/oci.py", "            return TransientStoreError(msg)\n"
+          "        if r.status_code in (401, 403):",
+          "            return StoreError(msg)\n        if r.status_code in (401, 403):"),),
+        ("tests/push/test_promises.py::test_transient_errors_are_retried_until_the_push_succeeds",)),
+    "oci-auth-retried": Plant(
+        "an OCI registry's 401 and 403 answers are retried as if transient",
+        (("dsec_cli/push/stores/oci.py",
+          "        if r.status_code == 429 or r.status_code >= 500:\n"
+          "            return TransientStoreError(msg)",
+          "        if r.status_code in (401, 403, 429) or r.status_code >= 500:\n"
+          "            return TransientStoreError(msg)"),),
+        ("tests/push/test_promises.py::test_auth_errors_are_not_retried",)),
     "seccomp-list": Plant(
         "the seccomp deny list loses unshare, setns and the mount calls",
         (("dsec_cli/backends/seccomp.py",
