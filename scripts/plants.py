@@ -52,6 +52,12 @@ PLANTS: dict[str, Plant] = {
         (("dsec_cli/backends/oneshot.py", "    if network:\n        cmd += [\"--share-net\"]",
           "    if True:\n        cmd += [\"--share-net\"]"),),
         ("tests/build/test_promises.py::test_run_steps_have_network_only_when_asked",)),
+    "sandbox-pin": Plant(
+        "a sandbox's pin is never written, so gc may delete the image it runs",
+        (("dsec_cli/run/pins.py",
+          "        store.put(pin_key(node_id, sid), json.dumps(doc).encode())",
+          "        pass"),),
+        ("tests/run/test_promises.py::test_sandbox_pin_keeps_its_image_through_rmi_and_gc",)),
     "container-caps": Plant(
         "a container sandbox keeps CAP_SYS_ADMIN and may gain privileges",
         (("dsec_cli/backends/container.py", '"CAP_KILL", "CAP_AUDIT_WRITE"]',

@@ -109,3 +109,43 @@ def test_readme_sdk_example_as_written(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert p.stdout == "0 b'/srv/www\\n'\n", p
     assert leaks(str(tmp_path / "state")) == {"mounts": [], "cgroups": [], "dirs": []}
+
+
+def test_sandbox_pin_keeps_its_image_through_rmi_and_gc(node_env: dict[str, str],
+                                                       tmp_path: Path) -> None:
+    """A running sandbox's pin keeps its image's objects in the store when its refs are
+    removed and gc runs with no grace; once the sandbox is removed, gc deletes them."""
+    from dsec_cli.build.builder import build
+    from dsec_cli.format.closure import closure
+    from dsec_cli.format.refs import get_ref
+    from dsec_cli.push.stores import open_store
+
+    url = node_env["DSEC_STORE"]
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "only-here").write_bytes(os.urandom(4096))
+    (tmp_path / "pinlayer.yaml").write_text(
+        'layer: pinlayer\nversion: "1"\nsteps:\n  - copy: {src: ./files, dst: /pinned}\n')
+    (tmp_path / "pinned.yaml").write_text(
+        f'image: pinned\nversion: "1"\nlayers: [{IMAGE}, pinlayer@1]\n')
+    build([tmp_path / "pinlayer.yaml", tmp_path / "pinned.yaml"], url)
+    with open_store(url) as st:
+        layer = get_ref(st, "pinlayer@1")
+        keys = set(closure(st, layer.manifest)) | set(closure(st, get_ref(st, "pinned@1").manifest))
+        keys -= set(closure(st, get_ref(st, IMAGE).manifest))  # shared with the base image
+    assert keys
+    sid = dsec(node_env, "run", "-d", "pinned@1").stdout.decode().strip()
+    try:
+        dsec(node_env, "rmi", "pinned@1", "pinlayer@1")
+        out = json.loads(dsec(node_env, "gc", "--grace", "0", "--json").stdout)["store"]
+        assert out["pins"] >= 1 and not set(out["deleted"]) & keys, out
+        with open_store(url) as st:
+            assert all(st.has(k) for k in keys)
+        p = dsec(node_env, "exec", sid, "--", "wc", "-c", "/pinned/only-here")
+        assert p.stdout.split()[0] == b"4096"
+    finally:
+        dsec(node_env, "rm", sid)
+    out = json.loads(dsec(node_env, "gc", "--grace", "0", "--json").stdout)["store"]
+    assert keys <= set(out["deleted"]), out
+    with open_store(url) as st:
+        assert not [k for k in keys if st.has(k)]
+        assert get_ref(st, IMAGE) is not None  # the base image is untouched
