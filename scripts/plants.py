@@ -79,6 +79,13 @@ PLANTS: dict[str, Plant] = {
           "        if r.status_code in (401, 403, 429) or r.status_code >= 500:\n"
           "            return TransientStoreError(msg)"),),
         ("tests/push/test_promises.py::test_auth_errors_are_not_retried",)),
+    "create-resent": Plant(
+        "a cluster create whose reply was lost is sent again",
+        (("dsec_cli/run/cluster/remote.py",
+          'IDEMPOTENT = frozenset({"hello", "info", "lookup", "describe", "get", "ps"})',
+          'IDEMPOTENT = frozenset({"hello", "info", "lookup", "describe", "get", "ps", '
+          '"create"})'),),
+        ("tests/cluster/test_protocol.py::test_create_is_never_sent_again_after_a_lost_reply",)),
     "seccomp-list": Plant(
         "the seccomp deny list loses unshare, setns and the mount calls",
         (("dsec_cli/backends/seccomp.py",
