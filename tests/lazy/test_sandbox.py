@@ -235,3 +235,41 @@ def test_bad_input(node_env: dict[str, str], s3_image: Published, tmp_path: Path
     # none of them wrote to the store: its refs are what they were
     with open_store(s3_image.url) as st:
         assert sorted(r.ref for r in list_refs(st)) == refs_before
+
+
+#: runs a command in a private mount namespace whose /dev has the usual nodes but no fuse
+NO_FUSE = """set -e
+mkdir -p "$T/olddev"
+mount --bind /dev "$T/olddev"
+mount -t tmpfs -o mode=755 nodev /dev
+for d in null zero full random urandom tty; do
+  touch /dev/$d; mount --bind "$T/olddev/$d" /dev/$d
+done
+mkdir /dev/pts /dev/shm
+mount --bind "$T/olddev/pts" /dev/pts
+mount --bind "$T/olddev/shm" /dev/shm
+umount -l "$T/olddev"
+test ! -e /dev/fuse
+exec "$@"
+"""
+
+
+def test_lazy_falls_back_to_eager_without_fuse(node_env: dict[str, str],
+                                               s3_image: Published, tmp_path: Path) -> None:
+    """docs/lazy.md: where lazy mounts are impossible (here: no /dev/fuse, in a private mount
+    namespace), --fetch lazy warns and runs the image eagerly, with the same files."""
+    env = {**node_env, "DSEC_STATE_DIR": str(tmp_path / "node"), "T": str(tmp_path)}
+    exe = str(Path(sys.executable).with_name("dsec"))
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", NO_FUSE,
+                        "sh", exe, "run", "--fetch", "lazy", "--json", s3_image.image, "--",
+                        "cat", "/etc/small.conf"], capture_output=True, text=True,
+                       env={**os.environ, **env}, timeout=300)
+    assert p.returncode == 0, p
+    assert "--fetch lazy is not possible here (/dev/fuse does not exist)" in p.stderr, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["stdout"] == (s3_image.tree / "etc/small.conf").read_text()
+    state = str(tmp_path / "node")
+    assert lazy_mounts(state) == [] and daemons(state) == []
+    from tests.run.conftest import leaks
+
+    assert leaks(state) == {"mounts": [], "cgroups": [], "dirs": []}
