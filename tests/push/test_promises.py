@@ -187,3 +187,28 @@ def test_gc_on_an_oci_registry(make_url: Callable[[str], str]) -> None:
         assert [r.ref for r in list_refs(s)] == ["keep@1"]
         assert all(s.has(k) for k in live)
         assert [i.key for i in s.list("leases/")] == []
+
+
+def test_s3_uploads_of_64_mib_and_more_are_multipart(make_url: Callable[[str], str],
+                                                      tmp_path: Path) -> None:
+    """docs/stores.md: an upload of 64 MiB or more (and put_file) is a multipart upload (its
+    ETag ends in -<parts>); it reads back byte for byte, across part boundaries too."""
+    import boto3
+
+    url = make_url("s3")
+    bucket, endpoint = url[5:].split("/")[0], url.split("endpoint_url=")[1]
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    data = os.urandom(1 << 20) * 65  # 65 MiB
+    small = os.urandom(1 << 20)
+    (tmp_path / "f").write_bytes(data)
+    with open_store(url) as st:
+        st.put("packs/aa/big", data)
+        st.put("packs/aa/small", small)
+        st.put_file("packs/aa/file", tmp_path / "f")
+        assert st.get("packs/aa/big") == data and st.get("packs/aa/file") == data
+        cut = 16 << 20  # a part boundary
+        assert st.get("packs/aa/big", cut - 10, 20) == data[cut - 10:cut + 10]
+    etags = {k: s3.head_object(Bucket=bucket, Key=f"pre/packs/aa/{k}")["ETag"].strip('"')
+             for k in ("big", "small", "file")}
+    assert etags["big"].endswith("-5") and etags["file"].endswith("-5"), etags
+    assert "-" not in etags["small"], etags
