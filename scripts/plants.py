@@ -86,6 +86,16 @@ PLANTS: dict[str, Plant] = {
           'IDEMPOTENT = frozenset({"hello", "info", "lookup", "describe", "get", "ps", '
           '"create"})'),),
         ("tests/cluster/test_protocol.py::test_create_is_never_sent_again_after_a_lost_reply",)),
+    "repack-overwrites": Plant(
+        "repack moves a ref another client changed meanwhile",
+        (("dsec_cli/push/repack.py", "            if current != r.manifest:",
+          "            if False:"),),
+        ("tests/push/test_repack.py::test_ref_moved_meanwhile_is_skipped_not_overwritten",)),
+    "s3-multipart": Plant(
+        "S3 uploads of 64 MiB and more are sent in one request",
+        (("dsec_cli/push/stores/s3.py", "MULTIPART_THRESHOLD = 64 << 20",
+          "MULTIPART_THRESHOLD = 1 << 40"),),
+        ("tests/push/test_promises.py::test_s3_uploads_of_64_mib_and_more_are_multipart",)),
     "seccomp-list": Plant(
         "the seccomp deny list loses unshare, setns and the mount calls",
         (("dsec_cli/backends/seccomp.py",
