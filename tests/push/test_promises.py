@@ -212,3 +212,35 @@ def test_s3_uploads_of_64_mib_and_more_are_multipart(make_url: Callable[[str], s
              for k in ("big", "small", "file")}
     assert etags["big"].endswith("-5") and etags["file"].endswith("-5"), etags
     assert "-" not in etags["small"], etags
+
+
+def test_oci_credentials_come_from_the_docker_config(local: tuple[str, Path], registry: str,
+                                                     tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registry that requires a login (token flow): without credentials the push fails
+    with the docker login hint; with them in ~/.docker/config.json it succeeds; with wrong
+    ones it fails again."""
+    import base64
+
+    src, _ = local
+    proxy = FlakyProxy(f"http://{registry}", failures=0, basic_auth="dsec:s3cret")
+    host = proxy.url.removeprefix("http://")
+    far = f"oci://{host}/dsec/auth{uuid.uuid4().hex[:8]}?insecure=1"
+    docker = tmp_path / "home" / ".docker"
+    docker.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # never the user's own credentials
+    try:
+        out = dsec("push", "data@1", "--to", far, "--store", src)
+        assert out.returncode != 0 and "docker login" in out.stderr, out.stderr
+        assert proxy.unauthorized >= 1 and proxy.forwarded == 0
+        (docker / "config.json").write_text(json.dumps(
+            {"auths": {host: {"auth": base64.b64encode(b"dsec:s3cret").decode()}}}))
+        out = dsec("push", "data@1", "--to", far, "--store", src, "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["objects_sent"] > 0 and proxy.forwarded > 0
+        (docker / "config.json").write_text(json.dumps(
+            {"auths": {host: {"auth": base64.b64encode(b"dsec:wrong").decode()}}}))
+        out = dsec("push", "data@1", "--to", far, "--store", src)
+        assert out.returncode != 0 and "docker login" in out.stderr, out.stderr
+    finally:
+        proxy.stop()
