@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .conftest import IMAGE, REPO, dsec, leaks
 
 #: the capabilities a container sandbox keeps (Docker's default set), as bit numbers; written
@@ -149,3 +151,30 @@ def test_sandbox_pin_keeps_its_image_through_rmi_and_gc(node_env: dict[str, str]
     with open_store(url) as st:
         assert not [k for k in keys if st.has(k)]
         assert get_ref(st, IMAGE) is not None  # the base image is untouched
+
+
+@pytest.mark.slow
+def test_vm_backends_through_the_cli_and_snapshot_of_a_vm(node_env: dict[str, str]) -> None:
+    """README: `dsec run --backend microvm|vm`; docs/vm.md: a VM sandbox's snapshot, taken
+    through the node, runs anywhere (here in a container)."""
+    from dsec_cli.backends.vm.vmkernel import default_kernel_dir
+
+    assert (default_kernel_dir() / "vmlinuz").exists() or os.environ.get("DSEC_KERNEL"), \
+        "no guest kernel: scripts/setup.sh installs it"
+    p = dsec(node_env, "run", "--backend", "microvm", IMAGE, "--", "sh", "-c",
+             "cat /etc/motd; uname -r", timeout=600)
+    motd, kernel = p.stdout.decode().split("\n")[:2]
+    assert motd == "Welcome to a dsec sandbox." and kernel != os.uname().release, p
+    sid = dsec(node_env, "run", "-d", "--backend", "vm", IMAGE, timeout=600).stdout.decode().strip()
+    try:
+        dsec(node_env, "exec", sid, "--", "sh", "-c", "echo from-the-vm > /root/vm.txt",
+             timeout=300)
+        doc = json.loads(dsec(node_env, "snapshot", sid, "--as", "vmsnap@1", "--json",
+                              timeout=600).stdout)
+        assert doc["image"] == "vmsnap@1"
+    finally:
+        dsec(node_env, "rm", sid, timeout=300)
+    p = dsec(node_env, "run", "vmsnap@1", "--", "cat", "/root/vm.txt")
+    assert p.stdout == b"from-the-vm\n"
+    assert json.loads(dsec(node_env, "ps", "--json").stdout) == []
+    assert leaks(node_env["DSEC_STATE_DIR"]) == {"mounts": [], "cgroups": [], "dirs": []}
