@@ -114,4 +114,4 @@ def test_node_id_prefixes(client: SshCluster, run_dsec) -> None:  # type: ignore
         assert local[:6] in p.stderr, p.stderr
         assert run_dsec("rm", f"node1/{local[:6]}").stdout.strip() == sid
     finally:
-        run_dsec("rm", sid, check=None)
+        run_dsec("rm", sid, check=False)
