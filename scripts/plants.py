@@ -65,6 +65,16 @@ PLANTS: dict[str, Plant] = {
          ("dsec_cli/backends/container.py", '"noNewPrivileges": True',
           '"noNewPrivileges": False')),
         ("tests/run/test_promises.py::test_container_hardening",)),
+    "masked-proc": Plant(
+        "a container sandbox sees the host's /proc/keys, /proc/timer_list and /proc/acpi",
+        (("dsec_cli/backends/container.py", '"maskedPaths": MASKED,', '"maskedPaths": [],'),),
+        ("tests/run/test_promises.py::test_container_hardening",)),
+    "device-cgroup": Plant(
+        "a container sandbox's device cgroup allows every device",
+        (("dsec_cli/backends/container.py",
+          'resources: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}',
+          'resources: dict[str, Any] = {"devices": [{"allow": True, "access": "rwm"}]}'),),
+        ("tests/run/test_promises.py::test_container_hardening",)),
     "oci-no-retry": Plant(
         "an OCI registry's 429 and 5xx answers are not retried",
         (("dsec_cli/push/stores/oci.py", "            return TransientStoreError(msg)\n"
