@@ -12,6 +12,19 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def skip_unless(ok: bool, reason: str):  # type: ignore[no-untyped-def]
+    """A guard for a folder's conftest.py, assigned to a name there: every test of the folder
+    is skipped (and reported as skipped) unless `ok`. `pytestmark` works in test modules only;
+    pytest ignores it in a conftest.py."""
+
+    @pytest.fixture(scope="session", autouse=True)
+    def guard() -> None:
+        if not ok:
+            pytest.skip(reason)
+
+    return guard
+
+
 @pytest.fixture(autouse=True)
 def dsec_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Every test gets its own data, config and state directories, never the user's."""

@@ -6,29 +6,43 @@ unchanged, so each store request meets that many transient errors in a row: code
 retries succeeds, code that does not fails at its first request. Two failures by default:
 botocore makes one extra attempt of its own even when configured with ``max_attempts: 1``
 (that setting counts retries), and the test must not depend on it. Request and response
-bodies are relayed byte for byte.
+bodies are relayed byte for byte. ``status`` picks the failure (429, 500, or 401/403 to see
+that an error that is not transient is never tried again). ``key`` maps (method, path) to
+what makes two tries "the same request", for protocols whose retries get fresh URLs (an OCI
+blob upload: a new upload session each time). With ``basic_auth`` ("user:password") the proxy
+is a registry that requires a login, with the token flow of distribution: a request without
+the token gets 401 and a Bearer challenge naming ``/token``, which hands out the token for
+those Basic credentials only.
 """
 
 from __future__ import annotations
 
+import base64
 import http.client
+import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
 SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
             b"<Message>Please reduce your request rate.</Message></Error>")
+TOKEN = "dsec-test-token"
 HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
        "upgrade"}
 
 
 class FlakyProxy:
-    def __init__(self, upstream: str, failures: int = 2) -> None:
+    def __init__(self, upstream: str, failures: int = 2, status: int = 503,
+                 key: Callable[[str, str], str] | None = None,
+                 basic_auth: str | None = None) -> None:
         up = urlparse(upstream)
         self.up_host, self.up_port = up.hostname or "127.0.0.1", up.port or 80
         self.tries: dict[tuple[str, str, str], int] = {}
         self.failed = 0
         self.forwarded = 0
+        self.unauthorized = 0
+        want = "Basic " + base64.b64encode(basic_auth.encode()).decode() if basic_auth else None
         self._lock = threading.Lock()
         proxy = self
 
@@ -57,16 +71,39 @@ class FlakyProxy:
 
             def _handle(self) -> None:
                 body, chunked = self._body()
-                key = (self.command, self.path, self.headers.get("Range", ""))
+                if want is not None and self.path.startswith("/token"):
+                    # the token endpoint: a token for the right Basic credentials
+                    ok = self.headers.get("Authorization") == want
+                    doc = json.dumps({"token": TOKEN, "access_token": TOKEN}).encode()
+                    self.send_response(200 if ok else 401)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(doc) if ok else 0))
+                    self.end_headers()
+                    if ok:
+                        self.wfile.write(doc)
+                    with proxy._lock:
+                        proxy.unauthorized += 0 if ok else 1
+                    return
+                if want is not None and self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                    with proxy._lock:
+                        proxy.unauthorized += 1
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", f'Bearer realm="{proxy.url}/token",'
+                                     'service="dsec-test",scope="repository:dsec:pull,push"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                path = key(self.command, self.path) if key else self.path
+                key_ = (self.command, path, self.headers.get("Range", ""))
                 with proxy._lock:
-                    proxy.tries[key] = proxy.tries.get(key, 0) + 1
-                    fail = proxy.tries[key] <= failures
+                    proxy.tries[key_] = proxy.tries.get(key_, 0) + 1
+                    fail = proxy.tries[key_] <= failures
                     if fail:
                         proxy.failed += 1
                     else:
                         proxy.forwarded += 1
                 if fail:
-                    self.send_response(503)
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(SLOWDOWN)))
                     self.end_headers()

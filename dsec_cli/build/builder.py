@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -179,7 +179,7 @@ class _BuildCache:
         os.replace(tmp, self.dir / key)
 
 
-def build(paths: list[Path] | None = None, store: str | Store | None = None, *,
+def build(paths: Sequence[str | Path] | None = None, store: str | Store | None = None, *,
           force: bool = False, progress: Progress | None = None,
           on_log: Callable[[str], None] | None = None,
           chunk_sha256: bool = False, replace: bool = False) -> BuildReport:
@@ -195,8 +195,9 @@ def build(paths: list[Path] | None = None, store: str | Store | None = None, *,
     # a build reuses chunks of packs the store holds: the lease keeps store gc from
     # deleting them until its refs are written (docs/stores.md, "gc protocol")
     with WriterLease(st, "build"):
-        return _build(paths, st, force=force, progress=progress, on_log=on_log,
-                      chunk_sha256=chunk_sha256, replace=replace)
+        return _build([Path(p) for p in paths] if paths else None, st, force=force,
+                      progress=progress, on_log=on_log, chunk_sha256=chunk_sha256,
+                      replace=replace)
 
 
 def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,

@@ -7,6 +7,7 @@ from tests.run.conftest import (  # noqa: F401  (fixtures)
     leaks,
     node,
     node_env,
+    requires_root,
     sandbox_data,
     store_url,
 )

@@ -175,3 +175,65 @@ def test_connect_refuses_a_listener_that_is_not_the_expected_one(
     _, d = agent
     with pytest.raises(AgentError, match="refusing the agent socket of sandbox x"):
         AgentClient.connect_unix(d / "s", peer=lambda pid: False, what="sandbox x")
+
+
+def test_signal_frame_reaches_the_exec_process_group(agent: tuple[AgentClient, Path]) -> None:
+    """SIGNAL (6) goes to the exec's process group: a trap in the shell sees SIGTERM, and
+    SIGKILL ends the exec with 128+9, not as a timeout."""
+    import signal as sig
+    import time
+
+    c, d = agent
+
+    def started(flag: Path) -> None:
+        deadline = time.monotonic() + 30
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert flag.exists(), "the exec never started"
+
+    h = c.start_exec(["sh", "-c", f"trap 'echo got-term; exit 5' TERM; touch {d}/ready1; "
+                      "while :; do sleep 0.05; done"], timeout=60)
+    started(d / "ready1")
+    h.signal(sig.SIGTERM)
+    r = h.wait()
+    assert (r.exit_code, r.timed_out) == (5, False) and b"got-term" in r.stdout, r
+    h = c.start_exec(["sh", "-c", f"touch {d}/ready2; sleep 600"], timeout=60)
+    started(d / "ready2")
+    h.signal(sig.SIGKILL)
+    r = h.wait()
+    assert (r.exit_code, r.timed_out) == (137, False), r
+
+
+def test_unknown_frame_is_answered_enosys(agent: tuple[AgentClient, Path]) -> None:
+    """A request type the agent does not know gets RESULT ENOSYS with its id, and the
+    connection keeps serving (docs/agent.md, Versioning)."""
+    import errno
+    import socket
+    import struct
+
+    _, d = agent
+
+    def read_frame(s: socket.socket) -> tuple[int, int, bytes]:
+        head = b""
+        while len(head) < 9:
+            more = s.recv(9 - len(head))
+            assert more, "the agent closed the connection"
+            head += more
+        length, kind, rid = struct.unpack(">IBI", head)
+        body = b""
+        while len(body) < length - 5:
+            more = s.recv(length - 5 - len(body))
+            assert more, "the agent closed the connection"
+            body += more
+        return kind, rid, body
+
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(str(d / "s"))
+        s.sendall(struct.pack(">IBI", 5, 99, 4242))  # type 99, id 4242, no payload
+        kind, rid, body = read_frame(s)
+        assert (kind, rid) == (19, 4242)  # RESULT, for that request
+        assert struct.unpack(">i", body[:4])[0] == errno.ENOSYS, body
+        s.sendall(struct.pack(">IBI", 5, 5, 7))  # PING on the same connection
+        kind, rid, body = read_frame(s)
+        assert (kind, rid) == (19, 7) and b"dsec-agent 1" in body, body

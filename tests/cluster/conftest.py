@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import skip_unless
+
 from .sshnodes import SshCluster, destroy_cluster, make_cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,7 +20,7 @@ IMAGE = "busybox@1.35-1"
 TINY = "tiny@1"
 CAPACITY = {"node1": 20, "node2": 40, "node3": 60}
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes and sshd need root")
+requires_root = skip_unless(os.geteuid() == 0, "sandboxes and sshd need root")
 
 
 def _build_store(root: Path, data: Path) -> str:
@@ -60,7 +62,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshCluster]:
 
 @pytest.fixture
 def client(cluster: SshCluster, monkeypatch: pytest.MonkeyPatch,
-           dsec_home: Path) -> SshCluster:
+           dsec_home: Path) -> Iterator[SshCluster]:
     """This test's user config lists the three nodes; the SSH side is the cluster's."""
     for k, v in cluster.client_env().items():
         monkeypatch.setenv(k, v)
@@ -68,4 +70,20 @@ def client(cluster: SshCluster, monkeypatch: pytest.MonkeyPatch,
     from dsec_cli.core.config import save_user_config
 
     save_user_config({"nodes": cluster.config_nodes()})
-    return cluster
+    _clear(cluster, "before")
+    yield cluster
+    _clear(cluster, "after")
+
+
+def _clear(cluster: SshCluster, when: str) -> None:
+    """Tests are isolated: no sandbox of another test on any node when one starts, and none
+    of its own left when it ends (removed here, then the test's teardown fails)."""
+    from dsec_cli.run.cluster.registry import get_node
+
+    left = {n.name: [r.id for r in get_node(n.name).sandboxes()] for n in cluster.nodes}
+    for name, ids in left.items():
+        for sid in ids:
+            get_node(name).remove(sid)
+    usage = {n.name: int(get_node(n.name).info()["usage"]["sandboxes"]) for n in cluster.nodes}
+    assert not any(left.values()) and not any(usage.values()), \
+        f"sandboxes left on the nodes {when} the test: {left}, usage {usage}"

@@ -111,7 +111,7 @@ class SshNode:
                                      stdout=subprocess.DEVNULL,
                                      stderr=open(self.root / "sshd.log", "ab"),
                                      start_new_session=True)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # generous: a loaded machine starts sshd slowly
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:

@@ -153,19 +153,18 @@ def test_create_many_returns_failures_per_sandbox(client: SshCluster) -> None:
     from dsec_cli.run.cluster.errors import CapacityError
 
     node1 = client.nodes[0]
-    base = _usage("node1")  # sandboxes other tests still hold there
-    node1.set_capacity(sandboxes=base + 2)
+    assert _usage("node1") == 0  # the client fixture: no other test's sandbox is there
+    node1.set_capacity(sandboxes=2)
     results = []
     try:
         results = create_many(5, IMAGE, "fncall", nodes=["node1"], parallel=5)
         ok = [r for r in results if r.ok]
         errors = [r.error for r in results if not r.ok]
-        # every sandbox gets a result; the node is never oversubscribed (a sandbox another
-        # test is still tearing down may take one of the two slots meanwhile)
+        # every sandbox gets a result; the node is filled and never oversubscribed
         assert [r.index for r in results] == [0, 1, 2, 3, 4]
-        assert 1 <= len(ok) <= 2 and len(errors) >= 3, errors
+        assert len(ok) == 2 and len(errors) == 3, errors
         assert all(isinstance(e, CapacityError) for e in errors), errors
-        assert _usage("node1") <= base + 2
+        assert _usage("node1") == 2
     finally:
         node1.set_capacity(sandboxes=20)
         _remove_all(results)

@@ -95,3 +95,23 @@ def test_stopped_node_is_reported_and_others_keep_working(client: SshCluster, ru
     finally:
         node4.stop()
         client.cleanup_node(node4)
+
+
+def test_node_id_prefixes(client: SshCluster, run_dsec) -> None:  # type: ignore[no-untyped-def]
+    """NODE/PREFIX addresses a sandbox on that node as a local prefix does; a prefix no
+    sandbox of that node has is named in the error."""
+    sid = run_dsec("run", "--node", "node1", "-d", IMAGE).stdout.strip()
+    try:
+        node, local = sid.split("/")
+        assert node == "node1" and len(local) >= 8
+        p = run_dsec("exec", f"node1/{local[:6]}", "--", "echo", "by prefix")
+        assert p.stdout == "by prefix\n"
+        other = ("0" if local[0] != "0" else "1") + local[1:6]
+        p = run_dsec("exec", f"node1/{other}", "--", "true", check=2)
+        assert other in p.stderr, p.stderr
+        # the same prefix on another node is not this sandbox
+        p = run_dsec("exec", f"node2/{local[:6]}", "--", "true", check=2)
+        assert local[:6] in p.stderr, p.stderr
+        assert run_dsec("rm", f"node1/{local[:6]}").stdout.strip() == sid
+    finally:
+        run_dsec("rm", sid, check=False)

@@ -42,6 +42,7 @@ def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DSEC_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("DSEC_CONFIG", str(tmp_path / "config.yaml"))
     monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # oras reads ~/.docker/config.json
     monkeypatch.setenv("DSEC_STORE_RETRIES", "3")
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.delenv("DSEC_STORE", raising=False)

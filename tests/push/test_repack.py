@@ -72,3 +72,44 @@ def test_gc_cli_reports_repack_and_threshold_one_disables_it(tmp_path: Path) -> 
     on = subprocess.run([*dsec, "gc", "--store", url, "--grace", "0"], env=env,
                         capture_output=True, text=True, check=True)
     assert "repacked 1 packs into 1" in on.stdout and "moved 1 refs" in on.stdout
+
+
+def test_ref_moved_meanwhile_is_skipped_not_overwritten(tmp_path: Path) -> None:
+    """docs/stores.md: a ref another client moves while repack rewrites its layer keeps the
+    other client's manifest; repack reports it skipped. The move is made by a second writer at
+    a fixed point: when repack writes its first new manifest (after it read the refs)."""
+    from dsec_cli.format.refs import set_ref
+    from dsec_cli.push.repack import repack
+
+    rnd = random.Random(5)
+    keep, drop = rnd.randbytes(300_000), rnd.randbytes(900_000)
+    store = open_store(str(tmp_path / "store"))
+    build([_spec(tmp_path / "a", "both", {"keep.bin": keep, "drop.bin": drop})], store)
+    build([_spec(tmp_path / "b", "kept", {"keep.bin": keep})], store)
+    build([_spec(tmp_path / "c", "other", {"x.bin": rnd.randbytes(1000)})], store)
+    old = get_ref(store, "kept@1").manifest
+    other = get_ref(store, "other@1").manifest
+    packs = set(load_manifest(store, old).packs)
+    delete_ref(store, "both@1")
+
+    class SecondWriter:
+        """The store as repack sees it; another client moves kept@1 at the first manifest."""
+
+        moved = False
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(store, name)
+
+        def put(self, key: str, data: bytes) -> None:
+            store.put(key, data)
+            if key.startswith("manifests/") and not SecondWriter.moved:
+                SecondWriter.moved = True
+                set_ref(store, "kept", "1", other)
+
+    report = repack(SecondWriter(), packs)  # type: ignore[arg-type]
+    assert SecondWriter.moved
+    assert report.refs_skipped == ["kept@1"] and report.refs_moved == [], report
+    assert get_ref(store, "kept@1").manifest == other  # the other client's move stands
+    out = tmp_path / "out"
+    export(store, "kept@1", out)
+    assert sorted(p.name for p in (out / "d").iterdir()) == ["x.bin"]

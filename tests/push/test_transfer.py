@@ -16,7 +16,7 @@ import pytest
 from dsec_cli.core.digests import object_key
 from dsec_cli.core.errors import IntegrityError, NotFoundError, UsageError
 from dsec_cli.format.closure import closure
-from dsec_cli.format.refs import get_ref
+from dsec_cli.format.refs import get_ref, list_refs
 from dsec_cli.push import api
 from dsec_cli.push.materialize import export
 from dsec_cli.push.stores import open_store
@@ -169,7 +169,9 @@ def test_rmi_removes_refs_only_after_checking_all(make_url: Callable[[str], str]
         raw_layer(s, "a", "1", [b"one"])
         raw_layer(s, "b", "1", [b"two"])
     out = dsec("rmi", "a@1", "zzz@1", "--store", url)
-    assert out.returncode == 2
+    assert out.returncode == 2 and "zzz@1" in out.stderr, out.stderr
+    with open_store(url) as s:  # nothing removed: a@1 is checked with the missing ref
+        assert sorted(r.ref for r in list_refs(s)) == ["a@1", "b@1"]
     out = dsec("rmi", "a@1", "--store", url, "--json")
     assert out.returncode == 0 and json.loads(out.stdout)[0]["ref"] == "a@1"
     with open_store(url) as s:

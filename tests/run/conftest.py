@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import skip_unless
+
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = "busybox@1.35-1"
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
+requires_root = skip_unless(os.geteuid() == 0, "sandboxes need root")
 
 
 @pytest.fixture(scope="session")
@@ -76,11 +78,11 @@ def node(node_env: dict[str, str]) -> object:
 
 
 def dsec(env: dict[str, str], *args: str, input: bytes | None = None,
-         check: int | None = 0) -> subprocess.CompletedProcess[bytes]:
-    """Run the real `dsec` console script."""
+         check: int | None = 0, timeout: float = 600) -> subprocess.CompletedProcess[bytes]:
+    """Run the real `dsec` console script (a run longer than `timeout` fails the test)."""
     exe = Path(os.sys.executable).with_name("dsec")  # type: ignore[attr-defined]
     p = subprocess.run([str(exe), *args], input=input, capture_output=True,
-                       env={**os.environ, **env})
+                       env={**os.environ, **env}, timeout=timeout)
     if check is not None:
         assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
     return p

@@ -31,7 +31,7 @@ def test_detached_lifecycle(node_env: dict[str, str], tmp_path: Path) -> None:
     p = dsec(node_env, "exec", sid, "--env", "A=1", "--workdir", "/etc", "--", "sh", "-c",
              "cat; echo $A; pwd; exit 3", input=b"piped\n", check=3)
     assert p.stdout == b"piped\n1\n/etc\n"
-    assert dsec(node_env, "exec", "--timeout", "0.5", sid, "--", "sleep", "30", check=137)
+    dsec(node_env, "exec", "--timeout", "0.5", sid, "--", "sleep", "30", check=137)  # killed
     # cp both ways, mode kept
     src = tmp_path / "in.sh"
     src.write_text("#!/bin/sh\necho copied\n")

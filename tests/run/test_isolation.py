@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from dsec_cli.api.sandboxes import Sandbox
 from dsec_cli.core.errors import NotFoundError, UsageError
 
-from .conftest import IMAGE
+from .conftest import IMAGE, REPO
 
 
 @pytest.fixture(scope="module")
@@ -31,35 +32,73 @@ def test_exec_result_and_files(sb: Sandbox) -> None:
     assert sb.exec(["cat", "/srv/a.txt"]).stdout == b"hello"
 
 
-def test_sees_only_its_image(sb: Sandbox) -> None:
-    r = sb.exec("ls /; ls /work /root/.ssh /usr/bin/python3 2>&1; cat /proc/1/cmdline")
-    assert b"No such file" in r.stdout and b"/.dsec/agent" in r.stdout
-    assert set(r.stdout.split(b"\n")[0:1]) <= {b"bin"}
+def test_sees_only_its_image(sb: Sandbox, busybox_tar: Path) -> None:
+    import tarfile
+
+    with tarfile.open(busybox_tar) as t:
+        top = {m.name.removeprefix("./").split("/")[0] for m in t.getmembers()} - {"", "."}
+    r = sb.exec("ls -a /")
+    # the image's top level, plus the agent's own directory: nothing of the host's (/srv
+    # is made by another test of this shared sandbox)
+    assert set(r.stdout.decode().split()) - {"srv"} == top | {".", "..", ".dsec"}, r.stdout
+    assert sb.exec("cat /proc/1/cmdline").stdout.startswith(b"/.dsec/agent")
+    # host paths that exist (checked here) are absent inside
+    host = [str(REPO), "/etc/os-release", "/usr/bin/python3", str(Path(sys.executable))]
+    assert all(Path(p).exists() for p in host)
+    r = sb.exec(["sh", "-c", 'for p in "$@"; do [ -e "$p" ] && echo "SEEN $p"; done; true',
+                 "sh", *host])
+    assert r.exit_code == 0 and r.stdout == b"", r
     # cp paths cannot escape: `..` and symlinks resolve inside the sandbox root
     sb.exec("ln -s / /tmp/root-link")
     host_only = Path("/etc/hostname").read_bytes()
     assert sb.read_file("/../../../../etc/hostname") == b"dsec\n" != host_only
     assert sb.read_file("/tmp/root-link/etc/hostname") == b"dsec\n"
+    assert (REPO / "pyproject.toml").exists()
     with pytest.raises(NotFoundError):
-        sb.read_file("/../../work/wt-sandbox/pyproject.toml")
+        sb.read_file(f"/../../../..{REPO}/pyproject.toml")
+    with pytest.raises(NotFoundError):
+        sb.read_file(f"/tmp/root-link{REPO}/pyproject.toml")
 
 
 def test_no_network_by_default(sb: Sandbox, node_env: dict[str, str]) -> None:
+    """A server on the host's loopback: unreachable from the default sandbox, which has only
+    its own loopback and no route; reached from a sandbox with the host's network."""
+    import threading
+
+    got: list[bytes] = []
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
+    srv.listen(4)
+    srv.settimeout(60)
     port = srv.getsockname()[1]
+
+    def serve() -> None:
+        try:
+            while True:
+                conn, _ = srv.accept()
+                with conn:
+                    conn.settimeout(10)
+                    got.append(conn.recv(10))
+        except OSError:
+            pass  # closed at the end of the test
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
     try:
-        r = sb.exec(f"nc -w 2 127.0.0.1 {port} </dev/null; echo rc=$?; ip -o link | wc -l; "
-                    "ip route", timeout=20)
-        assert b"rc=1" in r.stdout and b"1\n" in r.stdout and b"default" not in r.stdout
+        r = sb.exec(f"echo ping | nc -w 2 127.0.0.1 {port}; echo rc=$?; ip -o link | wc -l; "
+                    "ip route | wc -l", timeout=30)
+        rc, links, routes = r.stdout.decode().split()
+        assert (rc, links, routes) == ("rc=1", "1", "0"), r
+        assert got == []
         with Sandbox.create(IMAGE, network="host") as h:
-            r = h.exec(f"echo ping | nc -w 2 127.0.0.1 {port}; echo rc=$?", timeout=20)
-            conn, _ = srv.accept()
-            assert conn.recv(10) == b"ping\n"
-            conn.close()
+            r = h.exec(f"echo ping | nc -w 2 127.0.0.1 {port}; echo rc=$?", timeout=30)
+            assert r.stdout.endswith(b"rc=0\n"), r
+        assert got == [b"ping\n"]
     finally:
+        srv.shutdown(socket.SHUT_RDWR)  # wakes the accept
         srv.close()
+        t.join(30)
+        assert not t.is_alive()
 
 
 def test_memory_hog_and_fork_bomb_are_contained(sb: Sandbox) -> None:
@@ -67,12 +106,22 @@ def test_memory_hog_and_fork_bomb_are_contained(sb: Sandbox) -> None:
     assert r.exit_code == 137 and r.oom_killed
     adj = sb.exec("cat /proc/self/oom_score_adj /proc/1/oom_score_adj").stdout.split()
     assert int(adj[0]) == 300 and int(adj[1]) < 300  # the OOM killer prefers execs to init
-    # the exec's own shell forks its two children before the bomb saturates the pids
-    # limit, then only waits, so it is the timeout that ends the exec (and kills the bomb)
+    # 64 sleepers started at once: the pids limit (32) refuses the forks beyond it, and
+    # they are counted while they all still live (a limit of 1024 would let every one run)
+    # (once the limit is reached the rest runs on shell builtins only: no fork needed)
+    r = sb.exec("(for i in $(seq 64); do sleep 60 & done; wait) 2>/tmp/forks & "
+                "i=0; while [ ! -s /tmp/forks ] && [ $i -lt 2000000 ]; do i=$((i+1)); done; "
+                "set -- /proc/[0-9]*; echo $#; while read -r l; do echo \"$l\"; done </tmp/forks; "
+                "kill -9 -1", timeout=60)
+    running = int(r.stdout.split(b"\n")[0])
+    assert 20 <= running <= 32, r
+    assert b"fork" in r.stdout, r  # the shell was refused a fork
+    assert sb.info()["pids_max_hits"] > 0
+    # a fork bomb is contained too: it runs into the limit, and the timeout ends the exec
+    # (held open by its sleeper) and kills the bomb
     r = sb.exec("sleep 60 & sh -c 'bomb() { bomb | bomb & }; bomb' & wait", timeout=3)
-    assert r.timed_out
-    info = sb.info()
-    assert info["pids"] <= 32
+    assert r.timed_out and r.pids_limited
+    assert sb.info()["pids"] <= 32
     assert sb.exec("echo alive").stdout == b"alive\n"  # the sandbox survives both
 
 

@@ -269,8 +269,8 @@ class OCIStore(Store):
         url = f"{'http' if self.insecure else 'https'}://{self.host}/v2/"
         with self._errors(f"opening {self.url}"):
             r = self.reg.session.get(url, timeout=self.timeout)
-        if r.status_code == 429 or r.status_code >= 500:
-            raise self._status_error(r, f"opening {self.url}")
+        if r.status_code == 429 or r.status_code >= 500 or r.status_code == 403:
+            raise self._status_error(r, f"opening {self.url}")  # 403: a registry refusing us
         if r.status_code not in (200, 401):
             raise UsageError(f"{self.host} does not look like an OCI registry "
                              f"(GET /v2/ answered {r.status_code})")

@@ -1,5 +1,5 @@
 """Fixtures for the VM backends: a busybox root layer, a per-session node state dir, and
-the skip when the guest kernel from scripts/setup.sh is missing."""
+the skips when the guest kernel from scripts/setup.sh is missing or the tests are not root."""
 
 from __future__ import annotations
 
@@ -22,9 +22,15 @@ def node_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vmnode")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _need_kernel() -> None:
+@pytest.fixture(scope="session")
+def guest_kernel() -> None:
+    """Skips a test that needs the guest kernel when it is missing (tests that need none, such
+    as the missing-kernel error, do not ask for this)."""
     if not (default_kernel_dir() / "vmlinuz").exists() and not os.environ.get("DSEC_KERNEL"):
         pytest.skip("no guest kernel: run scripts/setup.sh")
+
+
+@pytest.fixture(scope="session")
+def as_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("VM root images are built with an overlayfs mount: needs root")

@@ -30,7 +30,7 @@ from dsec_cli.backends import (
 from dsec_cli.backends.vm.qemu import QemuBackend
 from dsec_cli.core.errors import NotFoundError, UsageError
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("guest_kernel", "as_root")]
 
 MEM = 384 << 20
 PIDS = 40

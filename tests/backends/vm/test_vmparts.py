@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from dsec_cli.backends.vm.vmkernel import (
 from dsec_cli.core.errors import UsageError
 
 
+@pytest.mark.usefixtures("guest_kernel")
 def test_module_order_puts_dependencies_first() -> None:
     k = find_kernel()
     if k.modules_dir is None:
@@ -30,6 +32,7 @@ def test_module_order_puts_dependencies_first() -> None:
     assert {"overlay", "erofs", "virtio_console", "virtio_pci"} <= set(names)
 
 
+@pytest.mark.usefixtures("guest_kernel")
 def test_initramfs_holds_init_busybox_and_modules(tmp_path: Path) -> None:
     k = find_kernel()
     img = build_initramfs(k, tmp_path)
@@ -39,6 +42,7 @@ def test_initramfs_holds_init_busybox_and_modules(tmp_path: Path) -> None:
     assert {"init", "bin/busybox", "lib/modules/load-order", "lib/modules/ext4.ko"} <= set(listing)
 
 
+@pytest.mark.usefixtures("guest_kernel")
 def test_boot_image_is_the_uncompressed_pvh_kernel(tmp_path: Path) -> None:
     k = find_kernel()
     img = boot_image(k, tmp_path)
@@ -54,19 +58,21 @@ def test_missing_kernel_names_the_path(tmp_path: Path) -> None:
         find_kernel(tmp_path / "k")
 
 
+@pytest.mark.usefixtures("as_root")
 def test_root_image_built_once_under_concurrency(base_layer: Path, tmp_path: Path) -> None:
     top = tmp_path / "top"
     (top / "etc").mkdir(parents=True)
     (top / "etc" / "top").write_text("t\n")
-    results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(
-        vmimage.root_image((base_layer, top), "sha256:" + "c" * 64, tmp_path / "cache")))
-        for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(set(results)) == 1 and results[0].is_file()
+    start = threading.Barrier(3)
+
+    def build() -> Path:
+        start.wait(60)
+        return vmimage.root_image((base_layer, top), "sha256:" + "c" * 64, tmp_path / "cache")
+
+    with ThreadPoolExecutor(3) as pool:
+        # .result() raises a thread's exception here, failing the test
+        results = [f.result(timeout=300) for f in [pool.submit(build) for _ in range(3)]]
+    assert len(results) == 3 and len(set(results)) == 1 and results[0].is_file()
     assert sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")) \
         == [results[0].name]
     assert not list((tmp_path / "cache").glob(".merge-*"))
