@@ -229,6 +229,7 @@ def test_oci_credentials_come_from_the_docker_config(local: tuple[str, Path], re
     docker = tmp_path / "home" / ".docker"
     docker.mkdir(parents=True)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # never the user's own credentials
+    monkeypatch.delenv("DOCKER_CONFIG", raising=False)  # the default place: ~/.docker
     try:
         out = dsec("push", "data@1", "--to", far, "--store", src)
         assert out.returncode != 0 and "docker login" in out.stderr, out.stderr
