@@ -85,6 +85,8 @@ class FncallBackend(CgroupAgentBackend):
             cg = _cgroups.Cgroup(cgroup)
             lim = spec.limits
             cg.create(memory=lim.memory, pids=lim.pids, cpus=lim.cpus)
+            if lim.cpu_class:
+                cg.set_cpu_class(lim.cpu_class)
             pid = self._spawn(spec, rootfs, cg)
             handle.state["pid"] = pid
             handle.state["start_time"] = _rootfs.proc_start_time(pid)

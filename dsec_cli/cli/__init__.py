@@ -12,6 +12,7 @@ import typer
 
 from ..core.errors import DsecError
 from . import build as _build
+from . import density as _density
 from . import gc as _gc
 from . import node as _node
 from . import optimize as _optimize
@@ -32,7 +33,7 @@ def _root() -> None:
     """Content-addressed layers and sandboxes for agentic-RL environments."""
 
 
-for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify):
+for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify, _density):
     _module.register(app)
 
 

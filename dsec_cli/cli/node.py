@@ -93,11 +93,66 @@ def check_(
                      ] = None,
     json_out: JsonOpt = False,
     timeout: TimeoutOpt = None,
+    host: Annotated[bool, typer.Option(
+        "--host", help="report this host's density facilities instead: swap, KSM, cgroup "
+                       "v1/v2 controllers, and the fallback for each one missing")] = False,
 ) -> None:
     """Reach nodes over SSH and ask their node services; exits 1 if any does not answer."""
+    if host:
+        from ..api.density import host_facts
+
+        _host(host_facts(), json_out)
+        return
     from ..api.cluster import load_nodes
 
     _status(names or list(load_nodes()) or None, json_out, timeout)
+
+
+def _host(facts: dict[str, Any], json_out: bool) -> None:
+    if json_out:
+        print_json(facts)
+        return
+    ctl = ", ".join(f"{c} {v or 'missing'}" for c, v in facts["cgroup_controllers"].items())
+    ksm = facts["ksm"]
+    typer.echo(f"cgroups:  {ctl}")
+    typer.echo(f"reclaim:  {facts['reclaim'] or 'none'}; cpu.idle "
+               f"{'yes' if facts['cpu_idle'] else 'no'}")
+    typer.echo(f"swap:     {human_bytes(facts['swap_total'])} "
+               f"({human_bytes(facts['swap_free'])} free)")
+    typer.echo("ksm:      " + ("not in this kernel" if not ksm["available"] else
+                               f"{'on' if ksm.get('run') else 'off'}, saving "
+                               f"{human_bytes(ksm.get('saved_bytes', 0))}"))
+    for note in facts["notes"]:
+        typer.echo(f"note: {note}")
+
+
+@node_app.command("setup")
+def setup(
+    swap: Annotated[str | None, typer.Option(  # noqa: UP007
+        "--swap", help="add a swap file of this size (e.g. 8G), where the operator allows")
+                    ] = None,
+    swap_file: Annotated[str | None, typer.Option(  # noqa: UP007
+        "--swap-file", help="where (default /var/lib/dsec/swapfile; a local disk filesystem)")
+                         ] = None,
+    ksm: Annotated[bool | None, typer.Option(  # noqa: UP007
+        "--ksm/--no-ksm", help="merge identical VM guest pages (kernel same-page merging)")
+                   ] = None,
+    ksm_pages: Annotated[int | None, typer.Option(  # noqa: UP007
+        "--ksm-pages", help="pages KSM scans per wake-up")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Prepare this host for density: a swap file, KSM on and tuned; then report it."""
+    from ..api.density import setup_node
+
+    out = setup_node(swap, swap_file, ksm, ksm_pages)
+    if json_out:
+        print_json(out)
+        return
+    if "swap" in out:
+        sw = out["swap"]
+        typer.echo(f"swap file {sw['file']} ({human_bytes(sw['size'])})"
+                   + (" was already on" if sw["already"] else " is on"))
+    _host(out["host"], False)
 
 
 @node_app.command("rm")

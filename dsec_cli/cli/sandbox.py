@@ -112,6 +112,9 @@ def register(app: typer.Typer) -> None:
         detach: Annotated[bool, typer.Option("--detach", "-d",
                                              help="print the id and leave it running")
                           ] = False,
+        cpu_class: Annotated[str | None, typer.Option(  # noqa: UP007
+            "--class", help="CPU class: latency (exec answers stay fast) | batch (default) | "
+                            "idle (only when nothing else wants the CPU)")] = None,
         fetch: Annotated[str, typer.Option(
             "--fetch", help="eager (fetch every layer first) | lazy (mount now, fetch files on "
                             "first read) | background (lazy, plus a full fetch behind it)")
@@ -135,7 +138,8 @@ def register(app: typer.Typer) -> None:
             raise UsageError("give a command after -- or use -d to leave the sandbox running")
         opts = sandboxes.create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
                                         network=network, env=_parse_env(env), workdir=workdir,
-                                        fetch=fetch, disk=disk, prefix="--")
+                                        fetch=fetch, disk=disk, cpu_class=cpu_class,
+                                        prefix="--")
         node, rec = sandboxes.create(image, opts, node_name, state_dir)
         if detach:
             if cmd:

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 from ...core.config import env, load_config
 from ...core.errors import BackendError, SandboxError, UsageError
+from .. import _cgroups
 from ..agented import AgentBackend
 from ..base import (
     BackendContext,
@@ -90,12 +91,13 @@ class QemuBackend(AgentBackend):
     @classmethod
     def from_context(cls, ctx: BackendContext) -> QemuBackend:
         # root images and the accelerator probe are kept per node
-        return cls(ctx.state_dir, ctx.kernel)
+        return cls(ctx.state_dir, ctx.kernel, cgroup_parent=ctx.cgroup_parent)
 
     def __init__(self, state_dir: str | os.PathLike[str] | None = None,
                  kernel: str | os.PathLike[str] | None = None,
                  qemu: str = "qemu-system-x86_64", accel: str = "auto",
-                 boot_timeout: float = BOOT_TIMEOUT) -> None:
+                 boot_timeout: float = BOOT_TIMEOUT, cgroup_parent: str = "dsec") -> None:
+        self.cgroup_parent = cgroup_parent  # QEMU runs in <parent>/<sandbox id>
         if accel not in ("auto", "kvm", "tcg"):
             raise UsageError(f"unknown accelerator {accel!r}: choose auto, kvm or tcg")
         root = Path(state_dir) if state_dir else Path(load_config().state_dir)
@@ -200,6 +202,7 @@ class QemuBackend(AgentBackend):
         st: dict[str, Any] = {
             **_default_state(spec.sandbox_id, str(sdir)), "machine": self.name,
             "env": dict(spec.env), "workdir": spec.workdir, "network": spec.network,
+            "cgroup": f"{self.cgroup_parent}/{spec.sandbox_id}",
         }
         handle = SandboxHandle(spec.sandbox_id, self.name, st)
         try:
@@ -218,6 +221,13 @@ class QemuBackend(AgentBackend):
                                    f"{proc.stderr.strip()[-1000:]}")
             pid = int(Path(st["pidfile"]).read_text().strip())
             st["pid"], st["start_time"] = pid, _proc_start(pid)
+            # QEMU (every thread, guest RAM charged from here on) in the sandbox's own group:
+            # its CPU class, resident memory and reclamation act on it
+            cg = _cgroups.Cgroup(st["cgroup"])
+            cg.create()
+            cg.add(pid)
+            if spec.limits.cpu_class:
+                cg.set_cpu_class(spec.limits.cpu_class)
             self._wait_ready(handle)
         except BaseException:
             self.destroy(handle)
@@ -311,6 +321,8 @@ class QemuBackend(AgentBackend):
         mnt = st.get("snap_mount")
         if mnt and os.path.ismount(mnt):
             subprocess.run(["umount", "-l", mnt], capture_output=True)
+        if st.get("cgroup"):
+            _cgroups.Cgroup(st["cgroup"]).remove()
         shutil.rmtree(st["run_dir"], ignore_errors=True)
         if st.get("disk"):
             Path(st["disk"]).unlink(missing_ok=True)

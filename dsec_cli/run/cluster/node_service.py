@@ -72,7 +72,7 @@ class NodeService:
     def create(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         opts = from_wire(CreateOptions, args.get("opts") or {})
         opts.validate()  # bad input is refused before anything is reserved
-        token = self.admission.reserve(opts.cpus, opts.memory)
+        token = self.admission.reserve(opts.cpus, opts.memory, opts.cpu_class)
         try:
             rec = self.node.create(str(args["image"]), opts)
         finally:
@@ -122,6 +122,16 @@ class NodeService:
     def snapshot(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         return self.node.snapshot(str(args["id"]), str(args["ref"]), args.get("push"))
 
+    def park(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.node.park(str(args["id"]))
+
+    def thaw(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.node.thaw(str(args["id"]))
+
+    def top(self, args: dict[str, Any], emit: Emit) -> list[dict[str, Any]]:
+        return self.node.top(validate.positive_float(args.get("interval") or None, "interval")
+                             or 0.0)
+
     def ps(self, args: dict[str, Any], emit: Emit) -> list[dict[str, Any]]:
         return [to_wire(r) for r in self.node.sandboxes()]
 
@@ -129,7 +139,7 @@ class NodeService:
         return self.node.gc(args.get("budget"), bool(args.get("dry_run")))
 
     OPS = ("hello", "info", "create", "exec", "put", "get", "lookup", "remove", "pause",
-           "resume", "describe", "snapshot", "ps", "gc")
+           "resume", "describe", "snapshot", "ps", "gc", "park", "thaw", "top")
 
     def handle(self, msg: dict[str, Any], emit: Emit) -> Any:
         op = msg.get("op")
