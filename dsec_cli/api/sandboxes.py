@@ -284,11 +284,18 @@ def ps(state_dir: str | Path | None = None, node: str | None = None, *,
         return recs, failed
     node_api = target(None, node, state_dir)
     out = []
-    for r in node_api.sandboxes():
+    records = node_api.sandboxes()
+    # actual use beside the declared limits: resident, reclaimed and swapped bytes, class
+    use = {u["id"]: u for u in node_api.top()} if records else {}
+    for r in records:
         doc = r.public()
         stats = node_api.fetch_stats(r)
         if stats is not None:
             doc["fetch"] = stats  # bytes fetched / from cache, stall time (lazy mounts)
+        u = use.get(doc["id"])
+        if u is not None:
+            doc["usage"] = {k: u[k] for k in ("class", "resident", "reclaimed", "swapped",
+                                              "idle_seconds") if k in u}
         out.append(doc)
     return out, []
 

@@ -54,14 +54,22 @@ def _rows(results: list[Any]) -> list[tuple[Any, ...]]:
     for r in results:
         if not r.ok:
             state = "unreachable" if r.to_dict()["unreachable"] else "error"
-            rows.append((r.node, state, "", "", "", "", str(r.error)))
+            rows.append((r.node, state, "", "", "", "", "", str(r.error)))
             continue
         i = r.value
         cap, use = i["capacity"], i["usage"]
         rows.append((r.node, "ok", i["dsec"], f"{cap['cpus']:g} cpu, {human_bytes(cap['memory'])}",
-                     f"{use['sandboxes']}/{cap['sandboxes']}", human_bytes(i["cache_bytes"]),
-                     i.get("hostname", "")))
+                     f"{use['sandboxes']}/{cap['sandboxes']}", _use(cap, use),
+                     human_bytes(i["cache_bytes"]), i.get("hostname", "")))
     return rows
+
+
+def _use(cap: dict[str, Any], use: dict[str, Any]) -> str:
+    """Declared CPUs and memory against the overcommitted capacity, and resident memory."""
+    cpus = cap["cpus"] * cap.get("cpu_overcommit", 1)
+    mem = cap["memory"] * cap.get("memory_overcommit", 1)
+    return (f"{use['cpus']:g}/{cpus:g} cpu, {human_bytes(use['memory'])}/{human_bytes(mem)}, "
+            f"{human_bytes(use.get('resident', 0))}")
 
 
 def _status(names: list[str] | None, json_out: bool, timeout: float | None) -> None:
@@ -71,8 +79,8 @@ def _status(names: list[str] | None, json_out: bool, timeout: float | None) -> N
     if json_out:
         print_json([r.to_dict() for r in results])
     else:
-        table(None, ["NODE", "STATE", "VERSION", "CAPACITY", "SANDBOXES", "CACHED", "HOST / ERROR"],
-              _rows(results))
+        table(None, ["NODE", "STATE", "VERSION", "CAPACITY", "SANDBOXES",
+                     "CPU / MEMORY DECLARED, RESIDENT", "CACHED", "HOST / ERROR"], _rows(results))
     if names and any(not r.ok for r in results):
         raise typer.Exit(1)
 

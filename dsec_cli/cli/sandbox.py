@@ -286,9 +286,20 @@ def _ps_table(recs: list[dict[str, Any]]) -> None:
 
     t = time.time()
     rows = [(r["id"], r["backend"], r["image"], r["status"], f"{t - r['created']:.0f}s",
-             "" if r["expires"] is None else f"{max(0, r['expires'] - t):.0f}s")
+             "" if r["expires"] is None else f"{max(0, r['expires'] - t):.0f}s",
+             r.get("usage", {}).get("class", ""), _memory(r))
             for r in recs]
-    table(None, ["ID", "BACKEND", "IMAGE", "STATUS", "AGE", "TTL LEFT"], rows)
+    table(None, ["ID", "BACKEND", "IMAGE", "STATUS", "AGE", "TTL LEFT", "CLASS",
+                 "MEMORY USED/DECLARED"], rows)
+
+
+def _memory(r: dict[str, Any]) -> str:
+    from .render import human_bytes
+
+    declared = (r.get("limits") or {}).get("memory")
+    resident = r.get("usage", {}).get("resident")
+    return (f"{'-' if resident is None else human_bytes(resident)}/"
+            f"{'-' if declared is None else human_bytes(declared)}")
 
 
 def _status(rec: Any, json_out: bool) -> None:

@@ -28,6 +28,7 @@ from typing import IO, Any
 from ... import __version__ as _dsec_version
 from ...core import validate
 from ...core.errors import UsageError
+from ..density import host_facts
 from ..node import CreateOptions, Node, local_node
 from .admission import Admission
 from .protocol import (
@@ -66,7 +67,8 @@ class NodeService:
         image = args.get("image")
         return {**self.node.info(str(image) if image else None), "protocol": PROTOCOL_VERSION,
                 "capacity": self.admission.capacity().to_dict(),
-                "usage": self.admission.usage().to_dict()}
+                "usage": self.admission.usage().to_dict(),
+                "density": host_facts()}  # swap, KSM, controllers: docs/density.md
 
     # -- sandboxes ------------------------------------------------------------------------------
     def create(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
