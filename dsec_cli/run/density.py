@@ -92,6 +92,9 @@ def usage(node: Node, rec: SandboxRecord) -> dict[str, Any]:
     if cg is not None:
         out.update(cg.memory_use())
         out["cpu_seconds"] = cg.cpu_seconds()
+        pid = (rec.handle or {}).get("pid")
+        if rec.backend in ("microvm", "vm") and pid:
+            out["ksm_merged"] = _ksm_merged(pid)
     last = _read_reclaim(sdir)
     out["reclaimed"] = int(last.get("reclaimed", 0))
     out["reclaimed_at"] = last.get("at")
@@ -219,6 +222,14 @@ def ksm_state() -> dict[str, Any]:
             pass
     out["saved_bytes"] = out.get("pages_sharing", 0) * PAGE
     return out
+
+
+def _ksm_merged(pid: int) -> int:
+    """Bytes of a process's memory KSM merged with identical pages elsewhere."""
+    try:
+        return int(Path(f"/proc/{int(pid)}/ksm_merging_pages").read_text()) * PAGE
+    except (OSError, ValueError):
+        return 0
 
 
 def host_facts() -> dict[str, Any]:

@@ -281,3 +281,39 @@ def test_swap_setup_refuses_bad_input_and_leaves_nothing(tmp_path: Path) -> None
     assert (tmp_path / "taken").read_text() == "data"
     assert subprocess.run(["swapon", "--show"], capture_output=True, text=True).stdout.count(
         str(tmp_path)) == 0
+
+
+@pytest.fixture
+def ksm_on() -> Iterator[None]:
+    """KSM switched on and scanning fast through `dsec node setup`; the host's settings
+    (and no merged pages, where it was off) restored at the end."""
+    from dsec_cli.api.density import setup_node
+    from dsec_cli.run import density
+
+    saved = {n: (density.KSM / n).read_text().strip()
+             for n in ("run", "pages_to_scan", "sleep_millisecs")}
+    out = setup_node(ksm=True, ksm_pages=4000)
+    assert out["ksm"]["run"] == 1 and out["host"]["ksm"]["pages_to_scan"] == 4000
+    try:
+        yield
+    finally:
+        if saved["run"] != "1":
+            (density.KSM / "run").write_text("2")  # unmerge what this test merged
+        for name, value in saved.items():
+            (density.KSM / name).write_text(value)
+
+
+def test_ksm_merges_identical_vm_memory_and_reports_it(node: Node, made: list[str],
+                                                       ksm_on: None) -> None:
+    from dsec_cli.run import density
+
+    for _ in range(2):
+        rec = node.create(IMAGE, CreateOptions(backend="microvm", memory=256 << 20))
+        made.append(rec.id)
+        cmdline = Path(f"/proc/{rec.handle['pid']}/cmdline").read_bytes()
+        assert b"mem-merge=on" in cmdline
+    # two guests booted from the same kernel and image hold identical pages: KSM merges them
+    wait_for(lambda: all(d.get("ksm_merged", 0) > (1 << 20) for d in node.top()
+                         if d["id"] in made), "KSM to merge guest pages", timeout=120)
+    assert density.ksm_state()["saved_bytes"] > 1 << 20
+

@@ -174,7 +174,9 @@ class QemuBackend(AgentBackend):
         accel = st["accel"]
         # the -name argument is also how is_alive tells our QEMU from a reused pid
         argv = [self._qemu_binary(), "-name", _qemu_name(spec.sandbox_id).decode(),
-                "-M", self.machine, "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
+                # guest RAM is QEMU's private anonymous memory, marked mergeable for KSM
+                "-M", f"{self.machine},mem-merge=on", "-accel", accel,
+                "-cpu", "host" if accel == "kvm" else "max",
                 "-smp", str(cpus), "-m", f"{mem >> 20}M",
                 "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
                 "-daemonize", "-pidfile", st["pidfile"],
