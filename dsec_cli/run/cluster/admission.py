@@ -45,7 +45,7 @@ from ..density import resident_total
 from ..node import Node
 from .errors import CapacityError
 
-LIVE = ("creating", "running", "paused")
+LIVE = ("creating", "running", "paused", "parked")
 
 
 @dataclass
