@@ -10,6 +10,7 @@ removes through this one class.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import time
@@ -18,6 +19,8 @@ from functools import cache
 from pathlib import Path
 
 from ..core.errors import BackendError
+
+log = logging.getLogger(__name__)
 
 ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("memory", "pids", "cpu", "freezer", "cpuacct")
@@ -31,6 +34,11 @@ CPU_CLASSES: dict[str, tuple[int, int, int]] = {
     "batch": (1024, 100, 0),
     "idle": (2, 1, 1),
 }
+#: per class, the /proc/PID/oom_score_adj of the sandbox's processes as it starts (its
+#: agent); the agent starts commands 300 above itself. Host-wide OOM only: each sandbox's
+#: own limit is its own. Only raised, never lowered below the default: raising needs no
+#: CAP_SYS_RESOURCE, which a dsec inside a container may lack.
+OOM_SCORE_ADJ: dict[str, int] = {"latency": 0, "batch": 300, "idle": 600}
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,22 @@ class Cgroup:
                 _write(cpu / name, str(value))
         except OSError as e:
             raise BackendError(f"cannot set CPU class {cls} on {self.rel}: {e}") from e
+        return out
+
+    def apply_class(self, cls: str) -> dict[str, int]:
+        """A sandbox's class: its CPU controls, and its processes' standing with the host's
+        OOM killer (`OOM_SCORE_ADJ`, inherited by everything they fork later), so a batch
+        sandbox overrunning a full host is killed before a latency one."""
+        out = self.set_cpu_class(cls)
+        adj = OOM_SCORE_ADJ[cls]
+        for pid in self.procs():
+            try:
+                _write(Path(f"/proc/{pid}/oom_score_adj"), str(adj))
+            except (ProcessLookupError, FileNotFoundError):
+                pass  # a process that just exited
+            except OSError as e:
+                log.warning("cannot set the OOM standing of %s: %s", self.rel, e)
+        out["oom_score_adj"] = adj
         return out
 
     def cpu_class_files(self) -> dict[str, int]:

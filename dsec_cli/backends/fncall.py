@@ -85,13 +85,13 @@ class FncallBackend(CgroupAgentBackend):
             cg = _cgroups.Cgroup(cgroup)
             lim = spec.limits
             cg.create(memory=lim.memory, pids=lim.pids, cpus=lim.cpus)
-            if lim.cpu_class:
-                cg.set_cpu_class(lim.cpu_class)
             pid = self._spawn(spec, rootfs, cg)
             handle.state["pid"] = pid
             handle.state["start_time"] = _rootfs.proc_start_time(pid)
             for p in descendants(pid):  # bwrap, its pid-1 and the agent: children inherit
                 cg.add(p)
+            if lim.cpu_class:
+                cg.apply_class(lim.cpu_class)
         except BaseException:
             self.destroy(handle)
             raise

@@ -64,7 +64,13 @@ def test_cpu_classes_reach_the_sandbox_cgroup(node: Node, made: list[str], backe
         have = cpu_files(node, rec.id)
         for name, value in expected(cls).items():
             assert have[name] == value, (cls, name, have)
-        assert node.exec(rec.id, ["true"]).exit_code == 0
+        # every process of the sandbox, and what it starts later, has the class's standing
+        # with the host's OOM killer
+        want = str(_cgroups.OOM_SCORE_ADJ[cls])
+        for pid in _cgroups.Cgroup(f"{node.cgroup_parent}/{rec.id}").procs():
+            assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == want
+        r = node.exec(rec.id, ["cat", "/proc/self/oom_score_adj"])  # 300 above the agent
+        assert r.stdout.strip() == str(min(1000, int(want) + 300)).encode()
     # the classes are relative: latency outweighs batch, batch outweighs idle
     lat, bat, idl = (cpu_files(node, sid) for sid in made)
     key = "cpu.weight" if "cpu.weight" in lat else "cpu.shares"
@@ -89,6 +95,8 @@ def test_vm_runs_in_its_own_cgroup_with_its_class_and_parks(node: Node, made: li
     assert str(pid) in (_cgroups.layout().mounts["cpu"] / rel / "cgroup.procs").read_text()
     for name, value in expected("idle").items():
         assert cpu_files(node, rec.id)[name] == value
+    assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == \
+        str(_cgroups.OOM_SCORE_ADJ["idle"])
     node.put_file(rec.id, "/tmp/kept", b"vm state")
     out = node.park(rec.id)  # QEMU stopped, its memory pushed out
     assert out["status"] == "parked" and node.lookup(rec.id).status == "parked"
@@ -261,10 +269,12 @@ def test_top_json_reports_every_sandbox(node: Node, made: list[str],
                                         node_env: dict[str, str]) -> None:
     rec = node.create(IMAGE, CreateOptions(backend="fncall", cpu_class="latency"))
     made.append(rec.id)
+    # 2 MiB of tmpfs charged to the sandbox
+    assert node.exec(rec.id, ["sh", "-c", "head -c 2m /dev/zero > /tmp/x"]).exit_code == 0
     docs: list[dict[str, Any]] = json.loads(
         dsec(node_env, "top", "--json", "--interval", "0.2").stdout)
     row = [d for d in docs if d["id"] == rec.id][0]
-    assert row["class"] == "latency" and row["resident"] > 0
+    assert row["class"] == "latency" and row["resident"] >= 2 << 20
     assert {"cpu", "cpu_seconds", "reclaimed", "swapped", "idle_seconds"} <= set(row)
 
 

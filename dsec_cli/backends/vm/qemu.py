@@ -229,7 +229,7 @@ class QemuBackend(AgentBackend):
             cg.create()
             cg.add(pid)
             if spec.limits.cpu_class:
-                cg.set_cpu_class(spec.limits.cpu_class)
+                cg.apply_class(spec.limits.cpu_class)
             self._wait_ready(handle)
         except BaseException:
             self.destroy(handle)
