@@ -332,3 +332,18 @@ def test_ksm_merges_identical_vm_memory_and_reports_it(node: Node, made: list[st
                          if d["id"] in made), "KSM to merge guest pages", timeout=120)
     assert density.ksm_state()["saved_bytes"] > 1 << 20
 
+
+
+def test_vm_gives_back_memory_its_guest_frees(node: Node, made: list[str]) -> None:
+    rec = node.create(IMAGE, CreateOptions(backend="microvm", memory=384 << 20))
+    made.append(rec.id)
+    cg = _cgroups.Cgroup(f"{node.cgroup_parent}/{rec.id}")
+    r = node.exec(rec.id, ["sh", "-c", "dd if=/dev/urandom bs=160M count=1 iflag=fullblock "
+                                       "| md5sum"])  # 160 MiB touched in the guest, then freed
+    assert r.exit_code == 0, r.stderr
+    mem = cg.path("memory")
+    assert mem is not None
+    peak = mem / ("memory.peak" if cg.is_v2("memory") else "memory.max_usage_in_bytes")
+    assert int(peak.read_text()) >= 160 << 20  # the guest's pages were QEMU's
+    wait_for(lambda: cg.memory_use()["resident"] < 150 << 20,
+             "the freed guest pages to leave QEMU's resident memory", timeout=90)

@@ -83,6 +83,7 @@ class QemuBackend(AgentBackend):
     machine: ClassVar[str] = ""
     blk_dev: ClassVar[str] = ""
     serial_dev: ClassVar[str] = ""
+    balloon_dev: ClassVar[str] = ""
     net_dev: ClassVar[str] = ""
 
     supports_pause = True  # QMP stop / cont
@@ -191,7 +192,10 @@ class QemuBackend(AgentBackend):
                 "-device", f"{self.blk_dev},drive=disk",
                 "-chardev", f"socket,id=agent,path={st['agent_sock']},server=on,wait=off",
                 "-device", self.serial_dev,
-                "-device", "virtserialport,chardev=agent,name=dsec.agent"]
+                "-device", "virtserialport,chardev=agent,name=dsec.agent",
+                # pages the guest frees are reported and dropped from QEMU's RAM: an idle
+                # VM's resident memory is what its guest really holds (docs/density.md)
+                "-device", f"{self.balloon_dev},free-page-reporting=on"]
         if spec.network == "host":
             argv += ["-netdev", "user,id=net0", "-device", f"{self.net_dev},netdev=net0"]
         return argv
@@ -413,6 +417,7 @@ class MicroVMBackend(QemuBackend):
     machine: ClassVar[str] = "microvm,x-option-roms=off"
     blk_dev: ClassVar[str] = "virtio-blk-device"
     serial_dev: ClassVar[str] = "virtio-serial-device"
+    balloon_dev: ClassVar[str] = "virtio-balloon-device"
     net_dev: ClassVar[str] = "virtio-net-device"
 
 
@@ -423,6 +428,7 @@ class VMBackend(QemuBackend):
     machine: ClassVar[str] = "q35"
     blk_dev: ClassVar[str] = "virtio-blk-pci"
     serial_dev: ClassVar[str] = "virtio-serial-pci"
+    balloon_dev: ClassVar[str] = "virtio-balloon-pci"
     net_dev: ClassVar[str] = "virtio-net-pci"
 
 
