@@ -11,6 +11,8 @@ and memory given back by idle sandboxes.
    peer in the same run, the default-class one.
 3. The idle sandboxes reclaimed (node gc's idle policy, to a swap file made for the run when
    the host has no swap): resident bytes before and after.
+4. With ``--vms N``: N idle 512 MiB microvms, their QEMUs' resident memory with KSM off, then
+   with KSM on (scanning fast) once merging settles; the host's KSM settings are restored.
 
 Writes benchmarks/results/density[-LABEL].json and prints the figures; docs/benchmarks.md
 quotes them with the load they were measured under.
@@ -55,6 +57,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--batch", type=int, default=max(2, 2 * (os.cpu_count() or 1)))
     ap.add_argument("--idle", type=int, default=8)
     ap.add_argument("--hold", type=int, default=64, help="MiB each idle sandbox touches")
+    ap.add_argument("--vms", type=int, default=0, help="idle microvms for the KSM phase")
     ap.add_argument("--label", default="")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-density-", dir="/var/tmp"))
@@ -132,6 +135,49 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "swapped_mib": round(sum(d.get("swapped", 0) for d in after.values())
                              / len(idle) / 2**20, 1),
         "reclaim_seconds_total": round(reclaim_s, 2)}
-    for k in ("unloaded", "loaded", "idle_memory"):
-        print(k, res[k])
+    for r in node.db.all():  # the load ends before the VM phase
+        node.remove(r.id)
+    if args.vms:
+        res["ksm"] = ksm_phase(node, args.vms)
+    for k in ("unloaded", "loaded", "idle_memory", "ksm"):
+        print(k, res.get(k))
     return res
+
+
+def ksm_phase(node: Any, n: int) -> dict[str, Any]:
+    from dsec_cli.run import density
+    from dsec_cli.run.node import CreateOptions
+
+    names = ("run", "pages_to_scan", "sleep_millisecs")
+    saved = {k: (density.KSM / k).read_text().strip() for k in names}
+    try:
+        (density.KSM / "run").write_text("2")  # off, nothing merged
+        vms = [node.create(IMAGE, CreateOptions(backend="microvm", memory=512 << 20)).id
+               for _ in range(n)]
+        time.sleep(10)  # boot settles, freed pages reported back
+
+        def resident() -> int:
+            return sum(d.get("resident", 0) for d in node.top() if d["id"] in vms)
+
+        off = resident()
+        density.setup(ksm=True, ksm_pages=4000)
+        (density.KSM / "sleep_millisecs").write_text("10")
+        last, stable = -1, 0
+        deadline = time.monotonic() + 120
+        while stable < 3 and time.monotonic() < deadline:  # merging settles
+            time.sleep(2)
+            now = density.ksm_state()["pages_sharing"]
+            stable = stable + 1 if now == last else 0
+            last = now
+        on = resident()
+        return {"vms": n, "memory_mib": 512, "resident_ksm_off_mib": round(off / n / 2**20, 1),
+                "resident_ksm_on_mib": round(on / n / 2**20, 1),
+                "saved_fraction": round(1 - on / off, 3) if off else None,
+                "ksm_saved_mib_total": round(density.ksm_state()["saved_bytes"] / 2**20, 1)}
+    finally:
+        for r in node.db.all():
+            node.remove(r.id)
+        if saved["run"] != "1":
+            (density.KSM / "run").write_text("2")
+        for k, v in saved.items():
+            (density.KSM / k).write_text(v)
