@@ -14,6 +14,8 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -245,13 +247,30 @@ class Cgroup:
                 except OSError as e:
                     if e.errno != errno.EAGAIN:  # EAGAIN: less than asked could go
                         raise
-            elif not self.is_v2("memory") and (mem / "memory.force_empty").exists():
-                _write(mem / "memory.force_empty", "0")
             else:
-                self._squeeze(mem)
+                # force_empty loops while it makes progress, and a lowered limit would
+                # OOM-kill whatever allocates meanwhile: the group stays frozen throughout
+                with self._frozen_for_reclaim():
+                    if not self.is_v2("memory") and (mem / "memory.force_empty").exists():
+                        _write(mem / "memory.force_empty", "0")
+                    else:
+                        self._squeeze(mem)
         except OSError as e:
             raise BackendError(f"cannot reclaim memory of {self.rel}: {e}") from e
         return max(0, before - self.memory_use().get("resident", before))
+
+    @contextmanager
+    def _frozen_for_reclaim(self) -> Iterator[None]:
+        """Frozen while the body runs, then as it was (a paused group stays frozen)."""
+        f = self.path("freezer")
+        if f is None or not f.is_dir() or self.frozen():
+            yield
+            return
+        self.freeze()
+        try:
+            yield
+        finally:
+            self.thaw()
 
     def _squeeze(self, mem: Path) -> None:
         """Reclaim by lowering the limit step by step (the kernel reclaims to meet it, and

@@ -258,6 +258,8 @@ def test_idle_reclaim_runs_from_node_gc(node: Node, made: list[str],
     report = node.gc()
     assert [d["id"] for d in report["reclaimed"]] == [idle.id]
     assert report["reclaimed"][0]["reclaimed"] >= 32 << 20
+    # reclaimed while frozen (so nothing allocates meanwhile), and running again after
+    assert not _cgroups.Cgroup(f"{node.cgroup_parent}/{idle.id}").frozen()
     # it keeps running, and its next exec sees its files
     assert node.exec(idle.id, ["sh", "-c", "wc -c < /root/f"]).stdout.strip() == \
         str(64 << 20).encode()
