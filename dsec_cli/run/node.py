@@ -305,7 +305,8 @@ class Node:
     def resume(self, sid: str) -> SandboxRecord:
         rec = self.lookup(sid)
         if rec.status != "paused":
-            raise UsageError(f"sandbox {rec.id} is not paused (it is {rec.status})")
+            raise UsageError(f"sandbox {rec.id} is not paused (it is {rec.status})",
+                             hint=f"dsec thaw {rec.id}" if rec.status == "parked" else None)
         self.backend(rec.backend).resume(self.handle_of(rec))
         self.db.update(rec.id, status="running")
         rec.status = "running"

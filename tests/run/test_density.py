@@ -233,6 +233,7 @@ def test_park_cli_and_errors(node: Node, made: list[str], node_env: dict[str, st
     assert _cgroups.Cgroup(f"{node.cgroup_parent}/{rec.id}").frozen()
     p = dsec(node_env, "exec", rec.id, "--", "true", check=2)
     assert b"dsec thaw" in p.stderr
+    assert b"dsec thaw" in dsec(node_env, "resume", rec.id, check=2).stderr
     doc = json.loads(dsec(node_env, "thaw", rec.id, "--json").stdout)
     assert doc["status"] == "running"
     assert not _cgroups.Cgroup(f"{node.cgroup_parent}/{rec.id}").frozen()
@@ -349,3 +350,25 @@ def test_vm_gives_back_memory_its_guest_frees(node: Node, made: list[str]) -> No
     assert int(peak.read_text()) >= 160 << 20  # the guest's pages were QEMU's
     wait_for(lambda: cg.memory_use()["resident"] < 150 << 20,
              "the freed guest pages to leave QEMU's resident memory", timeout=90)
+
+
+def test_node_setup_swap_through_the_cli(node_env: dict[str, str]) -> None:
+    from dsec_cli.run import density
+
+    path = Path("/var/tmp") / f"dsec-test-cli-{os.getpid()}-{time.time_ns()}.swap"
+    try:
+        doc = json.loads(dsec(node_env, "node", "setup", "--swap", "64M", "--swap-file",
+                              str(path), "--json").stdout)
+        assert doc["swap"] == {"file": str(path), "size": 64 << 20, "already": False}
+        assert str(path) in Path("/proc/swaps").read_text()
+        assert doc["host"]["swap_total"] >= 60 << 20
+        again = json.loads(dsec(node_env, "node", "setup", "--swap", "64M", "--swap-file",
+                                str(path), "--json").stdout)
+        assert again["swap"]["already"] is True
+    finally:
+        density.remove_swap(path)
+    assert str(path) not in Path("/proc/swaps").read_text() and not path.exists()
+    for bad in (["--swap", "lots"], ["--swap", "1K"], ["--ksm-pages", "0"]):
+        p = dsec(node_env, "node", "setup", *bad, "--swap-file", str(path), check=2)
+        assert bad[0].encode() in p.stderr
+        assert not path.exists()
