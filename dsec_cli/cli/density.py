@@ -56,7 +56,10 @@ def register(app: typer.Typer) -> None:
         from ..api.sandboxes import park as park_sandbox
 
         out = park_sandbox(sandbox, node, state_dir)
-        print_json(out) if json_out else typer.echo(_mem_line(out))
+        if json_out:
+            print_json(out)
+        else:
+            typer.echo(_mem_line(out))
 
     @app.command()
     def thaw(sandbox: SandboxArg, json_out: JsonOpt = False, state_dir: StateOpt = None,
@@ -65,7 +68,10 @@ def register(app: typer.Typer) -> None:
         from ..api.sandboxes import thaw as thaw_sandbox
 
         out = thaw_sandbox(sandbox, node, state_dir)
-        print_json(out) if json_out else typer.echo(_mem_line(out))
+        if json_out:
+            print_json(out)
+        else:
+            typer.echo(_mem_line(out))
 
     @app.command()
     def top(

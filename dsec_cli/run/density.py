@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..backends import _cgroups
-from ..core.errors import DsecError, NotFoundError, SandboxError, UsageError
+from ..core.errors import DsecError, SandboxError, UsageError
 
 if TYPE_CHECKING:
     from .node import Node
@@ -188,7 +188,7 @@ def reclaim_idle(node: Node, after: float, dry_run: bool = False) -> list[dict[s
             continue
         try:
             out.append(_reclaim(node, rec, cg, parked=False))
-        except (DsecError, NotFoundError) as e:
+        except DsecError as e:
             log.warning("idle reclaim of %s failed: %s", rec.id, e)
     return out
 
