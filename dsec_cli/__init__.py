@@ -33,6 +33,12 @@ _SOURCES: dict[str, dict[str, str]] = {
         "FunctionCallError": "FunctionCallError", "run_sandbox": "run",
         "list_sandboxes": "list_sandboxes", "gc_node": "gc_node", "create_many": "create_many",
     },
+    "dsec_cli.api.aio": {"AsyncSandbox": "AsyncSandbox", "close_sessions": "close_sessions"},
+    "dsec_cli.api.oci": {"import_image": "import_image", "export_oci": "export_oci",
+                         "ImportReport": "ImportReport", "ExportReport": "ExportReport"},
+    "dsec_cli.api.jobs": {"Job": "Job"},
+    "dsec_cli.api.pools": {"list_pools": "list_pools", "set_pool": "set_pool",
+                           "fill_pools": "fill_pools", "drain_pools": "drain_pools"},
     "dsec_cli.core.errors": {"DsecError": "DsecError", "UsageError": "UsageError"},
 }
 _EXPORTS = {name: (mod, attr) for mod, names in _SOURCES.items() for name, attr in names.items()}

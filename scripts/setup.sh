@@ -17,6 +17,8 @@ PKGS+=(qemu-system-x86 erofs-utils e2fsprogs)
 PKGS+=(openssh-client)
 # Tests: the real servers and peers they start.
 DEV_PKGS=(docker-registry openssh-server)
+# OCI tests: peers that push, convert and unpack the OCI images dsec imports and exports.
+DEV_PKGS+=(skopeo umoci)
 # Benchmarks: peers measured side by side with dsec.
 DEV_PKGS+=(casync)
 

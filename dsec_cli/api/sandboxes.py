@@ -12,6 +12,7 @@ here and nowhere else: a ``NODE/ID`` sandbox id or ``node=NAME`` goes to that cl
 from __future__ import annotations
 
 import shlex
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,15 +20,15 @@ from ..backends.base import ExecResult, OutputCallback
 from ..backends.fnpool import FunctionCallError, FunctionPool
 from ..core import validate
 from ..run.contract import NodeAPI
-from ..run.node import CreateOptions, local_node
+from ..run.node import CreateOptions, Node, local_node
 from ..run.options import CPU_CLASS_CHOICES as CPU_CLASSES  # cpu_class= values
 from ..run.state import SandboxRecord
 
 __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "CreateOptions", "NodeAPI",
            "run",
            "list_sandboxes", "gc_node", "create_many", "create", "create_options", "target",
-           "exec_in", "copy", "ps", "remove", "pause", "resume", "snapshot", "park", "thaw",
-           "top", "CPU_CLASSES"]
+           "exec_in", "copy", "ps", "remove", "pause", "resume", "snapshot", "fork", "park",
+           "thaw", "top", "CPU_CLASSES"]
 
 
 def _size(v: int | str | None, what: str) -> int | None:
@@ -98,16 +99,18 @@ class Sandbox:
         node = target(sandbox_id, state_dir=state_dir)
         return cls._wrap(node.lookup(sandbox_id), node)
 
-    def exec(self, cmd: str | list[str], *, stdin: bytes | str | None = None,
+    def exec(self, cmd: str | list[str], *,
+             stdin: bytes | str | Iterable[bytes] | None = None,
              env: dict[str, str] | None = None, cwd: str | None = None,
-             timeout: float | None = None, on_output: OutputCallback | None = None
-             ) -> ExecResult:
+             timeout: float | None = None, on_output: OutputCallback | None = None,
+             capture_limit: int | None = None) -> ExecResult:
         """Run a command (a list, or a string for `sh -c`); returns stdout, stderr, the exit
-        code and the duration. A failing command is a result, not an exception."""
+        code and the duration. A failing command is a result, not an exception. Output is
+        kept in the result up to ``capture_limit`` bytes per stream (None: all of it)."""
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         return self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=data, timeout=timeout,
-                              on_output=on_output)
+                              on_output=on_output, capture_limit=capture_limit)
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         self.node.put_file(self.id, path, data.encode() if isinstance(data, str) else data, mode)
@@ -133,6 +136,22 @@ class Sandbox:
         """Let a parked sandbox run again: same files, same processes."""
         return self.node.thaw(self.id)
 
+    def fork(self, n: int) -> list[Sandbox]:
+        """``n`` new sandboxes on the same node, each starting from this one's files as they
+        are now (copy-on-write where the backend snapshots: the diff becomes one layer that
+        every copy stacks). Writes of one copy are invisible to the others and to this one.
+        Processes are not copied. Remove the copies as any sandbox."""
+        out = self.node.fork(self.id, n)
+        return [Sandbox._wrap(r, self.node) for r in out["copies"]]
+
+    def copy_in(self, src: str | Path, dst: str) -> dict[str, Any]:
+        """Copy a host file into the sandbox at ``dst`` (as `dsec cp SRC ID:DST`)."""
+        return copy(str(src), f"{self.id}:{dst}", state_dir=_state_dir(self.node))
+
+    def copy_out(self, src: str, dst: str | Path) -> dict[str, Any]:
+        """Copy a file, symlink or directory out of the sandbox to host path ``dst``."""
+        return copy(f"{self.id}:{src}", str(dst), state_dir=_state_dir(self.node))
+
     def info(self) -> dict[str, Any]:
         return self.node.describe(self.id)
 
@@ -146,6 +165,12 @@ class Sandbox:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+
+def _state_dir(node: NodeAPI) -> Path | None:
+    """A local node's state dir (None for a cluster node: its ids carry the node)."""
+    root = getattr(node, "root", None)
+    return root if isinstance(root, Path) else None
 
 
 def run(image: str | Path, cmd: str | list[str], backend: str = "container",
@@ -250,8 +275,16 @@ def create(image: str | Path, opts: CreateOptions, node: str | None = None,
 
 def exec_in(sandbox_id: str, argv: list[str], *, node: str | None = None,
             state_dir: str | Path | None = None, **kw: Any) -> ExecResult:
-    """Run ``argv`` in a sandbox (keywords as `NodeAPI.exec`)."""
-    return target(sandbox_id, node, state_dir).exec(sandbox_id, argv, **kw)
+    """Run ``argv`` in a sandbox (keywords as `NodeAPI.exec`); in a job's sandbox on this
+    node, as a journaled step (api/jobs.py)."""
+    node_api = target(sandbox_id, node, state_dir)
+    if isinstance(node_api, Node) and (node_api.root / "jobs.db").exists():
+        from .jobs import journaled_exec
+
+        res = journaled_exec(node_api, sandbox_id, argv, **kw)
+        if res is not None:
+            return res
+    return node_api.exec(sandbox_id, argv, **kw)
 
 
 def copy(src: str, dst: str, node: str | None = None,
@@ -340,3 +373,12 @@ def top(state_dir: str | Path | None = None, node: str | None = None,
     """Per sandbox of one node: CPU (a fraction of one CPU over ``interval`` seconds),
     resident, reclaimed and swapped bytes, class and idle seconds."""
     return target(None, node, state_dir).top(interval)
+
+
+def fork(sandbox_id: str, n: int, node: str | None = None,
+         state_dir: str | Path | None = None) -> dict[str, Any]:
+    """``n`` copies of a sandbox's files (`Sandbox.fork`); ``copies`` holds their records."""
+    from ..run.fork import check_count
+
+    check_count(n)
+    return target(sandbox_id, node, state_dir).fork(sandbox_id, n)

@@ -22,7 +22,8 @@ from typing import BinaryIO
 
 from . import _cgroups, _rootfs
 from .base import Backend, ExecRequest, ExecResult, OutputCallback, SandboxHandle, TreeSink
-from .sandbox_agent.client import AgentClient
+from .sandbox_agent.aio import AsyncAgentClient, AsyncOutputCallback
+from .sandbox_agent.client import AgentClient, PeerCheck
 
 #: the fd number at which a sandbox's agent receives its bound socket (`--listen-fd`)
 AGENT_SOCKET_FD = 4
@@ -118,17 +119,29 @@ class CgroupAgentBackend(AgentBackend):
     """Sandboxes on this kernel, in one cgroup each, with the agent listening on a socket
     the host bound at ``state["agent_sock"]``, outside anything the sandbox can see."""
 
-    def _connect(self, handle: SandboxHandle) -> AgentClient:
+    @staticmethod
+    def _agent_socket(handle: SandboxHandle) -> tuple[str, PeerCheck]:
+        """The agent's socket path, and the check that its listener is the sandbox's."""
         st = handle.state
         # sandboxes created before the socket moved out of their reach listened in run_dir:
-        # still reachable, and the peer check below is what keeps that path honest
+        # still reachable, and the peer check is what keeps that path honest
         path = st.get("agent_sock") or str(Path(st["run_dir"]) / "agent.sock")
         pid, cgroup = st.get("pid"), str(st.get("cgroup") or "")
 
         def ours(peer: int) -> bool:
             return peer == pid or (bool(cgroup) and in_cgroup(peer, cgroup))
 
+        return path, ours
+
+    def _connect(self, handle: SandboxHandle) -> AgentClient:
+        path, ours = self._agent_socket(handle)
         return AgentClient.connect_unix(path, peer=ours, what=f"sandbox {handle.sandbox_id}")
+
+    async def connect_async(self, handle: SandboxHandle) -> AsyncAgentClient:
+        """A new asyncio connection to the sandbox's agent, checked as `_connect` is."""
+        path, ours = self._agent_socket(handle)
+        return await AsyncAgentClient.connect_unix(path, peer=ours,
+                                                   what=f"sandbox {handle.sandbox_id}")
 
     supports_pause = True  # the cgroup freezer
 
@@ -147,6 +160,27 @@ class CgroupAgentBackend(AgentBackend):
     def exec(self, handle: SandboxHandle, request: ExecRequest,
              on_output: OutputCallback | None = None) -> ExecResult:
         return exec_with_accounting(self.client(handle), handle, request, on_output)
+
+
+async def exec_async(client: AsyncAgentClient, handle: SandboxHandle, request: ExecRequest,
+                     on_output: AsyncOutputCallback | None = None) -> ExecResult:
+    """`exec_with_accounting` on an asyncio connection: the same result, limit flags
+    included, awaited without a thread."""
+    limited = handle.state.get("limited", True) and handle.state.get("cgroup")
+    cg = _cgroups.Cgroup(handle.state["cgroup"]) if limited else None
+    before = cg.limit_events() if cg else (0, 0)
+    t0 = time.monotonic()
+    res = await client.exec(request.argv, request.env, request.cwd,
+                            request.stdin,  # type: ignore[arg-type]
+                            request.timeout, on_output, request.capture_limit)
+    if cg is None:
+        return res
+    after = cg.limit_events()
+    oom, pids_hit = after[0] > before[0], after[1] > before[1]
+    if not (oom or pids_hit):
+        return res
+    return dataclasses.replace(res, duration=time.monotonic() - t0, oom_killed=oom,
+                               pids_limited=pids_hit)
 
 
 def exec_with_accounting(client: AgentClient, handle: SandboxHandle, request: ExecRequest,

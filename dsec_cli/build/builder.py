@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..core.config import load_config
 from ..core.digests import object_key
-from ..core.errors import NotFoundError, RefConflictError, SpecError
+from ..core.errors import NotFoundError, RefConflictError, SpecError, UsageError
 from ..format import canonical
 from ..format.index import INDEX_VERSION
 from ..format.manifest import Manifest, load_manifest
@@ -66,6 +66,8 @@ class BuildReport:
     store: str
     items: list[Built] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: ``oci:`` references of the specs -> the OCI manifest digest they were imported from
+    pinned: dict[str, str] = field(default_factory=dict)
 
 
 def _order(specs: list[Spec], store: Store) -> list[Spec]:
@@ -204,8 +206,9 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
     cfg = load_config()
     st = store if isinstance(store, Store) else open_store(store)
     specs = [load_spec(p) for p in find_specs(paths or [Path("layerspecs")])]
-    order = _order(specs, st)
     report = BuildReport(store=st.url)
+    _import_oci_deps(specs, st, report)
+    order = _order(specs, st)
     cache = _BuildCache(Path(cfg.data_dir), st)
     digests: dict[str, str] = {}  # ref -> manifest digest, for this run
     known: KnownChunks | None = None
@@ -246,6 +249,32 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
         item.spec = str(spec.path)
         report.items.append(item)
     return report
+
+
+def _import_oci_deps(specs: list[Spec], st: Store, report: BuildReport) -> None:
+    """``oci:HOST/REPO:TAG`` in ``from:`` or ``layers:`` stands for the layers of that image,
+    bottom first: it is imported (layers already in the store are not read again) and
+    replaced by their refs; the build report pins the manifest digest it resolved to."""
+    from .ociimport import import_image
+    from .spec import OCI_PREFIX
+
+    layers: dict[str, list[str]] = {}
+    for s in specs:
+        deps: list[tuple[str, int]] = []
+        for ref, line in s.deps:
+            if not ref.startswith(OCI_PREFIX):
+                deps.append((ref, line))
+                continue
+            if ref not in layers:
+                try:
+                    r = import_image(st, ref[len(OCI_PREFIX):], as_ref="")
+                except UsageError as e:
+                    raise SpecError(f"{ref}: {e.message}", path=str(s.path), line=line
+                                    ) from None
+                layers[ref] = [x.ref for x in r.layers]
+                report.pinned[ref] = r.source_digest
+            deps += [(x, line) for x in layers[ref]]
+        s.deps = deps
 
 
 def _point_ref(st: Store, spec: Spec, digest: str, replace: bool) -> str:

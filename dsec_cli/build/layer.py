@@ -50,8 +50,12 @@ class WriteStats:
 
 class _Writer:
     def __init__(self, store: Store, known: KnownChunks, params: ChunkParams,
-                 staging: Path, progress: Progress | None, crypto: bool) -> None:
+                 staging: Path, progress: Progress | None, crypto: bool,
+                 defer_uploads: bool = False) -> None:
         self.store = store
+        #: sealed packs kept in staging until `publish` (a stream not yet verified)
+        self.defer_uploads = defer_uploads
+        self.deferred: list[FinishedPack] = []
         self.known = known
         self.params = params
         self.staging = staging
@@ -131,7 +135,10 @@ class _Writer:
                                     loc.codec, loc.sha256)
         self.open_chunks = []
         self.written.append(fp.digest)
-        self.uploads.append(self.upload_pool.submit(self._upload, fp))
+        if self.defer_uploads:
+            self.deferred.append(fp)
+        else:
+            self.uploads.append(self.upload_pool.submit(self._upload, fp))
 
     def _upload(self, fp: FinishedPack) -> None:
         try:
@@ -146,11 +153,23 @@ class _Writer:
             self._drain_one()
         self._seal()
         self.pool.shutdown()
+        self.publish()
+        assert all(loc is not None for loc in self.locs)
+        return self.locs  # type: ignore[return-value]
+
+    def seal_all(self) -> None:
+        """Every chunk written into a sealed pack (kept in staging when deferred)."""
+        while self.pending:
+            self._drain_one()
+        self._seal()
+
+    def publish(self) -> None:
+        """Upload the deferred packs and wait for every upload."""
+        self.uploads += [self.upload_pool.submit(self._upload, fp) for fp in self.deferred]
+        self.deferred = []
         for f in self.uploads:
             f.result()  # raise the first upload error
         self.upload_pool.shutdown()
-        assert all(loc is not None for loc in self.locs)
-        return self.locs  # type: ignore[return-value]
 
     def abort(self) -> None:
         for *_, fut in self.pending:
@@ -169,6 +188,77 @@ def _read_all(fd: int, size: int) -> bytes:
             parts.append(piece)
         data = b"".join(parts)
     return data
+
+
+class _Batcher:
+    """Small files grouped into batch chunks in the order given (path order), with
+    content-defined batch boundaries so that a small change stays local."""
+
+    def __init__(self, w: _Writer, params: ChunkParams) -> None:
+        self.w = w
+        self.params = params
+        self.batch = bytearray()
+        self.files: list[tuple[Entry, int, int]] = []
+
+    def add(self, e: Entry, data: bytes) -> None:
+        self.files.append((e, len(self.batch), len(data)))
+        self.batch.extend(data)
+        cut_here = xxhash.xxh3_64_intdigest(data) & 3 == 0
+        if len(self.batch) >= self.params.avg_size or (len(self.batch) >= self.params.min_size
+                                                       and cut_here):
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.files:
+            return
+        n = self.w.chunk(bytes(self.batch))
+        for e, off, ln in self.files:
+            e.chunks = [(n, off, ln)]
+        self.batch.clear()
+        self.files.clear()
+
+
+def chunk_stream(w: _Writer, read: Callable[[int], bytes], size: int, params: ChunkParams
+                 ) -> list[tuple[int, int, int]]:
+    """The chunks of one file of ``size`` bytes (at least ``params.small_file``) read from a
+    stream, cut exactly as `write_layer` cuts the same file read whole, holding at most a
+    few ``max_size`` windows: a content-defined boundary depends only on the bytes since the
+    previous one, so every chunk but the last of a window is final."""
+    def exact(n: int) -> bytes:
+        data = read(n)
+        if len(data) < n:
+            parts = [data]
+            while len(data) < n and (piece := read(n - len(data))):
+                parts.append(piece)
+                data = b"".join(parts)
+        if len(data) < n:
+            raise BuildError(f"stream ended {n - len(data)} bytes before the file's end")
+        return data
+
+    if size <= params.max_size:
+        return [(w.chunk(exact(size)), 0, size)]
+    window = 16 * params.max_size
+    out: list[tuple[int, int, int]] = []
+    buf = b""
+    left = size
+    while left or buf:
+        take = min(left, window - len(buf))
+        if take:
+            buf += exact(take)
+            left -= take
+        view = memoryview(buf)
+        cuts = list(cut(view, params))
+        if left:
+            cuts = cuts[:-1]  # the window's last chunk may end early: cut it again
+        done = 0
+        for o, ln in cuts:
+            out.append((w.chunk(view[o:o + ln]), 0, ln))
+            done = o + ln
+        view.release()
+        buf = buf[done:]
+        if not left and done == 0 and buf:  # pragma: no cover - cut always covers the rest
+            raise BuildError("chunker left bytes uncut")
+    return out
 
 
 def canonical_entries(scanned: list[Scanned], mtime: int = 0) -> list[Scanned]:
@@ -220,17 +310,7 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
     staging = Path(tempfile.mkdtemp(prefix="layer-", dir=store.staging_dir()))
     w = _Writer(store, known, params, staging, progress, crypto_digests)
     entries: list[Entry] = []
-    batch = bytearray()
-    batch_files: list[tuple[Entry, int, int]] = []
-
-    def flush_batch() -> None:
-        if not batch_files:
-            return
-        n = w.chunk(bytes(batch))
-        for e, off, ln in batch_files:
-            e.chunks = [(n, off, ln)]
-        batch.clear()
-        batch_files.clear()
+    batcher = _Batcher(w, params)
 
     try:
         for s in canonical_entries(scanned):
@@ -246,14 +326,7 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
                 if size == 0:
                     continue
                 if size < params.small_file:
-                    data = _read_all(fd, size)
-                    batch_files.append((e, len(batch), len(data)))
-                    batch.extend(data)
-                    # content-defined batch boundaries keep a small change local
-                    cut_here = xxhash.xxh3_64_intdigest(data) & 3 == 0
-                    if len(batch) >= params.avg_size or (len(batch) >= params.min_size
-                                                         and cut_here):
-                        flush_batch()
+                    batcher.add(e, _read_all(fd, size))
                 elif size <= params.max_size:
                     e.chunks = [(w.chunk(_read_all(fd, size)), 0, size)]
                 else:
@@ -268,7 +341,7 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
                 os.close(fd)
             if progress:
                 progress("bytes", size)
-        flush_batch()
+        batcher.flush()
         locs = w.finish()
     except BaseException:
         w.abort()

@@ -14,6 +14,7 @@ from ..core.digests import parse_ref
 from ..core.errors import SpecError, UsageError
 from ..format import canonical
 
+OCI_PREFIX = "oci:"
 LAYER_KEYS = {"layer", "version", "from", "steps", "env", "workdir", "description"}
 IMAGE_KEYS = {"image", "version", "layers", "env", "workdir", "description"}
 STEP_KEYS = {
@@ -245,7 +246,12 @@ def load_spec(path: Path) -> Spec:
     if dep_key in keys:
         for ref, n in d.strings(keys[dep_key][1], dep_key):
             try:
-                parse_ref(ref)
+                if ref.startswith(OCI_PREFIX):  # an OCI image, imported on demand
+                    from ..push.ocisource import parse_image_ref
+
+                    parse_image_ref(ref[len(OCI_PREFIX):])
+                else:
+                    parse_ref(ref)
             except UsageError as e:
                 raise d.err(n, e.message) from None
             spec.deps.append((ref, n.start_mark.line + 1))

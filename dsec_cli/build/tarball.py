@@ -13,10 +13,11 @@ holds, and its apparent size is bounded by `MAX_SPARSE_SIZE`.
 
 from __future__ import annotations
 
+import logging
 import posixpath
 import shutil
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -29,6 +30,7 @@ from ..format.tree import Scanned
 MAX_SPARSE_SIZE = 64 << 30
 WH_PREFIX = ".wh."
 WH_OPAQUE = ".wh..wh..opq"
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -138,71 +140,97 @@ def _spool(tf: tarfile.TarFile, m: tarfile.TarInfo, dest: str, src: Path) -> Non
         f.truncate(m.size)
 
 
-def read_tar(src: Path, dst: str, spool: Path) -> list[Scanned]:
-    """Entries of an archive placed under ``dst`` (an absolute layer path)."""
-    base = dst.strip("/")
+#: what a caller does with a regular member's bytes: returns the host path now holding them
+#: (or None when it keeps them some other way, for example already chunked)
+OnFile = Callable[[tarfile.TarFile, tarfile.TarInfo, Entry], "str | None"]
+
+
+def scan_members(tf: tarfile.TarFile, src: Path, base: str, on_file: OnFile, *,
+                 devices: bool = True) -> dict[str, Scanned]:
+    """The entries of an open archive, by layer path, placed under ``base``; each regular
+    member's bytes go to ``on_file`` as the stream reaches them. Without ``devices``,
+    device nodes are dropped (logged), except the 0:0 character device overlayfs uses as a
+    whiteout, which becomes one."""
     out: dict[str, Scanned] = {}
-    spool.mkdir(parents=True, exist_ok=True)
-    n = 0
 
     def place(rel: str) -> str:
         if rel == ".":
             return base or "."
         return f"{base}/{rel}" if base else rel
 
+    for m in tf:
+        rel = _norm(m.name, "entry", src)
+        name = posixpath.basename(rel)
+        mtime = _mtime_ns(m)
+        xattrs = {k[len("SCHILY.xattr."):]: v.encode("utf-8", "surrogateescape")
+                  for k, v in m.pax_headers.items() if k.startswith("SCHILY.xattr.")}
+        if name == WH_OPAQUE:
+            parent = place(posixpath.dirname(rel) or ".")
+            _check_parents(out, f"{parent}/{WH_OPAQUE}", base, m.name, src)
+            if parent in out:
+                out[parent].entry.opaque = True
+            else:
+                out[parent] = Scanned(Entry(parent, "dir", 0o755, opaque=True,
+                                            mtime=mtime), None)
+            continue
+        if name.startswith(WH_PREFIX) or (not devices and m.ischr()
+                                          and (m.devmajor, m.devminor) == (0, 0)):
+            if name.startswith(WH_PREFIX):
+                name = name[len(WH_PREFIX):]
+            path = place(posixpath.join(posixpath.dirname(rel), name))
+            _check_parents(out, path, base, m.name, src)
+            _replace(out, path, "whiteout")
+            out[path] = Scanned(Entry(path, "whiteout"), None)
+            continue
+        path = place(rel)
+        _check_parents(out, path, base, m.name, src)
+        e = Entry(path, "reg", m.mode & 0o7777, m.uid, m.gid, mtime, xattrs=xattrs)
+        source = None
+        if m.isreg():
+            e.size = m.size
+            source = on_file(tf, m, e)
+        elif m.isdir():
+            e.type = "dir"
+        elif m.issym():
+            if _symlink_escapes(rel, m.linkname):
+                raise SpecError(f"archive symlink {m.name!r} -> {m.linkname!r} points "
+                                "outside the root", path=str(src))
+            e.type, e.target, e.xattrs = "sym", m.linkname, {}
+        elif m.islnk():
+            target = place(_norm(m.linkname, "hardlink target", src))
+            if target == path or target not in out or out[target].entry.type != "reg":
+                raise SpecError(f"archive hardlink {m.name!r} -> {m.linkname!r} has no "
+                                "regular file target in the archive", path=str(src))
+            e.type, e.target = "hard", target
+        elif m.ischr() or m.isblk():
+            if not devices:
+                log.warning("%s: device node %r dropped", src, m.name)
+                continue
+            e.type, e.rdev = ("chr" if m.ischr() else "blk"), (m.devmajor, m.devminor)
+        elif m.isfifo():
+            e.type = "fifo"
+        else:
+            continue
+        _replace(out, path, e.type)
+        out[path] = Scanned(e, source)
+    return out
+
+
+def read_tar(src: Path, dst: str, spool: Path) -> list[Scanned]:
+    """Entries of an archive placed under ``dst`` (an absolute layer path)."""
+    spool.mkdir(parents=True, exist_ok=True)
+    n = 0
+
+    def to_spool(tf: tarfile.TarFile, m: tarfile.TarInfo, e: Entry) -> str:
+        nonlocal n
+        source = str(spool / f"{n:08d}")
+        n += 1
+        _spool(tf, m, source, src)
+        return source
+
     try:
         with open_tar(src) as tf:
-            for m in tf:
-                rel = _norm(m.name, "entry", src)
-                name = posixpath.basename(rel)
-                mtime = _mtime_ns(m)
-                xattrs = {k[len("SCHILY.xattr."):]: v.encode("utf-8", "surrogateescape")
-                          for k, v in m.pax_headers.items() if k.startswith("SCHILY.xattr.")}
-                if name == WH_OPAQUE:
-                    parent = place(posixpath.dirname(rel) or ".")
-                    _check_parents(out, f"{parent}/{WH_OPAQUE}", base, m.name, src)
-                    if parent in out:
-                        out[parent].entry.opaque = True
-                    else:
-                        out[parent] = Scanned(Entry(parent, "dir", 0o755, opaque=True,
-                                                    mtime=mtime), None)
-                    continue
-                if name.startswith(WH_PREFIX):
-                    path = place(posixpath.join(posixpath.dirname(rel), name[len(WH_PREFIX):]))
-                    _check_parents(out, path, base, m.name, src)
-                    _replace(out, path, "whiteout")
-                    out[path] = Scanned(Entry(path, "whiteout"), None)
-                    continue
-                path = place(rel)
-                _check_parents(out, path, base, m.name, src)
-                e = Entry(path, "reg", m.mode & 0o7777, m.uid, m.gid, mtime, xattrs=xattrs)
-                source = None
-                if m.isreg():
-                    e.size = m.size
-                    source = str(spool / f"{n:08d}")
-                    n += 1
-                    _spool(tf, m, source, src)
-                elif m.isdir():
-                    e.type = "dir"
-                elif m.issym():
-                    if _symlink_escapes(rel, m.linkname):
-                        raise SpecError(f"archive symlink {m.name!r} -> {m.linkname!r} points "
-                                        "outside the root", path=str(src))
-                    e.type, e.target, e.xattrs = "sym", m.linkname, {}
-                elif m.islnk():
-                    target = place(_norm(m.linkname, "hardlink target", src))
-                    if target == path or target not in out or out[target].entry.type != "reg":
-                        raise SpecError(f"archive hardlink {m.name!r} -> {m.linkname!r} has no "
-                                        "regular file target in the archive", path=str(src))
-                    e.type, e.target = "hard", target
-                elif m.ischr() or m.isblk():
-                    e.type, e.rdev = ("chr" if m.ischr() else "blk"), (m.devmajor, m.devminor)
-                elif m.isfifo():
-                    e.type = "fifo"
-                else:
-                    continue
-                _replace(out, path, e.type)
-                out[path] = Scanned(e, source)
+            out = scan_members(tf, src, dst.strip("/"), to_spool)
     except (tarfile.TarError, EOFError, OSError) as err:
         raise SpecError(f"cannot read archive: {err}", path=str(src)) from err
     return list(out.values())

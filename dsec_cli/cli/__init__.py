@@ -14,8 +14,11 @@ from ..core.errors import DsecError
 from . import build as _build
 from . import density as _density
 from . import gc as _gc
+from . import job as _job
 from . import node as _node
+from . import oci as _oci
 from . import optimize as _optimize
+from . import pool as _pool
 from . import sandbox as _sandbox
 from . import store as _store
 from . import verify as _verify
@@ -33,7 +36,8 @@ def _root() -> None:
     """Content-addressed layers and sandboxes for agentic-RL environments."""
 
 
-for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify, _density):
+for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify, _oci, _job, _pool,
+                _density):
     _module.register(app)
 
 

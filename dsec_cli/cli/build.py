@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
                                chunk_sha256=chunk_sha256, replace=replace)
         if json_:
             print_json({"store": report.store, "items": [i.__dict__ for i in report.items],
-                        "warnings": report.warnings})
+                        "warnings": report.warnings, "pinned": report.pinned})
             return
         rows = [(i.ref, i.kind, i.manifest[:12], "cached" if i.cached else f"{i.seconds:.2f}s",
                  human_bytes(i.size), human_bytes(i.stored_size),
@@ -58,6 +58,8 @@ def register(app: typer.Typer) -> None:
             if i.replaced:
                 err_console().print(f"replaced: {i.ref} named {i.replaced[:12]}, now "
                                     f"{i.manifest[:12]}", highlight=False)
+        for source, digest in report.pinned.items():
+            err_console().print(f"pinned: {source} at {digest}", highlight=False, markup=False)
         for w in report.warnings:
             err_console().print(f"[yellow]warning:[/] {w}", highlight=False)
 
@@ -101,11 +103,43 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def export(
         ref: Annotated[str, typer.Argument(help="NAME@VERSION of a layer or image")],
-        dest: Annotated[Path, typer.Argument(help="a new directory, or a file ending in .tar")],
+        dest: Annotated[Path | None, typer.Argument(  # noqa: UP007
+            help="a new directory, or a file ending in .tar")] = None,
         store: StoreOpt = None,
+        format_: Annotated[str, typer.Option(
+            "--format", help="tree: the merged files; oci: an OCI image layout")] = "tree",
+        to_registry: Annotated[str | None, typer.Option(  # noqa: UP007
+            "--to-registry", help="push as an OCI image to HOST/REPO:TAG")] = None,
+        compression: Annotated[str, typer.Option(
+            "--compression", help="OCI layer compression: gzip or zstd")] = "gzip",
+        insecure: Annotated[bool, typer.Option(
+            "--insecure", help="plain HTTP for --to-registry")] = False,
         json_: JsonOpt = False,
     ) -> None:
-        """Write an image's merged tree (whiteouts applied) to a directory or a tar."""
+        """Write an image's merged tree (whiteouts applied) to a directory or a tar, or the
+        image as a runnable OCI image (--format oci, --to-registry)."""
+        from ..core.errors import UsageError
+
+        if format_ not in ("tree", "oci"):
+            raise UsageError(f"unknown export format {format_!r}: choose tree or oci")
+        if format_ == "oci" or to_registry:
+            from ..api import oci
+            from .store import _run
+
+            report = _run("export", json_, oci.export_oci, ref=ref, dest=dest,
+                          to_registry=to_registry, store=store, compression=compression,
+                          insecure=insecure)
+            if json_:
+                print_json(report.to_dict())
+            else:
+                where = " and ".join(x for x in (report.dest, report.registry) if x)
+                console().print(f"exported {ref} ({report.digest[:12]}) as OCI image "
+                                f"{report.manifest_digest[:19]} to {where}: "
+                                f"{len(report.layers)} layers, "
+                                f"{human_bytes(report.bytes_written)}", highlight=False)
+            return
+        if dest is None:
+            raise UsageError("export needs a destination (a directory or a .tar file)")
         from ..api import images
 
         img = images.export_image(ref, dest, store)

@@ -97,6 +97,10 @@ def _render_node(report: dict[str, Any], dry_run: bool) -> None:
         typer.echo(f"cleaned up interrupted create {sid}")
     for sid in report.get("orphans", []):
         typer.echo(f"cleaned up orphaned resources of {sid}")
+    for sid in report.get("pool_reclaimed", []):
+        typer.echo(f"{verb} warm pool member {sid}")
+    for key in report.get("vm_boots_pruned", []):
+        typer.echo(f"{verb} saved VM boot {key}")
     for d in report["evicted"]:
         typer.echo(f"{'would evict' if dry_run else 'evicted'} layer {d[:12]}")
     for d in report.get("stale_builds", []):

@@ -1,4 +1,4 @@
-"""Sandbox commands: run, exec, cp, ps, rm, pause, resume, snapshot (thin: parse, call
+"""Sandbox commands: run, exec, cp, ps, rm, pause, resume, snapshot, fork (thin: parse, call
 dsec_cli.api.sandboxes, which routes NODE/ID ids and --node, render)."""
 
 from __future__ import annotations
@@ -73,6 +73,30 @@ def _report(res: Any, json_out: bool, sid: str | None = None) -> None:
     raise typer.Exit(res.exit_code)
 
 
+def _run_in_job(job: str, image: str, opts: Any, cmd: list[str] | None,
+                timeout: float | None, json_out: bool, node_name: str | None,
+                state_dir: str | None) -> None:
+    """`dsec run --job`: the sandbox stays with the job; CMD's output is shown after it ran."""
+    from ..api.jobs import run_in_job
+    from ..core.errors import UsageError
+    from .render import print_json
+
+    if node_name not in (None, "local"):
+        raise UsageError("--job sandboxes run on the job's node: drop --node")
+    doc, res = run_in_job(job, image, opts, cmd, timeout, state_dir)
+    if json_out:
+        print_json({**doc, "result": None if res is None else {
+            "exit_code": res.exit_code, "stdout": res.stdout.decode(errors="replace"),
+            "stderr": res.stderr.decode(errors="replace"), "duration": res.duration}})
+    else:
+        typer.echo(doc["sandbox"])
+        if res is not None:
+            _stream("stdout", res.stdout)
+            _stream("stderr", res.stderr)
+    if res is not None and res.exit_code:
+        raise typer.Exit(res.exit_code)
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 StateOpt = Annotated[str | None, typer.Option("--state-dir", help=STATE_HELP)]  # noqa: UP007
 EnvOpt = Annotated[list[str] | None,  # noqa: UP007
@@ -124,6 +148,9 @@ def register(app: typer.Typer) -> None:
         node_name: Annotated[str | None, typer.Option(  # noqa: UP007
             "--node", help="cluster node NAME, auto (placed by capacity and cache) or local")
                              ] = None,
+        job: Annotated[str | None, typer.Option(  # noqa: UP007
+            "--job", help="a job on this node owns the sandbox (it stays; CMD is its first "
+                          "journaled step)")] = None,
     ) -> None:
         """Create a sandbox; run CMD in it and remove it, or leave it running with -d."""
         from ..api import sandboxes
@@ -134,12 +161,15 @@ def register(app: typer.Typer) -> None:
         validate.image(image)
         validate.node_option(node_name)
         validate.positive_float(timeout, "--timeout")
-        if not detach and not cmd:
+        if not detach and not cmd and job is None:
             raise UsageError("give a command after -- or use -d to leave the sandbox running")
         opts = sandboxes.create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
                                         network=network, env=_parse_env(env), workdir=workdir,
                                         fetch=fetch, disk=disk, cpu_class=cpu_class,
                                         prefix="--")
+        if job is not None:
+            _run_in_job(job, image, opts, cmd, timeout, json_out, node_name, state_dir)
+            return
         node, rec = sandboxes.create(image, opts, node_name, state_dir)
         if detach:
             if cmd:
@@ -279,6 +309,28 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"warning: {w}", err=True)
             typer.echo(f"{out['image']} {out['image_digest'][:12]} "
                        f"(layer {out['layer']} {out['layer_digest'][:12]})")
+
+    @app.command()
+    def fork(
+        sandbox: SandboxArg,
+        count: Annotated[int, typer.Option("-n", "--count",
+                                           help="how many copies to make (1-256)")] = 1,
+        json_out: JsonOpt = False,
+        state_dir: StateOpt = None,
+        node: NodeOpt = None,
+    ) -> None:
+        """Make copies of a sandbox's files: new sandboxes on its node, copy-on-write over one
+        snapshot layer where the backend snapshots; prints the copies' ids."""
+        from ..api.sandboxes import fork as fork_sandbox
+        from .render import print_json
+
+        out = fork_sandbox(sandbox, count, node, state_dir)
+        copies = [r.public() for r in out["copies"]]
+        if json_out:
+            print_json({**out, "copies": copies})
+        else:
+            for c in copies:
+                typer.echo(c["id"])
 
 
 def _ps_table(recs: list[dict[str, Any]]) -> None:

@@ -36,6 +36,8 @@ class Config:
     state_dir: str = ""
     cache_budget: str = "20G"
     kernel: str = ""  # guest kernel for the microvm and vm backends (else the setup cache)
+    #: how microvm/vm sandboxes start: cold (boot each) or snapshot (restore a saved boot)
+    vm_boot: str = "cold"
     # network waits (durations): a dead store endpoint or SSH node fails within about
     # connect_timeout + read_timeout, retries included (docs/stores.md, docs/cluster.md)
     connect_timeout: str = "10s"
@@ -47,6 +49,8 @@ class Config:
     #: bounds on store objects read (`StoreLimits` field -> size or count), e.g.
     #: ``limits: {index_json_bytes: 1G, index_entries: 8000000}``
     limits: dict[str, Any] = field(default_factory=dict)
+    #: warm pools (run/pool.py `PoolSettings`), e.g. ``pool: {auto: true, memory: 4G}``
+    pool: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # key -> where it was set
 
     def resolve(self) -> Config:
@@ -63,6 +67,7 @@ class Config:
 _KEYS = {f.name for f in fields(Config)} - {"sources"}
 _ENV = {"DSEC_STORE": "store", "DSEC_DATA_DIR": "data_dir", "DSEC_STATE_DIR": "state_dir",
         "DSEC_CACHE_BUDGET": "cache_budget", "DSEC_KERNEL": "kernel",
+        "DSEC_VM_BOOT": "vm_boot",
         "DSEC_CONNECT_TIMEOUT": "connect_timeout", "DSEC_READ_TIMEOUT": "read_timeout",
         "DSEC_IDLE_RECLAIM": "idle_reclaim"}
 

@@ -95,14 +95,29 @@ http:
 """
 
 
-def start_registry(parent: str | None = None) -> Server:
-    """Debian's docker-registry with deletes enabled, storage in a temp dir, plain HTTP."""
+def _bcrypt(password: str) -> str:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import crypt  # glibc's bcrypt, what distribution's htpasswd files hold
+
+    return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))
+
+
+def start_registry(parent: str | None = None, users: dict[str, str] | None = None) -> Server:
+    """Debian's docker-registry with deletes enabled, storage in a temp dir, plain HTTP;
+    with ``users`` (name -> password), every request needs their basic credentials."""
     exe = shutil.which("docker-registry") or "/usr/bin/docker-registry"
     if not os.path.exists(exe):
         raise RuntimeError("docker-registry is not installed (scripts/setup.sh --dev)")
     tmp = Path(tempfile.mkdtemp(prefix="dsec-registry-", dir=parent))
     port = free_port()
-    (tmp / "config.yml").write_text(REGISTRY_CONFIG.format(root=tmp / "data", port=port))
+    config = REGISTRY_CONFIG.format(root=tmp / "data", port=port)
+    if users:
+        (tmp / "htpasswd").write_text("".join(f"{u}:{_bcrypt(pw)}\n" for u, pw in users.items()))
+        config += f"auth:\n  htpasswd:\n    realm: dsec-test\n    path: {tmp / 'htpasswd'}\n"
+    (tmp / "config.yml").write_text(config)
     proc = subprocess.Popen([exe, "serve", str(tmp / "config.yml")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     host = f"127.0.0.1:{port}"

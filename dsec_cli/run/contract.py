@@ -91,6 +91,10 @@ class NodeAPI(Protocol):
     def remove(self, sid: str) -> Any:
         ...
 
+    def fork(self, sid: str, n: int) -> dict[str, Any]:
+        """``n`` copies of a sandbox's files; ``copies`` holds their `SandboxRef`s."""
+        ...
+
     # -- work inside a sandbox -------------------------------------------------------------
     def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
              cwd: str | None = None, stdin: bytes | Iterable[bytes] | None = None,

@@ -135,7 +135,7 @@ def _reclaim(node: Node, rec: SandboxRecord, cg: _cgroups.Cgroup, parked: bool
 
 def park(node: Node, sid: str) -> dict[str, Any]:
     """Stop a running sandbox and push its memory out; `thaw` brings it back."""
-    rec, b, h = node._live(sid)
+    rec, b, h = node.live(sid)
     cg = _cgroup(node, rec)
     if cg is None:
         raise UsageError(f"{rec.backend} sandbox {rec.id} has no cgroup to reclaim from")

@@ -73,6 +73,14 @@ class Node:
         self._backends: dict[str, Backend] = {}
         self._lock = threading.Lock()
         self._cache_bytes: tuple[float, int] = (0.0, 0)
+        from ..core.errors import ConfigError
+        from .pool import Pools
+
+        try:
+            self.pools = Pools(self, cfg.pool)
+        except ConfigError as e:
+            raise ConfigError(f"{cfg.sources.get('pool', 'config')}: {e.message}",
+                              hint=e.hint) from None
 
     # -- plumbing ------------------------------------------------------------------------------
     def backend(self, name: str) -> Backend:
@@ -91,13 +99,15 @@ class Node:
         """A store reference (``name@version`` or digest), or a local rootfs directory."""
         return images.resolve(self.store(), self.cache_root, image)
 
-    def lookup(self, sid: str) -> SandboxRecord:
+    def lookup(self, sid: str, *, pooled: bool = False) -> SandboxRecord:
+        """The sandbox with this id (or unique id prefix). Warm pool members are nobody's
+        sandboxes yet: only ``pooled=True`` (removal) finds them."""
         if not sid or not all(c.isalnum() or c in "-_" for c in sid):
             raise UsageError(f"invalid sandbox id {sid!r}")
         rec = self.db.get(sid)
-        if rec is not None:
+        if rec is not None and (pooled or rec.status != "pooled"):
             return rec
-        found = self.db.find(sid)
+        found = [r for r in self.db.find(sid) if r.status != "pooled"]
         if len(found) == 1:
             return found[0]
         if len(found) > 1:
@@ -109,27 +119,52 @@ class Node:
         return SandboxHandle(rec.id, rec.backend, dict(rec.handle or {}))
 
     # -- create / remove -----------------------------------------------------------------------
-    def create(self, image: str, opts: CreateOptions | None = None) -> SandboxRecord:
+    def create(self, image: str, opts: CreateOptions | None = None, *,
+               from_pool: bool = True) -> SandboxRecord:
+        """A new sandbox: a warm pool member of the same (image, backend, limits, env) when
+        the node keeps one (pool.py), else created now. ``from_pool=False`` always creates."""
         opts = opts or CreateOptions()
         opts.validate()
+        fetch = images.fetch_mode(opts.fetch, image)
+        if fetch == "eager" and from_pool and self.pools.active():
+            img = self.resolve_image(image)
+            rec = self.pools.take(image, img, opts)
+            if rec is not None:
+                return rec
+            return self._make(image, img, opts, fetch)
+        return self._make(image, None, opts, fetch)
+
+    def take_pooled(self, image: str, opts: CreateOptions) -> SandboxRecord | None:
+        """A warm pool member for this create, or None (no pool, or it is empty)."""
+        opts.validate()
+        if images.fetch_mode(opts.fetch, image) != "eager" or not self.pools.active():
+            return None
+        return self.pools.take(image, self.resolve_image(image), opts)
+
+    def _make(self, image: str, img: Image | None, opts: CreateOptions, fetch: str,
+              pool_key: str | None = None) -> SandboxRecord:
+        """Create one sandbox now; with ``pool_key`` it becomes a warm pool member (status
+        ``pooled``) instead of a running sandbox."""
         backend = self.backend(opts.backend)
         sid = secrets.token_hex(6)
-        fetch = images.fetch_mode(opts.fetch, image)
-        img = self.resolve_image(image) if fetch == "eager" else \
-            images.lazy(self.store(), self.cache_root, self.sandboxes_dir / sid, image)
+        if img is None:
+            img = self.resolve_image(image) if fetch == "eager" else \
+                images.lazy(self.store(), self.cache_root, self.sandboxes_dir / sid, image)
         limits = Limits(cpus=opts.cpus, memory=opts.memory, pids=opts.pids, disk=opts.disk,
                         cpu_class=opts.cpu_class)
         env = {**img.env, **opts.env}
         workdir = opts.workdir or img.workdir or "/"
+        spec_row: dict[str, Any] = {
+            "limits": {"cpus": opts.cpus, "memory": opts.memory, "pids": opts.pids,
+                       "disk": opts.disk, "cpu_class": opts.cpu_class},
+            "network": opts.network, "env": env, "workdir": workdir,
+            "layer_digests": img.layer_digests, "from_store": img.from_store, "fetch": fetch}
+        if pool_key is not None:
+            spec_row["pool"] = pool_key
         rec = SandboxRecord(
             id=sid, backend=opts.backend, image=image, image_digest=img.digest, status="creating",
             handle=None, created=now(), expires=now() + opts.ttl if opts.ttl else None,
-            spec={"limits": {"cpus": opts.cpus, "memory": opts.memory, "pids": opts.pids,
-                             "disk": opts.disk, "cpu_class": opts.cpu_class},
-                  "network": opts.network, "env": env, "workdir": workdir,
-                  "layer_digests": img.layer_digests, "from_store": img.from_store,
-                  "fetch": fetch},
-            owner_pid=os.getpid(), owner_start=_rootfs.proc_start_time(os.getpid()),
+            spec=spec_row, owner_pid=os.getpid(), owner_start=_rootfs.proc_start_time(os.getpid()),
             layers=[str(p) for p in img.lower_dirs])
         self.db.insert(rec, [img.digest] if img.from_store else [])
         sdir = self.sandboxes_dir / sid
@@ -139,6 +174,7 @@ class Node:
                            sdir / "upper", sdir / "work"), state_dir=sdir, env=env,
                            workdir=workdir, limits=limits, network=opts.network,
                            image_digest=img.digest)
+        status = "running" if pool_key is None else "pooled"
         try:
             sdir.mkdir(mode=0o700)
             if os.geteuid() == 0:
@@ -149,13 +185,21 @@ class Node:
                 images.mount_lazy(sdir, self.store_url, img, fetch, self.cache_root,
                                    self.cache_budget, opts.record_seconds)
             handle = backend.create(spec)
-            self.db.update(sid, status="running", handle=handle.state)
+            if pool_key is not None:
+                from ..core.config import debug_delay
+
+                pause = debug_delay("pool_refill")  # tests stop a refill here and kill it
+                if pause:
+                    import time
+
+                    time.sleep(pause)
+            self.db.update(sid, status=status, handle=handle.state)
         except BaseException:
             self.teardown(SandboxHandle(sid, opts.backend, {}), sdir)
             pins.unpin(self.store, self.cgroup_parent, sid)
             self.db.delete(sid)
             raise
-        rec.status, rec.handle = "running", handle.state
+        rec.status, rec.handle = status, handle.state
         return rec
 
     def _fallback_state(self, sid: str, backend: str) -> dict[str, Any]:
@@ -219,7 +263,7 @@ class Node:
         return read_stats(self.sandboxes_dir / rec.id / "lazy")
 
     def remove(self, sid: str) -> SandboxRecord:
-        rec = self.lookup(sid)
+        rec = self.lookup(sid, pooled=True)
         self.teardown(self.handle_of(rec), self.sandboxes_dir / rec.id)
         if rec.spec.get("from_store"):
             pins.unpin(self.store, self.cgroup_parent, rec.id)
@@ -231,7 +275,9 @@ class Node:
         return rec
 
     # -- work inside ---------------------------------------------------------------------------
-    def _live(self, sid: str) -> tuple[SandboxRecord, Backend, SandboxHandle]:
+    def live(self, sid: str) -> tuple[SandboxRecord, Backend, SandboxHandle]:
+        """A running sandbox's record, backend and handle (`UsageError` while it is being
+        created or is paused, `SandboxError` once it died)."""
         rec = self.lookup(sid)
         if rec.status == "creating":
             raise UsageError(f"sandbox {rec.id} is still being created")
@@ -253,12 +299,8 @@ class Node:
              capture_limit: int | None = None) -> ExecResult:
         """Run argv in the sandbox. Output goes to `on_output` as it arrives and is kept in
         the result up to `capture_limit` bytes per stream (None: all of it)."""
-        if not argv:
-            raise UsageError("exec needs a command")
-        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
-            raise UsageError(f"invalid timeout {timeout}: must be a finite number of seconds "
-                             "above 0")
-        rec, b, h = self._live(sid)
+        check_exec(argv, timeout)
+        rec, b, h = self.live(sid)
         req = ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout,  # type: ignore[arg-type]
                           capture_limit)
         sdir = self.sandboxes_dir / rec.id
@@ -269,34 +311,34 @@ class Node:
             density.touch(sdir)
 
     def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        _, b, h = self._live(sid)
-        b.put_file(h, _sandbox_path(path), data, mode)
+        _, b, h = self.live(sid)
+        b.put_file(h, sandbox_path(path), data, mode)
 
     def get_file(self, sid: str, path: str) -> bytes:
-        _, b, h = self._live(sid)
-        return b.get_file(h, _sandbox_path(path))
+        _, b, h = self.live(sid)
+        return b.get_file(h, sandbox_path(path))
 
     def put_stream(self, sid: str, path: str, src: BinaryIO, mode: int = 0o644) -> int:
         """Write a host file into the sandbox, streamed; its size."""
-        _, b, h = self._live(sid)
-        return b.put_stream(h, _sandbox_path(path), src, mode)
+        _, b, h = self.live(sid)
+        return b.put_stream(h, sandbox_path(path), src, mode)
 
     def get_tree(self, sid: str, path: str, sink: TreeSink) -> None:
         """Copy a file, symlink or directory out of the sandbox into `sink`, streamed."""
-        _, b, h = self._live(sid)
-        b.get_tree(h, _sandbox_path(path), sink)
+        _, b, h = self.live(sid)
+        b.get_tree(h, sandbox_path(path), sink)
 
     def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
-        _, b, h = self._live(sid)
+        _, b, h = self.live(sid)
         client = getattr(b, "client", None)
         if client is None:
-            return b.get_file(h, _sandbox_path(path)), 0o644
-        result: tuple[bytes, int] = client(h).get_file_with_mode(_sandbox_path(path))
+            return b.get_file(h, sandbox_path(path)), 0o644
+        result: tuple[bytes, int] = client(h).get_file_with_mode(sandbox_path(path))
         return result
 
     # -- pause / resume / snapshot -------------------------------------------------------------
     def pause(self, sid: str) -> SandboxRecord:
-        rec, b, h = self._live(sid)
+        rec, b, h = self.live(sid)
         b.pause(h)
         self.db.update(rec.id, status="paused")
         rec.status = "paused"
@@ -332,11 +374,18 @@ class Node:
 
         return snapshot(self, sid, ref, push)
 
+    def fork(self, sid: str, n: int) -> dict[str, Any]:
+        """``n`` new sandboxes starting from this one's files (see fork.py): ``copies``
+        holds their records; the snapshot layer they share, where there is one."""
+        from .fork import fork
+
+        return fork(self, sid, n)
+
     # -- listing, reconcile, gc ----------------------------------------------------------------
     def sandboxes(self, reconcile: bool = True) -> list[SandboxRecord]:
         if reconcile:
             self.reconcile()
-        return self.db.all()
+        return [r for r in self.db.all() if r.status != "pooled"]
 
     def reconcile(self) -> dict[str, list[str]]:
         """Make the database and the system agree after crashes (see reconcile.py)."""
@@ -346,6 +395,10 @@ class Node:
         """Remove expired and dead sandboxes, then evict unleased cached layers, least
         recently used first, until the cache fits the budget (see reconcile.py)."""
         return reconcile.gc(self, budget, dry_run)
+
+    def close(self) -> None:
+        """Stop this process's pool refill thread (waiting for a member being made)."""
+        self.pools.stop()
 
     def describe(self, sid: str) -> dict[str, Any]:
         rec = self.lookup(sid)
@@ -359,7 +412,16 @@ class Node:
         return out
 
 
-def _sandbox_path(path: str) -> str:
+def check_exec(argv: list[str], timeout: float | None) -> None:
+    """An exec's command and timeout, checked before anything is sent."""
+    if not argv:
+        raise UsageError("exec needs a command")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"invalid timeout {timeout}: must be a finite number of seconds "
+                         "above 0")
+
+
+def sandbox_path(path: str) -> str:
     """Paths inside a sandbox are absolute; the agent resolves them in the sandbox's own
     root, so `..` and symlinks cannot leave it."""
     if not path.startswith("/"):

@@ -1,7 +1,7 @@
 """Crash recovery and node gc: `reconcile` makes the node database and the system agree
 (finishing half-done creates, marking dead sandboxes, removing mounts, dirs, cgroups and runc
-state nobody owns); `gc` removes expired and dead sandboxes and evicts cached layers past the
-budget, least recently used first."""
+state nobody owns); `gc` applies job leases (run/jobs.py), removes expired and dead sandboxes
+and evicts cached layers past the budget, least recently used first."""
 
 from __future__ import annotations
 
@@ -21,10 +21,13 @@ if TYPE_CHECKING:
     from .node import Node
 
 
+TEMPLATE_IDLE = 7 * 86400.0
+
+
 def reconcile(node: Node) -> dict[str, list[str]]:
     """Make the database and the system agree after crashes: finish half-done creates,
     mark dead sandboxes, remove mounts, dirs, cgroups and runc state nobody owns."""
-    report: dict[str, list[str]] = {"aborted": [], "dead": [], "orphans": []}
+    report: dict[str, list[str]] = {"aborted": [], "dead": [], "orphans": [], "pool_dead": []}
     # list the system first, then read rows: a row is written before its resources exist
     dirs = {p.name for p in node.sandboxes_dir.iterdir()} if node.sandboxes_dir.is_dir() \
         else set()
@@ -44,6 +47,13 @@ def reconcile(node: Node) -> dict[str, list[str]]:
             if not node.backend(r.backend).is_alive(node.handle_of(r)):
                 node.db.update(r.id, status="dead")
                 report["dead"].append(r.id)
+        elif r.status == "pooled":  # nobody's yet: a dead member just goes
+            if not node.backend(r.backend).is_alive(node.handle_of(r)):
+                try:
+                    node.remove(r.id)
+                except NotFoundError:
+                    continue  # taken or removed concurrently
+                report["pool_dead"].append(r.id)
     for sid in (dirs | groups | runc) - set(rows):
         if sid.startswith("."):
             continue
@@ -69,6 +79,16 @@ def gc(node: Node, budget: int | None = None, dry_run: bool = False) -> dict[str
     # staging dirs (and overlay mounts) of builds killed during a `run` step
     report["stale_builds"] = clean_stale_staging(Path(load_config().data_dir) / "tmp",
                                                  dry_run=dry_run)
+    if (node.root / "jobs.db").exists():  # job leases: park, reclaim (run/jobs.py)
+        from .jobs import node_jobs
+
+        report["jobs"] = node_jobs(node).sweep(dry_run)
+    # warm pool members past their pool's size or age (pool.py)
+    report["pool_reclaimed"] = node.pools.reclaim(dry_run=dry_run)
+    # saved VM boots no restore used for a week (backends/vm/vmsnap.py)
+    from ..backends.vm.vmsnap import prune
+
+    report["vm_boots_pruned"] = prune(node.root / "vm", TEMPLATE_IDLE, dry_run)
     t = now()
     for r in node.db.all():
         expired = r.expires is not None and r.expires <= t

@@ -24,7 +24,7 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     backend TEXT NOT NULL,
     image TEXT NOT NULL,
     image_digest TEXT NOT NULL,
-    status TEXT NOT NULL,           -- creating | running | paused | parked | dead
+    status TEXT NOT NULL,           -- creating | running | paused | parked | dead | pooled
     handle TEXT,                    -- the backend's JSON state, once created
     spec TEXT NOT NULL,             -- limits, network, env, workdir, layers (JSON)
     created REAL NOT NULL,
@@ -41,6 +41,15 @@ CREATE TABLE IF NOT EXISTS pins (     -- manifest digests store gc must keep
     sandbox_id TEXT NOT NULL REFERENCES sandboxes(id) ON DELETE CASCADE,
     digest TEXT NOT NULL,
     PRIMARY KEY (sandbox_id, digest)
+);
+CREATE TABLE IF NOT EXISTS pools (    -- warm pools kept on this node (pool.py)
+    key TEXT PRIMARY KEY,
+    image TEXT NOT NULL,            -- the reference it was asked for by (for display)
+    digest TEXT NOT NULL,           -- the image manifest digest members are made from
+    options TEXT NOT NULL,          -- the create options that make the key (JSON)
+    size INTEGER,                   -- fixed size (dsec pool set); NULL: learned from demand
+    recent TEXT NOT NULL,           -- recent creation times of the key (JSON list)
+    last REAL NOT NULL              -- the key's last creation
 );
 """
 
@@ -79,6 +88,10 @@ class NodeDB:
     def _connect(self) -> sqlite3.Connection:
         return thread_connection(self._local, "db", self.path,
                                  ("foreign_keys=ON", "synchronous=NORMAL"))
+
+    def read(self) -> sqlite3.Connection:
+        """This thread's connection, for reads outside a write transaction."""
+        return self._connect()
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:

@@ -16,6 +16,7 @@ otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -42,7 +43,7 @@ from ..base import (
 )
 from ..sandbox_agent import agent_binary
 from ..sandbox_agent.client import AgentClient, AgentError
-from . import qemu_accel, vmimage
+from . import qemu_accel, vmimage, vmsnap
 from .qemu_qmp import QMPError, qmp
 from .vmkernel import Kernel, boot_image, build_initramfs, find_kernel
 
@@ -52,6 +53,9 @@ DEFAULT_MEMORY = 512 << 20
 MIN_MEMORY = 128 << 20
 #: how long one connection waits for the agent's answer before it is made again
 AGENT_RETRY = 10.0
+#: the same for a guest just restored: its agent may still be reopening its port after the
+#: template's connection went away, which can swallow the first ping
+RESTORED_RETRY = 1.0
 BOOT_TIMEOUT = 180.0  # TCG on a loaded 2-core host boots in tens of seconds
 CONNECT_TIMEOUT = 60.0  # waiting for another process to release the agent connection
 
@@ -97,11 +101,18 @@ class QemuBackend(AgentBackend):
     def __init__(self, state_dir: str | os.PathLike[str] | None = None,
                  kernel: str | os.PathLike[str] | None = None,
                  qemu: str = "qemu-system-x86_64", accel: str = "auto",
-                 boot_timeout: float = BOOT_TIMEOUT, cgroup_parent: str = "dsec") -> None:
+                 boot_timeout: float = BOOT_TIMEOUT, boot: str | None = None,
+                 cgroup_parent: str = "dsec") -> None:
         self.cgroup_parent = cgroup_parent  # QEMU runs in <parent>/<sandbox id>
         if accel not in ("auto", "kvm", "tcg"):
             raise UsageError(f"unknown accelerator {accel!r}: choose auto, kvm or tcg")
-        root = Path(state_dir) if state_dir else Path(load_config().state_dir)
+        cfg = load_config() if boot is None or not state_dir else None
+        boot = boot or (cfg.vm_boot if cfg else "cold")
+        if boot not in ("cold", "snapshot"):
+            raise UsageError(f"unknown VM boot mode {boot!r} (vm_boot, DSEC_VM_BOOT): choose "
+                             "cold or snapshot")
+        self.boot = boot
+        root = Path(state_dir) if state_dir else Path(cfg.state_dir if cfg else ".")
         self.vm_dir = root / "vm"  # node-level: accel probe, initramfs, root images
         self.kernel_path = kernel
         self._resolved_kernel: Kernel | None = None
@@ -168,7 +179,7 @@ class QemuBackend(AgentBackend):
         self._qemu_binary()
 
     def _argv(self, spec: SandboxSpec, st: dict[str, Any], kernel: Kernel, initramfs: Path,
-              root: Path, disk: Path) -> list[str]:
+              root: Path, disk: Path, snap: bool = False) -> list[str]:
         lim = spec.limits
         cpus = max(1, math.ceil(lim.cpus)) if lim.cpus else 1
         mem = lim.memory or DEFAULT_MEMORY
@@ -198,59 +209,162 @@ class QemuBackend(AgentBackend):
                 "-device", f"{self.balloon_dev},free-page-reporting=on"]
         if spec.network == "host":
             argv += ["-netdev", "user,id=net0", "-device", f"{self.net_dev},netdev=net0"]
+        if snap:
+            # a new generation id per restore: where the guest's firmware tables expose it
+            # (q35), the kernel reseeds its CRNG the moment the guest resumes
+            argv += ["-device", "vmgenid,guid=auto"]
         return argv
 
     # -- lifecycle -----------------------------------------------------------------------------
     def create(self, spec: SandboxSpec) -> SandboxHandle:
         self._validate(spec)
+        self._kernel()  # a missing kernel is bad input: refused before anything is made
+        if self.boot == "snapshot":
+            try:
+                return self._create_restored(spec)
+            except (BackendError, SandboxError, OSError) as e:  # cold boot: the fallback
+                log.warning("sandbox %s: snapshot boot failed (%s); booting cold",
+                            spec.sandbox_id, e)
+        return self._create_cold(spec)
+
+    def _state(self, spec: SandboxSpec) -> dict[str, Any]:
+        return {**_default_state(spec.sandbox_id, str(spec.state_dir)), "machine": self.name,
+                "env": dict(spec.env), "workdir": spec.workdir, "network": spec.network,
+                "cgroup": f"{self.cgroup_parent}/{spec.sandbox_id}"}
+
+    def _parts(self, spec: SandboxSpec) -> tuple[Kernel, Path, Path]:
         kernel = self._kernel()
+        initramfs = build_initramfs(kernel, self.vm_dir / "initramfs", agent=agent_binary())
+        root = vmimage.root_image(spec.rootfs.lower_dirs, spec.image_digest,
+                                  self.vm_dir / "images")
+        return kernel, initramfs, root
+
+    def _launch(self, spec: SandboxSpec, st: dict[str, Any], argv: list[str]) -> None:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise BackendError(f"QEMU could not start sandbox {spec.sandbox_id}: "
+                               f"{proc.stderr.strip()[-1000:]}")
+        pid = int(Path(st["pidfile"]).read_text().strip())
+        st["pid"], st["start_time"] = pid, _proc_start(pid)
+        # QEMU (every thread, guest RAM charged from here on) in the sandbox's own group:
+        # its CPU class, resident memory and reclamation act on it
+        cg = _cgroups.Cgroup(st["cgroup"])
+        cg.create()
+        cg.add(pid)
+        if spec.limits.cpu_class:
+            cg.apply_class(spec.limits.cpu_class)
+
+    def _create_cold(self, spec: SandboxSpec, snap: bool = False) -> SandboxHandle:
         sdir = spec.state_dir
-        st: dict[str, Any] = {
-            **_default_state(spec.sandbox_id, str(sdir)), "machine": self.name,
-            "env": dict(spec.env), "workdir": spec.workdir, "network": spec.network,
-            "cgroup": f"{self.cgroup_parent}/{spec.sandbox_id}",
-        }
+        st = self._state(spec)
         handle = SandboxHandle(spec.sandbox_id, self.name, st)
         try:
             sdir.mkdir(parents=True, exist_ok=True)
             Path(st["run_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
-            initramfs = build_initramfs(kernel, self.vm_dir / "initramfs", agent=agent_binary())
-            root = vmimage.root_image(spec.rootfs.lower_dirs, spec.image_digest,
-                                      self.vm_dir / "images")
+            kernel, initramfs, root = self._parts(spec)
             disk = vmimage.writable_disk(Path(st["disk"]), spec.limits.disk)
             acc = self.acceleration(kernel)
             st["accel"], st["root_image"] = acc["accel"], str(root)
-            argv = self._argv(spec, st, kernel, initramfs, root, disk)
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-            if proc.returncode != 0:
-                raise BackendError(f"QEMU could not start sandbox {spec.sandbox_id}: "
-                                   f"{proc.stderr.strip()[-1000:]}")
-            pid = int(Path(st["pidfile"]).read_text().strip())
-            st["pid"], st["start_time"] = pid, _proc_start(pid)
-            # QEMU (every thread, guest RAM charged from here on) in the sandbox's own group:
-            # its CPU class, resident memory and reclamation act on it
-            cg = _cgroups.Cgroup(st["cgroup"])
-            cg.create()
-            cg.add(pid)
-            if spec.limits.cpu_class:
-                cg.apply_class(spec.limits.cpu_class)
+            self._launch(spec, st, self._argv(spec, st, kernel, initramfs, root, disk, snap))
             self._wait_ready(handle)
         except BaseException:
             self.destroy(handle)
             raise
         return handle
 
-    def _open_agent(self, handle: SandboxHandle, timeout: float) -> AgentClient:
+    # -- snapshot boot (vmsnap.py) -------------------------------------------------------------
+    def _template(self, spec: SandboxSpec) -> tuple[str, str, Path]:
+        """The template's key, the document it digests, and its directory."""
+        kernel, initramfs, root = self._parts(spec)
+        accel = self.acceleration(kernel)["accel"]
+        lim = spec.limits
+        key, doc = vmsnap.template_key(
+            {"machine": self.machine, "accel": accel, "cpus": lim.cpus,
+             "memory": lim.memory or DEFAULT_MEMORY, "pids": lim.pids, "disk": lim.disk,
+             "network": spec.network},
+            [boot_image(kernel, self.vm_dir / "kernel"), initramfs, root,
+             Path(self._qemu_binary())])
+        return key, doc, vmsnap.template_dir(self.vm_dir, key)
+
+    def template_for(self, spec: SandboxSpec) -> Path:
+        """The saved boot a sandbox like ``spec`` restores from; built (by booting a guest
+        under ``<sandbox id>-tpl`` in a build dir named after the sandbox) when missing."""
+        key, doc, tdir = self._template(spec)
+        if vmsnap.ready(tdir):
+            return tdir
+        with vmsnap.build_lock(self.vm_dir, key):
+            if vmsnap.ready(tdir):
+                return tdir
+            work = vmsnap.build_dir(self.vm_dir, spec.sandbox_id)
+            tspec = dataclasses.replace(spec, sandbox_id=_template_id(spec.sandbox_id),
+                                        state_dir=work / "vm", hostname="sandbox", env={})
+            out = work / "out"
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "key.json").write_text(doc + "\n")
+            h = self._create_cold(tspec, snap=True)
+            try:
+                self._drop_client(h.sandbox_id)  # the guest's port must not hold a connection
+                time.sleep(0.5)  # let the agent see the port close and reopen it before the stop
+                vmsnap.save(h.state["qmp"], out / "state", self.boot_timeout)
+                qmp(h.state["qmp"], "quit", timeout=5)
+                _wait_gone(h.state["pid"], 30.0)
+                os.rename(h.state["disk"], out / "disk.ext4")
+            finally:
+                self.destroy(h)
+            tdir.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(out, tdir)
+            shutil.rmtree(work, ignore_errors=True)
+        return tdir
+
+    def _create_restored(self, spec: SandboxSpec) -> SandboxHandle:
+        tdir = self.template_for(spec)
+        vmsnap.touch(tdir)
+        sdir = spec.state_dir
+        st = self._state(spec)
+        st["restored"] = tdir.name
+        handle = SandboxHandle(spec.sandbox_id, self.name, st)
+        try:
+            sdir.mkdir(parents=True, exist_ok=True)
+            Path(st["run_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
+            kernel, initramfs, root = self._parts(spec)
+            vmsnap.copy_disk(tdir / "disk.ext4", Path(st["disk"]))
+            st["accel"], st["root_image"] = self.acceleration(kernel)["accel"], str(root)
+            argv = self._argv(spec, st, kernel, initramfs, root, Path(st["disk"]), snap=True)
+            self._launch(spec, st, argv + vmsnap.incoming_argv(tdir))
+            vmsnap.wait_restored(st["qmp"], self.boot_timeout, lambda: self.is_alive(handle))
+            self._wait_ready(handle, RESTORED_RETRY)
+            self._set_identity(handle, spec)
+        except BaseException:
+            self.destroy(handle)
+            raise
+        return handle
+
+    def _set_identity(self, handle: SandboxHandle, spec: SandboxSpec) -> None:
+        """Hostname, a CRNG reseeded from host randomness, a fresh machine id: what a
+        restored guest must not share with its template or its siblings."""
+        client = self.client(handle)
+        client.put_file(vmsnap.IDENTITY_PATH, vmsnap.identity_binary(), 0o700)
+        r = client.exec([vmsnap.IDENTITY_PATH, _safe_hostname(spec.hostname),
+                         os.urandom(16).hex()], {}, "/", os.urandom(256), 60)
+        if r.exit_code != 0:
+            raise SandboxError(f"giving restored sandbox {handle.sandbox_id} its identity "
+                               f"failed (code {r.exit_code}): {r.stderr.decode(errors='replace')}")
+
+    def _open_agent(self, handle: SandboxHandle, timeout: float,
+                    retry: float = AGENT_RETRY) -> AgentClient:
         """A client whose agent answered a ping within `timeout` (QEMU accepts one
         connection on the port's socket at a time: a second process waits its turn, and a
         guest still booting has not opened the port yet). A connection that gets no answer
         is dropped and made again every few seconds: one left behind by a killed process can
-        stay unanswered while a new one is served. Fails early if QEMU exits."""
+        stay unanswered while a new one is served. A shorter first ``retry`` doubles up to
+        the usual one, so a slow guest is still given time to answer. Fails early if QEMU
+        exits."""
         deadline = time.monotonic() + timeout
         while True:
-            client = self._ping_within(handle, min(AGENT_RETRY, deadline - time.monotonic()))
+            client = self._ping_within(handle, min(retry, deadline - time.monotonic()))
             if client is not None:
                 return client
+            retry = min(retry * 2, AGENT_RETRY)
             if not self.is_alive(handle):
                 raise SandboxError("QEMU exited")
             if time.monotonic() >= deadline:
@@ -289,9 +403,9 @@ class QemuBackend(AgentBackend):
             raise SandboxError(f"the guest agent failed: {error[0]}")
         return client
 
-    def _wait_ready(self, handle: SandboxHandle) -> None:
+    def _wait_ready(self, handle: SandboxHandle, retry: float = AGENT_RETRY) -> None:
         try:
-            client = self._open_agent(handle, self.boot_timeout)
+            client = self._open_agent(handle, self.boot_timeout, retry)
         except SandboxError as e:
             raise BackendError(f"sandbox {handle.sandbox_id} did not boot: {e.message}; "
                                f"console: {self._console_tail(handle)}") from e
@@ -305,6 +419,12 @@ class QemuBackend(AgentBackend):
         return " | ".join(text.strip().splitlines()[-lines:]) or "(no console output)"
 
     def destroy(self, handle: SandboxHandle) -> None:
+        if not handle.sandbox_id.endswith(TEMPLATE_SUFFIX):
+            # a template boot interrupted inside this sandbox's create (snapshot boot)
+            work = vmsnap.build_dir(self.vm_dir, handle.sandbox_id)
+            self.destroy(SandboxHandle(_template_id(handle.sandbox_id), self.name,
+                                       {"state_dir": str(work / "vm")}))
+            shutil.rmtree(work, ignore_errors=True)
         st = {**_default_state(handle.sandbox_id, handle.state.get("state_dir")), **handle.state}
         self._drop_client(handle.sandbox_id)
         pid = st.get("pid")
@@ -444,6 +564,13 @@ def _default_state(sid: str, state_dir: str | None) -> dict[str, Any]:
         st.update(state_dir=str(sdir), console=str(sdir / "console.log"),
                   disk=str(sdir / "disk.ext4"), snap_mount=str(sdir / "snap-mnt"))
     return st
+
+
+TEMPLATE_SUFFIX = "-tpl"
+
+
+def _template_id(sid: str) -> str:
+    return sid + TEMPLATE_SUFFIX
 
 
 def _qemu_name(sid: str) -> bytes:

@@ -44,11 +44,14 @@ def _run(argv: list[str], what: str) -> None:
 
 
 def image_key(lower_dirs: Sequence[Path], image_digest: str) -> str:
-    """The cache key: a content digest (``sha256:...``) names the image as it is. Anything
-    else (no digest, or a plain directory used as an image) is not content-addressed, so
-    the key also covers a stat walk of the layers: an edited tree gets a new image."""
-    if re.fullmatch(r"sha256:[0-9a-f]{64}", image_digest):
-        return image_digest.replace(":", "-")
+    """The cache key: a content digest (``sha256:...`` or bare hex) names the image as it
+    is. Anything else (no digest, or a plain directory used as an image) is not
+    content-addressed, so the key also covers a stat walk of the layers: an edited tree gets
+    a new image."""
+    # a node passes the image manifest's sha256 bare; backend callers may prefix it
+    m = re.fullmatch(r"(?:sha256:)?([0-9a-f]{64})", image_digest)
+    if m:
+        return "sha256-" + m.group(1)
     h = hashlib.sha256(image_digest.encode() + b"\0")
     for d in lower_dirs:
         h.update(str(Path(d).resolve()).encode() + b"\0")

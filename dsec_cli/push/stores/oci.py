@@ -120,6 +120,26 @@ def tag_to_key(tag: str) -> str | None:
     return text if "/" in text else None
 
 
+def _docker_config() -> dict[str, Any]:
+    """The docker client's credentials: ``$DOCKER_CONFIG/config.json`` when that is set
+    (as docker reads it), else ``~/.docker/config.json``; a file that cannot be read
+    counts as no credentials."""
+    import os
+
+    folder = os.environ.get("DOCKER_CONFIG") or os.path.expanduser("~/.docker")
+    try:
+        doc = json.loads(Path(folder, "config.json").read_text())
+    except (OSError, ValueError):
+        doc = {}
+    if not isinstance(doc, dict):
+        doc = {}
+    auths = doc.get("auths") if isinstance(doc.get("auths"), dict) else {}
+    helpers = doc.get("credHelpers") if isinstance(doc.get("credHelpers"), dict) else {}
+    store = doc.get("credsStore") if isinstance(doc.get("credsStore"), str) else None
+    # never empty: oras reads ~/.docker/config.json itself when it finds no config
+    return {"auths": auths, "credsStore": store, "credHelpers": helpers}
+
+
 class OCIStore(Store):
     scheme: ClassVar[str] = "oci"
     preferred_read_size: ClassVar[int] = 8 << 20
@@ -136,6 +156,7 @@ class OCIStore(Store):
         for prefix in ("http://", "https://"):
             self.reg.session.mount(prefix, _TimeoutAdapter(self.timeouts, pool_maxsize=32))
         # credentials from ~/.docker/config.json (and credential helpers), as docker and oras do
+        self.reg.auth._auth_config = _docker_config()  # oras itself ignores $DOCKER_CONFIG
         self.reg.auth.load_configs(oras.container.Container(repo, registry=host))
         self._have_empty = False
 
@@ -194,7 +215,7 @@ class OCIStore(Store):
                 headers.update(self.reg.auth.get_auth_header())
             r = self.reg.session.request(method, url, headers=headers, timeout=self.timeout, **kw)
             if r.status_code in (401, 403):
-                headers, changed = self.reg.auth.authenticate_request(r, headers)
+                headers, changed = self._authenticate(r, headers)
                 if changed:
                     body: Any = kw.get("data")
                     if hasattr(body, "seek"):
@@ -206,6 +227,19 @@ class OCIStore(Store):
         if r.status_code == 404 and missing_ok:
             return None
         raise self._status_error(r, what)
+
+    def _authenticate(self, r: requests.Response, headers: dict[str, str]
+                      ) -> tuple[dict[str, str], bool]:
+        """Answer a challenge: a Basic one with the docker config's credentials (oras speaks
+        bearer tokens only), anything else through oras."""
+        challenge = r.headers.get("Www-Authenticate", "")
+        if challenge[:6].lower() == "basic ":
+            basic = getattr(self.reg.auth, "_basic_auth", None)
+            if not basic or headers.get("Authorization") == f"Basic {basic}":
+                return headers, False
+            return {**headers, "Authorization": f"Basic {basic}"}, True
+        out: tuple[dict[str, str], bool] = self.reg.auth.authenticate_request(r, headers)
+        return out
 
     def _status_error(self, r: requests.Response, what: str) -> DsecError:
         detail = ""

@@ -45,7 +45,9 @@ from ..density import resident_total
 from ..node import Node
 from .errors import CapacityError
 
-LIVE = ("creating", "running", "paused", "parked")
+#: rows that hold capacity; a warm pool member counts once, as ``pooled`` and then as the
+#: running sandbox it becomes (a create served from a pool reserves nothing)
+LIVE = ("creating", "running", "paused", "parked", "pooled")
 
 
 @dataclass
@@ -216,6 +218,12 @@ class Admission:
                        (token, pid, _rootfs.proc_start_time(pid), cpus, memory, time.time(),
                         cpu_class))
             return token
+
+    def admit_member(self, opts: Any) -> Any:
+        """The pools' admission hook: a warm pool member is made only where a sandbox could
+        be; returns its release."""
+        token = self.reserve(opts.cpus, opts.memory)
+        return lambda: self.release(token)
 
     def release(self, token: str) -> None:
         with self._locked() as db:

@@ -187,9 +187,11 @@ class CreateResult:
 
 
 def create_many(n: int, image: str, opts: CreateOptions,
-                nodes: list[str] | None = None, parallel: int = 8) -> list[CreateResult]:
+                nodes: list[str] | None = None, parallel: int = 8,
+                make: Callable[[int, RemoteNode], Any] | None = None) -> list[CreateResult]:
     """``n`` sandboxes spread over the nodes by placement; one result per sandbox, failures
-    included (a refused or failed create is retried once on the next best node)."""
+    included (a refused or failed create is retried once on the next best node). ``make``
+    creates sandbox ``i`` on the node placement chose (default: a plain create)."""
     if n < 1:
         raise UsageError(f"invalid count {n}: must be at least 1")
     opts.validate()
@@ -216,7 +218,7 @@ def create_many(n: int, image: str, opts: CreateOptions,
                 results[i].error = last or _no_node(image, skipped)
                 return
             try:
-                rec = by_name[name].create(image, opts)
+                rec = make(i, by_name[name]) if make else by_name[name].create(image, opts)
                 results[i] = CreateResult(i, name, rec)
                 return
             except DsecError as e:

@@ -53,6 +53,7 @@ class NodeService:
     def __init__(self, node: Node) -> None:
         self.node = node
         self.admission = Admission(node)
+        node.pools.admit = self.admission.admit_member
 
     # -- node facts -----------------------------------------------------------------------------
     def hello(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
@@ -74,11 +75,15 @@ class NodeService:
     def create(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         opts = from_wire(CreateOptions, args.get("opts") or {})
         opts.validate()  # bad input is refused before anything is reserved
-        token = self.admission.reserve(opts.cpus, opts.memory, opts.cpu_class)
-        try:
-            rec = self.node.create(str(args["image"]), opts)
-        finally:
-            self.admission.release(token)
+        image = str(args["image"])
+        # a warm pool member is already counted: taking it reserves nothing
+        rec = self.node.take_pooled(image, opts)
+        if rec is None:
+            token = self.admission.reserve(opts.cpus, opts.memory, opts.cpu_class)
+            try:
+                rec = self.node.create(image, opts, from_pool=False)
+            finally:
+                self.admission.release(token)
         return to_wire(rec)
 
     def exec(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
@@ -134,14 +139,35 @@ class NodeService:
         return self.node.top(validate.positive_float(args.get("interval") or None, "interval")
                              or 0.0)
 
+    def fork(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        from ..fork import check_count, copy_options
+
+        n = check_count(args["n"])
+        opts = copy_options(self.node.lookup(str(args["id"])))
+        # the copies count against the node's capacity as n creates would
+        token = self.admission.reserve(opts.cpus and opts.cpus * n,
+                                       opts.memory and opts.memory * n)
+        try:
+            out = self.node.fork(str(args["id"]), n)
+        finally:
+            self.admission.release(token)
+        return {**out, "copies": [to_wire(r) for r in out["copies"]]}
+
     def ps(self, args: dict[str, Any], emit: Emit) -> list[dict[str, Any]]:
         return [to_wire(r) for r in self.node.sandboxes()]
 
     def gc(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         return self.node.gc(args.get("budget"), bool(args.get("dry_run")))
 
+    def job(self, args: dict[str, Any], emit: Emit) -> Any:
+        """A job request (run/cluster/jobs.py): leases, rollouts, journaled execs, replay."""
+        from .jobs import serve
+
+        return serve(self.node, self.admission, args)
+
     OPS = ("hello", "info", "create", "exec", "put", "get", "lookup", "remove", "pause",
-           "resume", "describe", "snapshot", "ps", "gc", "park", "thaw", "top")
+           "resume", "describe", "snapshot", "fork", "ps", "gc", "job", "park", "thaw",
+           "top")
 
     def handle(self, msg: dict[str, Any], emit: Emit) -> Any:
         op = msg.get("op")

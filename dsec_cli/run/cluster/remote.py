@@ -358,6 +358,12 @@ class RemoteNode:
         out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
         return out
 
+    def fork(self, sid: str, n: int) -> dict[str, Any]:
+        out = dict(self.call("fork", {"id": self.local_id(sid), "n": n}))
+        out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
+        out["copies"] = [self._rec(d) for d in out.get("copies", [])]
+        return out
+
     def fetch_stats(self, rec: RemoteRecord) -> dict[str, Any] | None:
         """A lazily fetched sandbox's fetch figures, as its node reports them (None for
         eagerly fetched ones, without asking the node)."""

@@ -1,0 +1,174 @@
+"""The asyncio SDK: `AsyncSandbox`, the methods of `Sandbox` as coroutines, for trainers that
+drive rollouts from an event loop.
+
+    import asyncio
+    from dsec_cli import AsyncSandbox
+
+    async def rollout(i):
+        async with await AsyncSandbox.create("busybox@1.35-1", "fncall") as sb:
+            return (await sb.exec(f"echo {i}")).stdout
+
+    print(asyncio.run(asyncio.gather(*(rollout(i) for i in range(100)))))
+
+Nothing waits in a thread per sandbox: execs and file reads and writes of container and
+fncall sandboxes go over asyncio connections to their agents, and a cluster node's
+sandboxes over one asyncio ssh session per node; creates, removes, pauses, snapshots and
+forks (no asyncio path: runtimes, mounts, cgroups) run on one shared executor of a bounded
+number of threads (`dsec_cli.run.aio.EXECUTOR_THREADS`). Routing is `Sandbox`'s: a
+``NODE/ID`` id or ``node=NAME`` is a cluster node, ``node="auto"`` is placed, else local.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from ..backends.base import ExecResult
+from ..backends.sandbox_agent.aio import AsyncOutputCallback, AsyncStdin
+from ..core import validate
+from ..run.aio import async_node, blocking
+from ..run.contract import NodeAPI
+from ..run.node import local_node
+from .sandboxes import create as create_sync
+from .sandboxes import create_options, target
+
+__all__ = ["AsyncSandbox", "ExecResult", "close_sessions"]
+
+
+def _async(node: NodeAPI) -> Any:
+    """The asyncio face of a node: `AsyncNode` here, `AsyncRemoteNode` for a cluster node."""
+    from ..run.cluster.remote import RemoteNode
+
+    if isinstance(node, RemoteNode):
+        from ..run.cluster.aio import AsyncRemoteNode
+
+        return AsyncRemoteNode(node.entry, node.timeout)
+    return async_node(node)  # type: ignore[arg-type]
+
+
+class AsyncSandbox:
+    """A sandbox on this node or a cluster node, driven from asyncio. Make one with
+    ``await AsyncSandbox.create(...)`` (or ``attach``); ``async with`` removes it on exit.
+    Bound to the event loop that made it."""
+
+    _rec: Any
+    node: Any  # an AsyncNode or an AsyncRemoteNode
+
+    def __init__(self, record: Any, node: Any) -> None:
+        self._rec, self.node = record, node
+
+    @property
+    def id(self) -> str:
+        return str(self._rec.id)
+
+    @property
+    def backend(self) -> str:
+        return str(self._rec.backend)
+
+    @property
+    def image(self) -> str:
+        return str(self._rec.image)
+
+    @property
+    def status(self) -> str:
+        return str(self._rec.status)
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox({self.id!r}, image={self.image!r}, backend={self.backend!r})"
+
+    @classmethod
+    async def create(cls, image: str | Path, backend: str = "container", *,
+                     cpus: float | None = None, memory: int | str | None = None,
+                     pids: int | None = None, ttl: float | str | None = None,
+                     network: Literal["none", "host"] = "none",
+                     env: dict[str, str] | None = None, workdir: str | None = None,
+                     state_dir: str | Path | None = None, store: str | None = None,
+                     node: str | None = None, disk: int | str | None = None) -> AsyncSandbox:
+        """As ``Sandbox(image, backend, ...)``: every option is checked before anything is
+        made. ``node``: a cluster node's name, ``"auto"``, or None/``"local"``."""
+        if isinstance(image, str):
+            validate.image(image, "image")
+        validate.node_option(node, "node")
+        opts = create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
+                              network=network, env=env, workdir=workdir, disk=disk)
+        if node == "auto":  # placement asks every node: the threaded fan-out, awaited
+            sync_node, rec = await blocking(create_sync, image, opts, node, state_dir, store)
+            return cls(rec, _async(sync_node))
+        an = _async(target(None, node, state_dir, store) if node and node != "local"
+                    else local_node(state_dir, store))
+        return cls(await an.create(str(image), opts), an)
+
+    @classmethod
+    async def attach(cls, sandbox_id: str, *,
+                     state_dir: str | Path | None = None) -> AsyncSandbox:
+        """The sandbox ``sandbox_id`` (``NODE/ID`` for a cluster node's)."""
+        an = _async(target(sandbox_id, state_dir=state_dir))
+        return cls(await an.lookup(sandbox_id), an)
+
+    async def exec(self, cmd: str | list[str], *, stdin: AsyncStdin = None,
+                   env: dict[str, str] | None = None, cwd: str | None = None,
+                   timeout: float | None = None, on_output: AsyncOutputCallback | None = None,
+                   capture_limit: int | None = None) -> ExecResult:
+        """Run a command (a list, or a string for `sh -c`). ``stdin``: bytes, str, or an
+        (async) iterable of bytes; ``on_output(stream, data)`` (a function or a coroutine
+        function) gets output as it arrives. A failing command is a result, not an
+        exception; cancelling the awaiting task kills the command."""
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        return await self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=stdin,
+                                    timeout=timeout, on_output=on_output,
+                                    capture_limit=capture_limit)
+
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        await self.node.put_file(self.id, path,
+                                 data.encode() if isinstance(data, str) else data, mode)
+
+    async def read_file(self, path: str) -> bytes:
+        return bytes(await self.node.get_file(self.id, path))
+
+    async def copy_in(self, src: str | Path, dst: str) -> dict[str, Any]:
+        """Copy a host file into the sandbox at ``dst`` (as `dsec cp SRC ID:DST`)."""
+        return dict(await self.node.copy(str(src), f"{self.id}:{dst}"))
+
+    async def copy_out(self, src: str, dst: str | Path) -> dict[str, Any]:
+        """Copy a file, symlink or directory out of the sandbox to host path ``dst``."""
+        return dict(await self.node.copy(f"{self.id}:{src}", str(dst)))
+
+    async def pause(self) -> None:
+        self._rec = await self.node.pause(self.id)
+
+    async def resume(self) -> None:
+        self._rec = await self.node.resume(self.id)
+
+    async def snapshot(self, ref: str, push: str | None = None) -> dict[str, Any]:
+        return dict(await self.node.snapshot(self.id, ref, push))
+
+    async def fork(self, n: int) -> list[AsyncSandbox]:
+        """As `Sandbox.fork`: ``n`` copies of this sandbox's files, on its node."""
+        from ..run.fork import check_count
+
+        out = await self.node.fork(self.id, check_count(n))
+        return [AsyncSandbox(r, self.node) for r in out["copies"]]
+
+    async def info(self) -> dict[str, Any]:
+        return dict(await self.node.describe(self.id))
+
+    async def remove(self) -> None:
+        await self.node.remove(self.id)
+
+    close = remove
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.remove()
+
+
+async def close_sessions() -> None:
+    """Close the running loop's agent connections and cluster sessions (the ssh processes
+    exit). Call it before the loop ends, as `asyncio.run` does not wait for them."""
+    from ..run.aio import close_connections
+    from ..run.cluster.aio import close_channels
+
+    await close_connections()
+    await close_channels()

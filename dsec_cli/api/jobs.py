@@ -1,0 +1,591 @@
+"""Jobs: sandboxes owned by a trainer through a lease, in rollout groups, with every exec
+journaled so a trainer that died reattaches, and a lost sandbox is rebuilt by replay.
+
+    from dsec_cli.api.jobs import Job
+    with Job.start("train-42", ttl="60s", max_concurrent=64) as job:
+        group = job.group(8, "task@1", backend="container")
+        for m in group.ok():
+            r = m.rollout.exec("make test", key="turn-1")   # at most once per key
+    # a new trainer process after a crash:
+    job = Job.resume("train-42")
+    for ro in job.rollouts():            # the live ones, each with ro.journal()
+        ...
+
+The job lives on this node (``jobs.db`` beside the node database, see run/jobs.py); its
+lease is kept alive by a heartbeat thread while the `Job` is open. Node gc parks the job's
+sandboxes past the park grace after the lease lapses and removes them past the reclaim grace.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ..backends.base import ExecResult
+from ..core import validate
+from ..core.errors import DsecError, UsageError
+from ..run.jobs import JobSettings, NodeJobs, check_name, node_jobs
+from ..run.node import local_node
+from .sandboxes import create_options
+
+__all__ = ["Job", "Rollout", "Group", "Member", "JobSettings", "list_jobs", "start_job",
+           "renew_job", "park_job", "thaw_job", "remove_job", "journal", "replay",
+           "job_rollouts"]
+
+log = logging.getLogger(__name__)
+
+
+def _secs(v: float | str | None, what: str) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, int | float):
+        return float(v)
+    return validate.duration(v, what)
+
+
+def _jobs(state_dir: str | Path | None = None, store: str | None = None) -> NodeJobs:
+    return node_jobs(local_node(state_dir, store))
+
+
+def settings(ttl: float | str | None = None, park_grace: float | str | None = None,
+             reclaim_grace: float | str | None = None, retain: float | str | None = None,
+             max_concurrent: int | None = None, snapshot_every: int | None = None,
+             snapshot_interval: float | str | None = None, prefix: str = "") -> dict[str, Any]:
+    """Checked job settings (only those given); errors name each option with ``prefix``."""
+    out: dict[str, Any] = {}
+    for name, v in (("ttl", ttl), ("park_grace", park_grace), ("reclaim_grace", reclaim_grace),
+                    ("retain", retain), ("snapshot_seconds", snapshot_interval)):
+        s = _secs(v, prefix + name.replace("_", "-"))
+        if s is not None:
+            out[name] = s
+    if max_concurrent is not None:
+        out["max_concurrent"] = max_concurrent
+    if snapshot_every is not None:
+        out["snapshot_steps"] = snapshot_every
+    JobSettings(**out).validate()
+    return out
+
+
+class Rollout:
+    """One sandbox of a job: its execs are journaled steps (on the node holding it)."""
+
+    def __init__(self, job: Job, doc: dict[str, Any], jobs: Any = None,
+                 node: str | None = None, ticket: str | None = None) -> None:
+        self.job = job
+        self._doc = doc
+        self._jobs = jobs if jobs is not None else job._jobs  # NodeJobs or RemoteJobs
+        self.node = node  # a cluster node's name; None: this node
+        self._ticket = ticket  # the home node's admission ticket (remote rollouts)
+
+    @property
+    def id(self) -> str:
+        return str(self._doc["id"])
+
+    @property
+    def sandbox_id(self) -> str | None:
+        return self._doc.get("sandbox")
+
+    @property
+    def status(self) -> str:
+        return str(self._doc["status"])
+
+    @property
+    def last_step(self) -> int:
+        return int(self._doc.get("last_step") or 0)
+
+    def info(self) -> dict[str, Any]:
+        self._doc = self._jobs.rollout(self.id)
+        return dict(self._doc)
+
+    def __repr__(self) -> str:
+        where = f", node={self.node!r}" if self.node else ""
+        return f"Rollout({self.id!r}, sandbox={self.sandbox_id!r}, status={self.status!r}{where})"
+
+    def exec(self, cmd: str | list[str], *, key: str | None = None,
+             stdin: bytes | str | None = None, env: dict[str, str] | None = None,
+             cwd: str | None = None, timeout: float | None = None) -> ExecResult:
+        """Run a command as the rollout's next step. With ``key``, a retried call (from this
+        process or a resumed trainer) returns the journaled result and runs nothing."""
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        res, step = self._jobs.exec(self.id, argv, env=env, cwd=cwd, stdin=data,
+                                        timeout=timeout, key=key)
+        self._doc["sandbox"] = step["sandbox"]  # a rebuild (see `replay`) may have moved it
+        return res
+
+    def write_file(self, path: str, data: bytes | str, *, key: str | None = None) -> None:
+        """Write a file as a journaled step (so replay writes it again)."""
+        if not path.startswith("/"):
+            raise UsageError(f"sandbox path {path!r} must be absolute")
+        res = self.exec(["/bin/sh", "-c", 'cat > "$1"', "sh", path], key=key,
+                        stdin=data.encode() if isinstance(data, str) else data)
+        if res.exit_code != 0:
+            raise UsageError(f"cannot write {path}: {res.stderr.decode(errors='replace')}")
+
+    def read_file(self, path: str) -> bytes:
+        if not self.sandbox_id:
+            raise UsageError(f"rollout {self.id} has no live sandbox")
+        return bytes(self._jobs.node.get_file(self.sandbox_id, path))
+
+    def journal(self, output: bool = True) -> list[dict[str, Any]]:
+        """The rollout's steps in order (see `dsec journal`)."""
+        return self._jobs.journal(self.id, output)
+
+    def replay(self) -> Rollout:
+        """Rebuild the rollout in a fresh sandbox (image + last snapshot + later steps)."""
+        self._doc = self._jobs.replay(self.id)
+        return self
+
+    def snapshot(self) -> dict[str, Any] | None:
+        return self._jobs.snapshot(self.id)
+
+    def release(self) -> None:
+        """Remove the sandbox and free its slot for a queued rollout; the journal stays."""
+        self._doc = self._jobs.release(self.id)
+        if self._ticket:
+            self.job._jobs.release_slot(self._ticket)
+            self._ticket = None
+
+
+@dataclass
+class Member:
+    """One member of a group: ``status`` is ``ok`` (``rollout`` set), ``queued`` (past the
+    job's concurrency cap; `wait` for it) or ``infra_failure`` (the sandbox could not be
+    created: ``error`` says why; a task failure is a rollout's own exit code)."""
+
+    index: int
+    status: Literal["ok", "queued", "infra_failure"]
+    rollout: Rollout | None = None
+    error: str | None = None
+    ticket: str | None = None
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def wait(self, timeout: float | None = None) -> Member:
+        """Block until a queued member is admitted and created (or failed)."""
+        if not self._done.wait(timeout):
+            raise DsecError(f"group member {self.index} is still queued after {timeout} s")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "status": self.status, "error": self.error,
+                "rollout": self.rollout.id if self.rollout else None,
+                "sandbox": self.rollout.sandbox_id if self.rollout else None}
+
+
+@dataclass
+class Group:
+    name: str
+    members: list[Member]
+
+    def ok(self) -> list[Member]:
+        return [m for m in self.members if m.ok]
+
+    def failed(self) -> list[Member]:
+        return [m for m in self.members if m.status == "infra_failure"]
+
+    def wait(self, timeout: float | None = None) -> Group:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for m in self.members:
+            m.wait(None if deadline is None else max(deadline - time.monotonic(), 0))
+        return self
+
+    def release(self) -> None:
+        for m in self.members:
+            if m.rollout is not None and m.rollout.status == "live":
+                m.rollout.release()
+
+
+class Job:
+    """A job on this node; ``Job(name)`` starts it (or reattaches to it, renewing its
+    lease) and keeps its lease alive from a heartbeat thread until `close`."""
+
+    def __init__(self, name: str, *, ttl: float | str | None = None,
+                 park_grace: float | str | None = None,
+                 reclaim_grace: float | str | None = None, retain: float | str | None = None,
+                 max_concurrent: int | None = None, snapshot_every: int | None = None,
+                 snapshot_interval: float | str | None = None, heartbeat: bool = True,
+                 state_dir: str | Path | None = None, store: str | None = None,
+                 _create: bool = True) -> None:
+        check_name(name)
+        self.name = name
+        self._jobs = _jobs(state_dir, store)
+        self._remote: dict[str, Any] = {}  # cluster node name -> RemoteJobs holding rollouts
+        self._remote_lock = threading.Lock()
+        if _create:
+            self._settings = settings(ttl, park_grace, reclaim_grace, retain, max_concurrent,
+                                      snapshot_every, snapshot_interval)
+            self._jobs.start(name, self._settings)
+        else:
+            doc = self._jobs.reattach(name)
+            self._settings = {k: doc[k] for k in ("ttl", "park_grace", "reclaim_grace",
+                                                  "retain", "max_concurrent",
+                                                  "snapshot_steps", "snapshot_seconds")}
+            self._find_remote()
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix=f"job-{name}")
+        if heartbeat:
+            self._beat = threading.Thread(target=self._heartbeat, daemon=True,
+                                          name=f"job-{name}-heartbeat")
+            self._beat.start()
+
+    @classmethod
+    def start(cls, name: str, **kw: Any) -> Job:
+        return cls(name, **kw)
+
+    @classmethod
+    def attach(cls, name: str, *, heartbeat: bool = True, state_dir: str | Path | None = None,
+               store: str | None = None) -> Job:
+        """An existing job (its lease renewed)."""
+        return cls(name, heartbeat=heartbeat, state_dir=state_dir, store=store, _create=False)
+
+    @classmethod
+    def resume(cls, name: str, *, replay_lost: bool = False, **kw: Any) -> Job:
+        """Reattach after a trainer died: `rollouts` then gives the live sandboxes with their
+        journals; a keyed exec the dead trainer had started is served or rerun exactly once.
+        With ``replay_lost``, rollouts whose sandbox is gone (or was being made or rebuilt
+        when the trainer died) are rebuilt first (`Rollout.replay`)."""
+        job = cls.attach(name, **kw)
+        if replay_lost:
+            for ro in job.rollouts(status=None):
+                d = ro._doc
+                if d["status"] in ("lost", "creating") or (d["status"] == "live"
+                                                           and not d["alive"]):
+                    ro.replay()
+        return job
+
+    # -- cluster nodes holding rollouts of the job ----------------------------------------------
+    def _remote_jobs(self, node: Any) -> Any:
+        """The job on cluster node ``node`` (a RemoteNode), started there on first use."""
+        from ..run.cluster.jobs import RemoteJobs
+
+        with self._remote_lock:
+            rj = self._remote.get(node.name)
+        if rj is None:
+            rj = RemoteJobs(node)
+            rj.start(self.name, self._settings, exist_ok=True)
+            with self._remote_lock:
+                self._remote[node.name] = rj
+        return rj
+
+    def _find_remote(self) -> None:
+        """Cluster nodes that hold the job (a resumed trainer does not know them): each
+        configured node is asked; one that does not answer is skipped."""
+        from ..run.cluster.jobs import RemoteJobs
+        from ..run.cluster.registry import load_nodes
+        from ..run.cluster.remote import RemoteNode
+
+        for entry in load_nodes().values():
+            rj = RemoteJobs(RemoteNode(entry))
+            try:
+                rj.reattach(self.name)
+            except DsecError:
+                continue  # no such job there, or the node does not answer
+            self._remote[entry.name] = rj
+
+    def _all_jobs(self) -> list[tuple[str | None, Any]]:
+        with self._remote_lock:
+            return [(None, self._jobs), *self._remote.items()]
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(max(self._settings.get("ttl", 60.0) / 3, 0.2)):
+            for where, jobs in self._all_jobs():
+                try:
+                    jobs.renew(self.name)
+                except Exception as e:  # a missed beat is retried; the grace covers it
+                    log.warning("job %s: heartbeat to %s failed: %s", self.name,
+                                where or "this node", e)
+
+    def info(self) -> dict[str, Any]:
+        return self._jobs.get(self.name)
+
+    def renew(self, ttl: float | str | None = None) -> dict[str, Any]:
+        t = _secs(ttl, "ttl")
+        for _, jobs in self._all_jobs()[1:]:
+            jobs.renew(self.name, t)
+        return self._jobs.renew(self.name, t)
+
+    def park(self) -> dict[str, Any]:
+        """Pause every sandbox of the job, on every node holding some."""
+        for _, jobs in self._all_jobs()[1:]:
+            jobs.park(self.name)
+        return self._jobs.park(self.name)
+
+    def thaw(self) -> dict[str, Any]:
+        for _, jobs in self._all_jobs()[1:]:
+            jobs.thaw(self.name)
+        return self._jobs.thaw(self.name)
+
+    def rollouts(self, status: str | None = "live") -> list[Rollout]:
+        """The job's rollouts on every node holding some (default: those with a sandbox)."""
+        return [Rollout(self, d, jobs, where, d.get("ticket") if where else None)
+                for where, jobs in self._all_jobs() for d in jobs.rollouts(self.name)
+                if status is None or d["status"] == status]
+
+    def sandbox(self, image: str | Path, backend: str = "container", *,
+                group: str | None = None, index: int | None = None,
+                timeout: float | None = None, **options: Any) -> Rollout:
+        """One sandbox owned by the job, created once the job's concurrency cap admits it
+        (waiting in the queue up to ``timeout`` seconds)."""
+        opts = asdict(create_options(backend, **options))
+        ticket = self._jobs.acquire(self.name)
+        try:
+            self._wait_slot(ticket, timeout)
+            doc = self._jobs.add_rollout(self.name, str(image), opts, group, index, ticket)
+        except BaseException:
+            self._jobs.release_slot(ticket)
+            raise
+        return Rollout(self, doc)
+
+    def _wait_slot(self, ticket: str, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._jobs.admit(ticket):
+            if self._stop.is_set():
+                raise DsecError(f"job {self.name} was closed while this rollout was queued")
+            if deadline is not None and time.monotonic() > deadline:
+                raise DsecError(f"job {self.name}: no slot within {timeout} s "
+                                f"(max_concurrent {self.info()['max_concurrent']})")
+            time.sleep(0.05)
+
+    def group(self, n: int, image: str | Path, backend: str = "container", *,
+              node: str | None = None, nodes: list[str] | None = None,
+              **options: Any) -> Group:
+        """``n`` rollouts of one image: one `Member` per index. A member that cannot be
+        created is an ``infra_failure`` and the rest go on; members past the concurrency cap
+        are ``queued`` and created as slots free (`Member.wait`, `Group.wait`).
+
+        ``node``: None or ``local`` for this node; ``auto`` spreads the members over the
+        cluster's nodes (or ``nodes``) by placement, as `create_many` does, and a cluster
+        node's name puts them all there. Each member is journaled on its node."""
+        validate.node_option(node, "node")
+        where: list[str] | None = None
+        if node == "auto":
+            from ..run.cluster.registry import load_nodes
+
+            where = list(nodes or load_nodes())
+            if not where:
+                raise UsageError("node='auto' needs cluster nodes",
+                                 hint="dsec node add NAME USER@HOST")
+        elif node not in (None, "local"):
+            where = [str(node)]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise UsageError(f"invalid group size {n!r}: expected a whole number >= 1")
+        opts = asdict(create_options(backend, **options))  # bad options fail the whole call
+        name = secrets.token_hex(4)
+        members = [Member(i, "queued") for i in range(n)]
+        for m in members:
+            m.ticket = self._jobs.acquire(self.name)
+        admitted = [m for m in members if self._jobs.admit(m.ticket or "")]
+        for m in members:
+            if m not in admitted:
+                self._pool.submit(self._when_admitted, m, str(image), opts, name, where)
+        self._create_members(admitted, str(image), opts, name, where)
+        return Group(name, members)
+
+    def _when_admitted(self, m: Member, image: str, opts: dict[str, Any], name: str,
+                       where: list[str] | None) -> None:
+        try:
+            self._wait_slot(m.ticket or "", None)
+        except BaseException as e:
+            m.status, m.error = "infra_failure", str(e)
+            m._done.set()
+            return
+        self._create_members([m], image, opts, name, where)
+
+    def _create_members(self, members: list[Member], image: str, opts: dict[str, Any],
+                        name: str, where: list[str] | None) -> None:
+        if not members:
+            return
+        if where is None:
+            with ThreadPoolExecutor(min(8, len(members))) as ex:
+                list(ex.map(lambda m: self._create_member(m, image, opts, name), members))
+            return
+        from ..run.cluster.api import create_many
+        from ..run.node import CreateOptions
+
+        def make(i: int, node: Any) -> Any:
+            rj = self._remote_jobs(node)
+            return rj, rj.add_rollout(self.name, image, opts, name, members[i].index,
+                                      members[i].ticket)
+
+        try:
+            results = create_many(len(members), image, CreateOptions(**opts), where,
+                                  make=make)
+        except DsecError as e:  # no node at all: every member is an infrastructure failure
+            results = []
+            for m in members:
+                self._infra_failure(m, e)
+        for m, r in zip(members, results, strict=False):
+            if r.ok:
+                rj, doc = r.sandbox
+                m.rollout = Rollout(self, doc, rj, r.node, m.ticket)
+                m.status = "ok"
+                m._done.set()
+            else:
+                self._infra_failure(m, r.error)
+
+    def _infra_failure(self, m: Member, e: Any) -> None:
+        log.warning("job %s: group member %d could not be created: %s", self.name, m.index, e)
+        m.status, m.error = "infra_failure", str(e)
+        if m.ticket:
+            self._jobs.release_slot(m.ticket)
+        m._done.set()
+
+    def _create_member(self, m: Member, image: str, opts: dict[str, Any], name: str) -> None:
+        try:
+            doc = self._jobs.add_rollout(self.name, image, opts, name, m.index, m.ticket)
+            m.rollout, m.status = Rollout(self, doc), "ok"
+        except Exception as e:  # reported per member, never failing the group
+            log.warning("job %s: group member %d could not be created: %s",
+                        self.name, m.index, e)
+            m.status, m.error = "infra_failure", str(e)
+            if m.ticket:
+                self._jobs.release_slot(m.ticket)
+        finally:
+            m._done.set()
+
+    def close(self) -> None:
+        """Stop the heartbeat (the sandboxes stay, under the lease)."""
+        self._stop.set()
+        if self._beat is not None and self._beat is not threading.current_thread():
+            self._beat.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def remove(self) -> dict[str, Any]:
+        """Stop the heartbeat and remove every sandbox, snapshot and row of the job, on
+        every node holding some."""
+        self.close()
+        for _, jobs in self._all_jobs()[1:]:
+            jobs.remove(self.name)
+        return self._jobs.remove(self.name)
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+# -- the functions the CLI calls ----------------------------------------------------------------
+def start_job(name: str, state_dir: str | Path | None = None,
+              **kw: Any) -> dict[str, Any]:
+    """Start a job from the command line: no heartbeat, its lease lasts ``ttl`` unless
+    renewed (`dsec job renew`)."""
+    check_name(name)
+    return _jobs(state_dir).start(name, settings(**kw, prefix="--"), exist_ok=False)
+
+
+def list_jobs(state_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    return _jobs(state_dir).ls()
+
+
+def job_rollouts(name: str, state_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    return _jobs(state_dir).rollouts(name)
+
+
+def renew_job(name: str, ttl: float | str | None = None,
+              state_dir: str | Path | None = None) -> dict[str, Any]:
+    return _jobs(state_dir).renew(name, _secs(ttl, "--ttl"))
+
+
+def park_job(name: str, state_dir: str | Path | None = None) -> dict[str, Any]:
+    return _jobs(state_dir).park(name)
+
+
+def thaw_job(name: str, state_dir: str | Path | None = None) -> dict[str, Any]:
+    return _jobs(state_dir).thaw(name)
+
+
+def remove_job(name: str, state_dir: str | Path | None = None) -> dict[str, Any]:
+    return _jobs(state_dir).remove(name)
+
+
+def create_in_job(name: str, image: str, opts: Any, state_dir: str | Path | None = None,
+                  timeout: float | None = None) -> dict[str, Any]:
+    """A sandbox owned by job ``name`` (what `dsec run --job` does), created once the job's
+    concurrency cap admits it: past the cap it waits in the job's queue (``timeout``
+    seconds at most; None: as long as it takes)."""
+    jobs = _jobs(state_dir)
+    ticket = jobs.acquire(name)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while not jobs.admit(ticket):
+            if deadline is not None and time.monotonic() > deadline:
+                raise DsecError(f"job {name!r} is at its concurrency cap: no slot within "
+                                f"{timeout:g} s", hint="`dsec job ls` shows its queue")
+            time.sleep(0.1)
+        return jobs.add_rollout(name, image, asdict(opts), ticket=ticket)
+    except BaseException:
+        jobs.release_slot(ticket)
+        raise
+
+
+def run_in_job(name: str, image: str, opts: Any, cmd: list[str] | None = None,
+               timeout: float | None = None, state_dir: str | Path | None = None
+               ) -> tuple[dict[str, Any], ExecResult | None]:
+    """`dsec run --job`: a sandbox owned by the job, with ``cmd`` as its first journaled
+    step; the sandbox stays (the job owns it)."""
+    doc = create_in_job(name, image, opts, state_dir)
+    res = None
+    if cmd:
+        res, _ = _jobs(state_dir).exec(doc["id"], cmd, timeout=timeout)
+    return _jobs(state_dir).rollout(doc["id"]), res
+
+
+def journaled_exec(node: Any, sandbox_id: str, argv: list[str], **kw: Any
+                   ) -> ExecResult | None:
+    """An exec into a job's sandbox, as a journaled step (`dsec exec` on a job sandbox);
+    None when the sandbox belongs to no job."""
+    jobs = node_jobs(node)
+    sid = node.lookup(sandbox_id).id
+    if not jobs.db.q("SELECT 1 FROM rollouts WHERE sandbox=?", (sid,)):
+        return None
+    stdin = kw.get("stdin")
+    if stdin is not None and not isinstance(stdin, bytes):
+        stdin = b"".join(stdin)  # the journal keeps the stdin to replay it
+    # the journal keeps the whole output (a result served again must be the same), and the
+    # caller gets it once the step is committed
+    res, _ = jobs.exec(sid, argv, env=kw.get("env"), cwd=kw.get("cwd"), stdin=stdin,
+                       timeout=kw.get("timeout"))
+    on_output = kw.get("on_output")
+    if on_output is not None:
+        for kind, data in (("stdout", res.stdout), ("stderr", res.stderr)):
+            if data:
+                on_output(kind, data)
+    return res
+
+
+def _holder(rollout: str, state_dir: str | Path | None) -> tuple[Any, str]:
+    """The jobs of the node holding a rollout: ``NODE/ID`` names a cluster node."""
+    node, sep, rid = rollout.rpartition("/")
+    if not sep:
+        return _jobs(state_dir), rollout
+    validate.node_name(node)
+    from ..run.cluster.jobs import RemoteJobs
+    from ..run.cluster.registry import get_node
+
+    return RemoteJobs(get_node(node)), rid
+
+
+def journal(rollout: str, output: bool = True,
+            state_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    """The steps of a rollout (by rollout id or sandbox id; ``NODE/ID`` on a cluster
+    node)."""
+    jobs, rid = _holder(rollout, state_dir)
+    return list(jobs.journal(rid, output))
+
+
+def replay(rollout: str, state_dir: str | Path | None = None) -> dict[str, Any]:
+    """Rebuild a rollout in a fresh sandbox from its image, last snapshot and journal."""
+    jobs, rid = _holder(rollout, state_dir)
+    return dict(jobs.replay(rid))

@@ -1,0 +1,287 @@
+"""The asyncio client of the dsec-agent protocol (docs/agent.md): the same frames as
+`client.AgentClient`, on asyncio streams, with no thread at all.
+
+One `AsyncAgentClient` owns one connection to one agent and multiplexes requests over it by
+id: a reader task (not a thread) routes each frame to the request waiting for it, so any
+number of execs, puts and gets of any number of sandboxes wait in one event loop. Like the
+threaded client, it is opened only by `connect_unix`, which checks who listens on the other
+end (SO_PEERCRED) before a byte is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import signal
+import socket
+import struct
+import time
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
+from pathlib import Path
+
+from ...core.errors import SandboxError, UsageError
+from ..base import ExecResult
+from .client import (
+    _HDR,
+    _PEERCRED,
+    CHUNK,
+    EXEC_F_STDIN,
+    MAX_FRAME,
+    PUT_F_APPEND,
+    T_DATA,
+    T_EXEC,
+    T_EXIT,
+    T_GET,
+    T_PING,
+    T_PUT,
+    T_RESULT,
+    T_SIGNAL,
+    T_STDERR,
+    T_STDIN,
+    T_STDOUT,
+    AgentError,
+    PeerCheck,
+    _encode_exec,
+    _raise_for,
+    _result,
+    _s,
+)
+
+#: called with ("stdout" | "stderr", bytes) as output arrives; may be a coroutine function
+AsyncOutputCallback = Callable[[str, bytes], Awaitable[None] | None]
+#: what an async exec's stdin may be: bytes, or blocks from a (sync or async) iterable
+AsyncStdin = bytes | str | Iterable[bytes] | AsyncIterable[bytes] | None
+
+_LOST = -1
+
+
+class AsyncAgentClient:
+    """A multiplexed asyncio connection to one dsec-agent. Bound to the event loop that
+    opened it."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+        self._pending: dict[int, asyncio.Queue[tuple[int, bytes]]] = {}
+        self._next = 1
+        self.closed: str | None = None
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @classmethod
+    async def connect_unix(cls, path: str | Path, *, peer: PeerCheck,
+                           what: str = "the sandbox", timeout: float = 10.0
+                           ) -> AsyncAgentClient:
+        """Connect to an agent's unix socket (any path length) and refuse it unless
+        `peer(pid)` accepts the listening process, as `AgentClient.connect_unix` does."""
+        path = str(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        dir_fd = -1
+        try:
+            target = path
+            if len(path.encode()) > 100:  # sun_path holds 108 bytes
+                dir_fd = os.open(os.path.dirname(path), os.O_PATH)
+                target = f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}"
+            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, target),
+                                   timeout)
+        except (TimeoutError, OSError) as e:
+            sock.close()
+            reason = getattr(e, "strerror", None) or str(e) or "timed out"
+            raise AgentError(f"cannot connect to the sandbox agent at {path}: {reason}") from e
+        finally:
+            if dir_fd >= 0:
+                os.close(dir_fd)
+        pid, _, _ = _PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        if pid <= 0 or not peer(pid):
+            sock.close()
+            raise AgentError(f"refusing the agent socket of {what} at {path}: it is served by "
+                             f"process {pid}, which is not {what}'s agent (was the socket "
+                             "replaced from inside a sandbox?)")
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_FRAME)
+        return cls(reader, writer)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except (OSError, asyncio.CancelledError):
+            pass
+        if self.closed is None:
+            self.closed = "closed"
+
+    # -- plumbing ------------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        reason = "closed"
+        try:
+            while True:
+                length, kind, rid = _HDR.unpack(await self._reader.readexactly(9))
+                if length < 5 or length > MAX_FRAME:
+                    raise AgentError(f"the sandbox agent sent a frame of {length} bytes")
+                payload = await self._reader.readexactly(length - 5) if length > 5 else b""
+                q = self._pending.get(rid)
+                if q is not None:
+                    q.put_nowait((kind, payload))
+        except asyncio.IncompleteReadError:
+            reason = "the agent closed the connection"
+        except (OSError, AgentError, struct.error) as e:
+            reason = str(e) or type(e).__name__
+        except asyncio.CancelledError:
+            reason = "closed"
+        self.closed = reason
+        self._writer.close()
+        for q in self._pending.values():
+            q.put_nowait((_LOST, reason.encode()))
+
+    def _open(self) -> tuple[int, asyncio.Queue[tuple[int, bytes]]]:
+        if self.closed is not None:
+            raise AgentError(f"the sandbox agent connection is closed: {self.closed}")
+        rid = self._next
+        self._next = (self._next + 1) & 0x7FFFFFFF or 1
+        q: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        self._pending[rid] = q
+        return rid, q
+
+    async def _send(self, kind: int, rid: int, payload: bytes) -> None:
+        if len(payload) + 5 > MAX_FRAME:
+            raise UsageError("request too large for one agent frame")
+        if self.closed is not None:
+            raise AgentError(f"lost the connection to the sandbox agent: {self.closed}")
+        try:
+            # write() appends whole frames to the transport's buffer: frames of concurrent
+            # requests never interleave; drain() waits while the agent reads slowly
+            self._writer.write(_HDR.pack(len(payload) + 5, kind, rid) + payload)
+            await self._writer.drain()
+        except OSError as e:
+            raise AgentError(f"lost the connection to the sandbox agent: {e}") from e
+
+    async def _wait_result(self, rid: int, q: asyncio.Queue[tuple[int, bytes]],
+                           sink: list[bytes] | None = None) -> tuple[int, str]:
+        try:
+            while True:
+                kind, payload = await q.get()
+                if kind == T_RESULT:
+                    return _result(payload)
+                if kind == T_DATA and sink is not None:
+                    sink.append(payload)
+                elif kind == _LOST:
+                    raise AgentError("lost the connection to the sandbox agent: "
+                                     f"{payload.decode()}")
+        finally:
+            self._pending.pop(rid, None)
+
+    # -- requests ------------------------------------------------------------------------------
+    async def ping(self) -> str:
+        rid, q = self._open()
+        await self._send(T_PING, rid, b"")
+        return (await self._wait_result(rid, q))[1]
+
+    async def exec(self, argv: list[str], env: dict[str, str] | None = None,
+                   cwd: str | None = None, stdin: AsyncStdin = None,
+                   timeout: float | None = None, on_output: AsyncOutputCallback | None = None,
+                   capture_limit: int | None = None) -> ExecResult:
+        """Run argv in the sandbox; output goes to `on_output` as it arrives. Cancelling the
+        awaiting task kills the command (SIGKILL) in the sandbox."""
+        if isinstance(stdin, str):
+            stdin = stdin.encode()
+        payload = _encode_exec(list(argv), dict(env or {}), cwd,
+                               EXEC_F_STDIN if stdin is not None else 0, timeout)
+        rid, q = self._open()
+        started = time.monotonic()
+        feeder: asyncio.Task[None] | None = None
+        finished = False
+        try:
+            await self._send(T_EXEC, rid, payload)
+            if isinstance(stdin, bytes | bytearray):
+                await self._feed(rid, [bytes(stdin)])
+            elif stdin is not None:
+                # a stream is fed alongside: the result comes when the process exits, even
+                # if the stream never ends
+                feeder = asyncio.get_running_loop().create_task(self._feed(rid, stdin))
+            result = await self._collect(q, started, on_output, capture_limit)
+            finished = True
+            return result
+        finally:
+            if feeder is not None:
+                feeder.cancel()
+            if not finished and self.closed is None:
+                try:  # abandoned (cancelled, or a callback raised): nothing may keep running
+                    await asyncio.shield(self._send(T_SIGNAL, rid,
+                                                    struct.pack(">I", signal.SIGKILL)))
+                except (AgentError, asyncio.CancelledError):
+                    pass
+            self._pending.pop(rid, None)
+
+    async def _feed(self, rid: int, blocks: Iterable[bytes] | AsyncIterable[bytes]) -> None:
+        try:
+            if isinstance(blocks, AsyncIterable):
+                async for block in blocks:
+                    await self._send_stdin(rid, block)
+            else:
+                for block in blocks:
+                    await self._send_stdin(rid, block)
+            await self._send(T_STDIN, rid, b"")
+        except (AgentError, OSError):
+            pass  # the exec (or the connection) is gone: nothing left to feed
+
+    async def _send_stdin(self, rid: int, data: bytes) -> None:
+        for i in range(0, len(data), CHUNK):
+            await self._send(T_STDIN, rid, data[i:i + CHUNK])
+
+    @staticmethod
+    async def _collect(q: asyncio.Queue[tuple[int, bytes]], started: float,
+                       on_output: AsyncOutputCallback | None,
+                       capture_limit: int | None) -> ExecResult:
+        out: list[bytes] = []
+        err: list[bytes] = []
+        kept = {T_STDOUT: 0, T_STDERR: 0}
+        cut = {T_STDOUT: False, T_STDERR: False}
+        while True:
+            kind, payload = await q.get()
+            if kind == T_STDOUT or kind == T_STDERR:
+                if on_output is not None:
+                    r = on_output("stdout" if kind == T_STDOUT else "stderr", payload)
+                    if inspect.isawaitable(r):
+                        await r
+                room = len(payload) if capture_limit is None else capture_limit - kept[kind]
+                if room < len(payload):
+                    cut[kind] = True
+                    payload = payload[:max(room, 0)]
+                if payload:
+                    (out if kind == T_STDOUT else err).append(payload)
+                    kept[kind] += len(payload)
+            elif kind == T_EXIT:
+                code, flags = struct.unpack(">iI", payload[:8])
+                return ExecResult(exit_code=code, stdout=b"".join(out), stderr=b"".join(err),
+                                  duration=time.monotonic() - started,
+                                  timed_out=bool(flags & 1), stdout_truncated=cut[T_STDOUT],
+                                  stderr_truncated=cut[T_STDERR])
+            elif kind == T_RESULT:
+                code, msg = _result(payload)
+                raise SandboxError(f"exec failed in the sandbox: {msg or os.strerror(code)}")
+            elif kind == _LOST:
+                raise AgentError(f"lost the connection to the sandbox agent: {payload.decode()}")
+
+    async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        for off in range(0, max(len(data), 1), CHUNK):
+            flags = PUT_F_APPEND if off else 0
+            rid, q = self._open()
+            await self._send(T_PUT, rid, struct.pack(">II", mode, flags) + _s(path)
+                             + data[off:off + CHUNK])
+            code, msg = await self._wait_result(rid, q)
+            _raise_for(code, msg, path)
+
+    async def get_file_with_mode(self, path: str) -> tuple[bytes, int]:
+        rid, q = self._open()
+        await self._send(T_GET, rid, path.encode())
+        sink: list[bytes] = []
+        code, msg = await self._wait_result(rid, q, sink)
+        _raise_for(code, msg, path)
+        if not sink or len(sink[0]) < 4:
+            raise AgentError("the sandbox agent sent a malformed file reply")
+        (mode,) = struct.unpack(">I", sink[0][:4])
+        return b"".join(sink[1:]), mode
+
+    async def get_file(self, path: str) -> bytes:
+        return (await self.get_file_with_mode(path))[0]

@@ -1,0 +1,202 @@
+"""Snapshot boot for the microvm and vm backends: a guest booted once per (machine, image,
+kernel, memory, CPUs, network, pids and disk limits) to a ready agent is saved, and later
+sandboxes with the same key are created by restoring it instead of booting.
+
+A template is a directory ``<vm dir>/templates/<key>/`` holding ``state`` (QEMU's migration
+stream of the stopped guest: RAM and device state) and ``disk.ext4`` (the writable disk as the
+guest left it when it was stopped). It is built inside the create that first needs it, in a
+build dir and under a guest name derived from that sandbox's id (so a kill at any point leaves
+only what the sandbox's teardown removes), and renamed into place complete. A restore copies
+the disk (each sandbox writes its own copy), starts QEMU with the same devices and
+``-incoming``, resumes the guest, then gives it its own identity with `identity_binary`
+(hostname, a CRNG reseeded from host randomness, a fresh machine id where the image has one).
+QEMU 7.2 reads the whole stream at restore (its ``mapped-ram`` format, which maps RAM on
+demand, arrived in 9.0).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from ...core.errors import BackendError
+from .qemu_qmp import QMPError, qmp
+
+GUEST = Path(__file__).parent / "guest"
+IDENTITY_SOURCE = GUEST / "identity.c"
+#: where a restored guest briefly holds the identity helper (a tmpfs; exec allowed)
+IDENTITY_PATH = "/dev/shm/.dsec-identity"
+FORMAT = 1  # bump when what a template holds changes
+
+
+def _stamp(p: Path) -> list[Any]:
+    st = p.stat()
+    return [str(p), st.st_size, st.st_mtime_ns]
+
+
+def template_key(parts: dict[str, Any], files: list[Path]) -> tuple[str, str]:
+    """The key of a template: every argument that shapes the guest, and the identity (path,
+    size, mtime) of every file it boots from; and the document it digests (kept with the
+    template as ``key.json``)."""
+    doc = json.dumps({"format": FORMAT, **parts, "files": [_stamp(f) for f in files]},
+                     sort_keys=True)
+    return hashlib.sha256(doc.encode()).hexdigest()[:24], doc
+
+
+def template_dir(vm_dir: Path, key: str) -> Path:
+    return vm_dir / "templates" / key
+
+
+def build_dir(vm_dir: Path, sid: str) -> Path:
+    """Where the create of sandbox ``sid`` builds a template (beside the templates, so the
+    result is renamed into place; removed with the sandbox)."""
+    return vm_dir / "templates" / f".build-{sid}"
+
+
+def ready(tdir: Path) -> bool:
+    return (tdir / "state").is_file() and (tdir / "disk.ext4").is_file()
+
+
+@contextmanager
+def build_lock(vm_dir: Path, key: str) -> Iterator[None]:
+    """One builder per template at a time (others wait, then restore what it saved)."""
+    d = vm_dir / "templates"
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d / f".{key}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def save(qmp_path: str, out: Path, timeout: float) -> None:
+    """Stop the guest and write its migration stream to ``out`` (QEMU keeps running)."""
+    qmp(qmp_path, "stop")
+    qmp(qmp_path, "migrate", {"uri": f"exec:cat > {_quote(out)}"})
+    deadline = time.monotonic() + timeout
+    while True:
+        info = qmp(qmp_path, "query-migrate") or {}
+        status = info.get("status")
+        if status == "completed":
+            return
+        if status in ("failed", "cancelled"):
+            raise BackendError(f"saving the VM snapshot failed: {info.get('error-desc', status)}")
+        if time.monotonic() > deadline:
+            raise BackendError(f"saving the VM snapshot took over {timeout:.0f}s")
+        time.sleep(0.05)
+
+
+def incoming_argv(tdir: Path) -> list[str]:
+    return ["-incoming", f"exec:cat {_quote(tdir / 'state')}"]
+
+
+def wait_restored(qmp_path: str, timeout: float, alive: Any) -> None:
+    """Wait for the incoming stream to be loaded, then let the guest run."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            status = (qmp(qmp_path, "query-status", timeout=5) or {}).get("status")
+        except QMPError:
+            status = None  # the control socket may not be listening yet
+        if status in ("paused", "postmigrate", "running"):
+            break
+        if status in ("internal-error", "shutdown", "guest-panicked") or not alive():
+            raise BackendError(f"restoring the VM snapshot failed (QEMU status {status})")
+        if time.monotonic() > deadline:
+            raise BackendError(f"restoring the VM snapshot took over {timeout:.0f}s")
+        time.sleep(0.02)
+    if status != "running":
+        qmp(qmp_path, "cont")
+
+
+def touch(tdir: Path) -> None:
+    """Mark a template used now (what `prune` goes by)."""
+    try:
+        os.utime(tdir)
+    except OSError:
+        pass
+
+
+def prune(vm_dir: Path, max_age: float, dry_run: bool = False) -> list[str]:
+    """Remove saved boots no restore used for ``max_age`` seconds (node gc); their keys.
+    A removed one is built again by the next create that needs it."""
+    root = vm_dir / "templates"
+    if not root.is_dir():
+        return []
+    out = []
+    now = time.time()
+    for d in root.iterdir():
+        if d.name.startswith(".") or not d.is_dir():
+            continue
+        try:
+            idle = now - d.stat().st_mtime
+        except OSError:
+            continue
+        if idle <= max_age:
+            continue
+        out.append(d.name)
+        if not dry_run:
+            gone = root / f".evict-{d.name}-{os.getpid()}"
+            try:
+                os.rename(d, gone)  # atomic: a restore starting now builds it again
+            except OSError:
+                continue
+            shutil.rmtree(gone, ignore_errors=True)
+    return out
+
+
+def copy_disk(src: Path, dest: Path) -> None:
+    """The sandbox's own writable disk: a sparse (or reflinked) copy of the template's."""
+    r = subprocess.run(["cp", "--sparse=always", "--reflink=auto", str(src), str(dest)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BackendError(f"copying the snapshot disk failed: {r.stderr.strip()}")
+
+
+def _quote(p: Path) -> str:
+    import shlex
+
+    return shlex.quote(str(p))
+
+
+def _tag() -> str:
+    return hashlib.sha256(IDENTITY_SOURCE.read_bytes()).hexdigest()[:12]
+
+
+@cache
+def identity_binary() -> bytes:
+    """The identity helper (guest/identity.c: raw syscalls, no libc, a few KB), compiled once
+    per source into the data directory."""
+    from ...core.config import data_home
+
+    dest = data_home() / "agent" / f"dsec-identity-{_tag()}"
+    if not dest.is_file():
+        gcc = shutil.which("gcc")
+        if gcc is None:
+            raise BackendError("gcc is needed to build the VM identity helper",
+                               hint="run scripts/setup.sh")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".identity-")
+        os.close(fd)
+        r = subprocess.run([gcc, "-static", "-nostdlib", "-O2", "-fno-stack-protector",
+                            "-fno-builtin", "-s", "-o", tmp, str(IDENTITY_SOURCE)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            os.unlink(tmp)
+            raise BackendError(f"compiling the VM identity helper failed: "
+                               f"{r.stderr.strip()[-2000:]}", hint="install gcc and libc6-dev")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, dest)
+    return dest.read_bytes()

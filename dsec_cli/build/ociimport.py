@@ -1,0 +1,620 @@
+"""OCI and Docker images into dsec: each image layer becomes a dsec layer, the image config
+a dsec image.
+
+A layer is read as one stream: blob -> sha256 (the manifest's digest) -> gzip or zstd
+(sniffed) -> sha256 (the config's uncompressed ``diff_id``) -> tar members. Files of at
+least ``small_file`` bytes are chunked as the stream reaches them (a few chunk windows in
+memory); smaller ones wait in a spool until the end of the layer, because they are grouped
+into batch chunks in path order, exactly as `dsec build` groups them, so an image imported,
+exported and imported again has the same content digests. Packs stay in staging until both
+digests match: a layer whose bytes do not match is refused, naming the digest, and the
+store is unchanged.
+
+Member names go through the same checks as `extract` steps (`build/tarball.py`): ``..``,
+absolute paths, hardlinks to outside, members below a symlink and relative symlinks climbing
+out are refused; device nodes are dropped (0:0 character devices are whiteouts); ``.wh.``
+files and opaque markers become whiteouts and opaque directories. Each layer is named
+``oci-layer@<diff_id hex>``, so a layer already imported is not read again.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import platform as _platform
+import queue
+import re
+import shutil
+import tarfile
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from ..core.errors import (
+    DsecError,
+    IntegrityError,
+    NotFoundError,
+    RefConflictError,
+    SpecError,
+    UsageError,
+)
+from ..format.index import ChunkParams, Entry, LayerIndex
+from ..format.manifest import Manifest, load_manifest
+from ..format.refs import get_ref, set_ref
+from ..format.validate import MAX_TEXT
+from ..push import retry
+from ..push.dedup import KnownChunks
+from ..push.ocisource import (
+    INDEX_TYPES,
+    MANIFEST_TYPES,
+    Descriptor,
+    Source,
+    load_doc,
+    open_source,
+)
+from ..push.stores.base import Store
+from .image import write_image
+from .layer import _Batcher, _Writer, canonical_entries, chunk_stream, layer_manifest
+from .tarball import MAX_SPARSE_SIZE, scan_members
+
+log = logging.getLogger(__name__)
+
+LAYER_NAME = "oci-layer"
+LAYER_TYPES = {
+    "application/vnd.oci.image.layer.v1.tar", "application/vnd.oci.image.layer.v1.tar+gzip",
+    "application/vnd.oci.image.layer.v1.tar+zstd",
+    "application/vnd.docker.image.rootfs.diff.tar.gzip",
+    "application/vnd.docker.image.rootfs.diff.tar", "",
+}
+GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+#: the most the env, workdir and annotations taken from an image config may weigh in all
+MAX_SETTINGS = 1 << 20
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
+_SAFE = re.compile(r"[^A-Za-z0-9._+-]+")
+
+
+@dataclass
+class ImportProgress:
+    """What the transfer commands render: layers done of all, bytes read of all."""
+
+    objects_done: int = 0
+    objects_total: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+
+
+@dataclass
+class ImportedLayer:
+    ref: str
+    manifest: str
+    content_digest: str
+    diff_id: str
+    digest: str  # the blob's digest in the source ("" for a docker save layer)
+    size: int
+    stored_size: int
+    reused: bool
+    new_bytes: int = 0
+
+
+@dataclass
+class ImportReport:
+    source: str
+    ref: str
+    manifest: str  # the dsec image manifest digest
+    source_digest: str  # the OCI manifest digest the image was read from
+    platform: str
+    layers: list[ImportedLayer] = field(default_factory=list)
+    seconds: float = 0.0
+    bytes_read: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- streams ----------------------------------------------------------------------------------
+class _Hashed:
+    """A reader that hashes and counts what passes; with ``limit`` it never reads past one
+    byte beyond it, so an over-long blob is seen without being read whole."""
+
+    def __init__(self, f: Any, limit: int | None = None,
+                 tick: Callable[[int], None] | None = None) -> None:
+        self.f = f
+        self.h = hashlib.sha256()
+        self.n = 0
+        self.limit = limit
+        self.tick = tick
+        self.head = b""
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = 1 << 20
+        if self.head:
+            first, self.head = self.head[:n], self.head[n:]
+            return first
+        if self.limit is not None:
+            n = min(n, self.limit + 1 - self.n)
+            if n <= 0:
+                return b""
+        data: bytes = self.f.read(n)
+        self.h.update(data)
+        self.n += len(data)
+        if self.tick and data:
+            self.tick(len(data))
+        return data
+
+    def peek(self, n: int) -> bytes:
+        """The next ``n`` bytes (fewer at the end), left to be read again."""
+        head = self.head
+        self.head = b""
+        while len(head) < n:
+            piece = self.read(n - len(head))
+            if not piece:
+                break
+            head += piece
+        self.head = head
+        return head[:n]
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+    @property
+    def digest(self) -> str:
+        return "sha256:" + self.h.hexdigest()
+
+
+class _Prefetch:
+    """Reads a stream on a thread, a bounded queue of pieces ahead of the consumer: the
+    thread decompresses and hashes (zlib, zstd and sha256 release the GIL) while the caller
+    chunks and compresses, so the two overlap on two cores. At most ``depth`` pieces wait."""
+
+    PIECE = 1 << 20
+
+    def __init__(self, f: Any, depth: int = 8) -> None:
+        self.f = f
+        self.q: queue.Queue[bytes | BaseException] = queue.Queue(depth)
+        self.stop = threading.Event()
+        self.buf = memoryview(b"")
+        self.eof = False
+        self.t = threading.Thread(target=self._run, name="oci-layer-read", daemon=True)
+        self.t.start()
+
+    def _put(self, item: bytes | BaseException) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                data = self.f.read(self.PIECE)
+                if not self._put(data) or not data:
+                    return
+        except BaseException as e:  # handed to the reader, raised there
+            self._put(e)
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self.PIECE
+        while not self.buf and not self.eof:
+            item = self.q.get()
+            if isinstance(item, BaseException):
+                self.eof = True
+                raise item
+            if not item:
+                self.eof = True
+            self.buf = memoryview(item)
+        out = bytes(self.buf[:n])
+        self.buf = self.buf[n:]
+        return out
+
+    def drain(self) -> None:
+        while self.read(self.PIECE):
+            pass
+        self.t.join()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.t.join()
+
+
+def _decompressed(raw: _Hashed) -> IO[bytes]:
+    head = raw.peek(4)
+    if head[:2] == GZIP_MAGIC:
+        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[call-overload]
+    if head == ZSTD_MAGIC:
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(  # type: ignore[return-value]
+            raw, read_across_frames=True)  # type: ignore[arg-type]
+    return raw  # type: ignore[return-value]
+
+
+# -- one layer --------------------------------------------------------------------------------
+def _scan_layer(tf: tarfile.TarFile, label: str, w: _Writer, params: ChunkParams,
+                spool: IO[bytes]) -> list[Entry]:
+    def on_file(tf: tarfile.TarFile, m: tarfile.TarInfo, e: Entry) -> None:
+        if getattr(m, "sparse", None) and m.size > MAX_SPARSE_SIZE:
+            raise SpecError(f"member {m.name!r} is sparse with an apparent size of {m.size} "
+                            f"bytes, over the limit of {MAX_SPARSE_SIZE}", path=label)
+        if m.size == 0:
+            return None
+        f = tf.extractfile(m)
+        assert f is not None
+        if m.size < params.small_file:
+            data = f.read(m.size)
+            # spooled until path order is known; -1 marks "offset, length in the spool"
+            e.chunks = [(-1, spool.tell(), len(data))]
+            spool.write(data)
+        else:
+            e.chunks = chunk_stream(w, f.read, m.size, params)
+        return None
+
+    scanned = scan_members(tf, Path(label), "", on_file, devices=False)
+    entries = [s.entry for s in canonical_entries(list(scanned.values()))]
+    batcher = _Batcher(w, params)
+    for e in entries:
+        if e.type == "reg" and e.chunks and e.chunks[0][0] == -1:
+            _, off, ln = e.chunks[0]
+            spool.seek(off)
+            batcher.add(e, spool.read(ln))
+    batcher.flush()
+    return entries
+
+
+@dataclass
+class StagedLayer:
+    """A layer read and verified, its packs still in staging: nothing is in the store
+    until `publish`, so an image with one bad layer leaves the store unchanged."""
+
+    w: _Writer
+    staging: Path
+    index: LayerIndex
+    version: str
+    diff_id: str
+    digest: str
+
+    def publish(self, store: Store) -> ImportedLayer:
+        try:
+            self.w.publish()  # the packs, before anything that names them
+        finally:
+            self.discard()
+        digest, m = layer_manifest(store, self.index, name=LAYER_NAME, version=self.version,
+                                   created_by=f"dsec import {self.digest or self.diff_id}")
+        set_ref(store, LAYER_NAME, self.version, digest)
+        return ImportedLayer(m.ref, digest, m.content_digest, self.diff_id, self.digest,
+                             m.size, m.stored_size, False, self.w.result_new_bytes)
+
+    def discard(self) -> None:
+        self.w.abort()
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
+                known: KnownChunks, params: ChunkParams | None = None,
+                tick: Callable[[int], None] | None = None) -> StagedLayer:
+    """Read one layer blob, verify both digests, and cut it into packs kept in staging."""
+    params = params or ChunkParams()
+    label = f"layer {desc.digest or diff_id} of {source.label}"
+    staging = Path(tempfile.mkdtemp(prefix="import-", dir=store.staging_dir()))
+    w = _Writer(store, known, params, staging, None, False, defer_uploads=True)
+    try:
+        with source.blob(desc) as f, open(staging / "small-files", "w+b") as spool:
+            raw = _Hashed(f, desc.size if desc.digest else None, tick)
+            plain = _Hashed(None)
+            ahead = None
+            try:
+                plain.f = _decompressed(raw)
+                ahead = _Prefetch(plain)
+                with tarfile.open(fileobj=ahead, mode="r|") as tf:  # type: ignore[call-overload]
+                    entries = _scan_layer(tf, label, w, params, spool)
+                ahead.drain()  # the end-of-archive padding is part of the diff_id
+                raw.drain()
+            except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
+                raise IntegrityError(f"{label}: cannot read it as a tar stream: {e}") from None
+            except Exception as e:  # zstandard's errors derive from Exception only
+                if type(e).__name__ != "ZstdError":
+                    raise
+                raise IntegrityError(f"{label}: cannot decompress it: {e}") from None
+            finally:
+                if ahead is not None:
+                    ahead.close()
+        if desc.digest is not None:
+            if raw.n != desc.size:
+                got = f"over {desc.size}" if raw.n > desc.size else str(raw.n)
+                raise IntegrityError(f"{label}: the blob is {got} bytes, the manifest says "
+                                     f"{desc.size}; refused")
+            if raw.digest != desc.digest:
+                raise IntegrityError(f"{label}: the blob's bytes hash to {raw.digest}, not "
+                                     f"{desc.digest}; refused")
+        if plain.digest != diff_id:
+            raise IntegrityError(f"{label}: the uncompressed layer hashes to {plain.digest}, "
+                                 f"not its diff_id {diff_id}; refused")
+        (staging / "small-files").unlink()
+        w.seal_all()
+    except BaseException:
+        w.abort()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    assert all(loc is not None for loc in w.locs)
+    index = LayerIndex(entries=entries, chunks=list(w.locs),  # type: ignore[arg-type]
+                       packs=w.packs, params=params)
+    known.add_index(index)  # later layers of the import reuse its chunks
+    return StagedLayer(w, staging, index, diff_id.removeprefix("sha256:"), diff_id,
+                       desc.digest or "")
+
+
+def _existing_layer(store: Store, diff_id: str) -> tuple[str, Manifest] | None:
+    try:
+        digest = get_ref(store, f"{LAYER_NAME}@{diff_id.removeprefix('sha256:')}").manifest
+        return digest, load_manifest(store, digest)
+    except NotFoundError:
+        return None
+
+
+# -- the image --------------------------------------------------------------------------------
+def host_platform() -> str:
+    arch = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm"}.get(
+        _platform.machine(), _platform.machine())
+    return f"linux/{arch}"
+
+
+def _pick_platform(index: dict[str, Any], want: str, label: str) -> Descriptor:
+    items = index.get("manifests")
+    if not isinstance(items, list) or not items:
+        raise IntegrityError(f"{label}: the image index lists no manifest")
+    os_, _, rest = want.partition("/")
+    arch, _, variant = rest.partition("/")
+    seen = []
+    for n, m in enumerate(items):
+        desc = Descriptor.parse(m, f"{label}: index entry {n}")
+        p = m.get("platform") if isinstance(m, dict) else None
+        if not isinstance(p, dict):
+            if len(items) == 1:
+                return desc
+            continue
+        have = f"{p.get('os')}/{p.get('architecture')}" + (
+            f"/{p['variant']}" if p.get("variant") else "")
+        seen.append(have)
+        if p.get("os") == os_ and p.get("architecture") == arch and (
+                not variant or p.get("variant") == variant):
+            return desc
+    if not seen:
+        raise UsageError(f"{label} lists {len(items)} images and no platforms",
+                         hint="name one by its tag (SOURCE:TAG)")
+    raise NotFoundError(f"{label} has no image for platform {want}",
+                        hint=f"it has: {', '.join(seen)}; choose with --platform")
+
+
+def _layers_of(doc: dict[str, Any], label: str) -> tuple[Descriptor, list[Descriptor]]:
+    if doc.get("mediaType") == "docker-archive":  # synthesized by the archive source
+        cfg = doc["config"]
+        return (Descriptor("", cfg["digest"], cfg["size"]),
+                [Descriptor("", None, 0, path=x["path"]) for x in doc["layers"]])
+    if doc.get("schemaVersion") != 2:
+        raise UsageError(f"{label}: manifest schema version {doc.get('schemaVersion')!r} is not "
+                         "supported (Docker schema 2 and OCI manifests are)")
+    config = Descriptor.parse(doc.get("config"), f"{label}: config descriptor")
+    layers = doc.get("layers")
+    if not isinstance(layers, list):
+        raise IntegrityError(f"{label}: the manifest has no layer list")
+    out = [Descriptor.parse(x, f"{label}: layer {n}") for n, x in enumerate(layers)]
+    for d in out:
+        if d.media_type not in LAYER_TYPES:
+            raise UsageError(f"{label}: layer {d.digest} has media type {d.media_type!r}, "
+                             "which dsec does not import (tar, tar+gzip, tar+zstd)")
+    return config, out
+
+
+def _str_list(v: Any) -> list[str] | None:
+    if isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return v
+    return None
+
+
+def image_settings(config: dict[str, Any], label: str) -> tuple[dict[str, str], str,
+                                                                dict[str, str]]:
+    """env, workdir, and the rest (user, entrypoint, cmd, labels) as annotations."""
+    c = config.get("config") or {}
+    if not isinstance(c, dict):
+        raise IntegrityError(f"{label}: the image config's 'config' is not an object")
+    env: dict[str, str] = {}
+    for item in _str_list(c.get("Env")) or []:
+        k, sep, v = item.partition("=")
+        if sep and k and "\x00" not in item:
+            env[k] = v
+    workdir = c.get("WorkingDir") if isinstance(c.get("WorkingDir"), str) else ""
+    ann: dict[str, str] = {}
+    if isinstance(c.get("User"), str) and c["User"]:
+        ann["oci.user"] = c["User"]
+    for key, name in (("Entrypoint", "oci.entrypoint"), ("Cmd", "oci.cmd")):
+        items = _str_list(c.get(key))
+        if items is not None:
+            ann[name] = json.dumps(items)
+    labels = c.get("Labels")
+    if isinstance(labels, dict):
+        for k, v in labels.items():
+            if isinstance(v, str) and k:
+                ann[f"oci.label.{k}"] = v
+    if isinstance(c.get("StopSignal"), str):
+        ann["oci.stop_signal"] = c["StopSignal"]
+    ann = {k: v for k, v in ann.items() if "\x00" not in k + v}
+    workdir = workdir or ""
+    if "\x00" in workdir:
+        raise IntegrityError(f"{label}: the image config's WorkingDir holds a NUL byte")
+    if workdir and not workdir.startswith("/"):
+        workdir = "/" + workdir  # as docker reads a relative WorkingDir
+    # what becomes the dsec manifest must stay readable under its bounds
+    texts = [workdir, *env, *env.values(), *ann, *ann.values()]
+    if any(len(t) > MAX_TEXT for t in texts) or sum(map(len, texts)) > MAX_SETTINGS:
+        raise IntegrityError(f"{label}: the image config's env, labels or command are too "
+                             f"large (each at most {MAX_TEXT} characters, "
+                             f"{MAX_SETTINGS} in all)")
+    return env, workdir, ann
+
+
+def default_name(source: Source) -> tuple[str, str]:
+    ref = getattr(source, "ref", None)
+    if ref is not None:
+        name = ref.repo.rsplit("/", 1)[-1]
+        version = ref.tag or (ref.digest.removeprefix("sha256:")[:12] if ref.digest
+                              else "latest")
+    else:
+        path = source.path
+        name = path.name.split(".")[0] or "image"
+        version = source.reference or "latest"
+    return (_SAFE.sub("-", name).strip("-.") or "image")[:128], \
+        (_SAFE.sub("-", version).strip("-.") or "latest")[:128]
+
+
+def import_image(store: Store, source_text: str, *, as_ref: str | None = None,
+                 platform: str | None = None, insecure: bool = False,
+                 progress: Callable[[ImportProgress], None] | None = None,
+                 replace: bool = False) -> ImportReport:
+    """Import an image from a registry, an OCI layout or a docker save tarball; write its
+    layers and an image manifest, and point ``as_ref`` (or a name taken from the source) at
+    it."""
+    from ..core.digests import parse_ref
+
+    t0 = time.monotonic()
+    want = platform or host_platform()
+    if as_ref:
+        parse_ref(as_ref)
+    from ..push.lease import WriterLease
+
+    source = open_source(source_text, insecure)
+    try:
+        with WriterLease(store, "import"):
+            return _import(store, source, source_text, as_ref, want, replace, progress, t0)
+    except DsecError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise IntegrityError(f"{source.label}: {type(e).__name__}: {e}") from e
+    finally:
+        source.close()
+
+
+def _import(store: Store, source: Source, source_text: str, as_ref: str | None, want: str,
+            replace: bool, progress: Callable[[ImportProgress], None] | None, t0: float
+            ) -> ImportReport:
+    from ..core.digests import parse_ref
+
+    data, media_type, top_digest = source.root()
+    doc = load_doc(data, f"{source.label}: manifest")
+    for _ in range(4):  # an index may name an index (a layout's index.json does)
+        media_type = doc.get("mediaType") or media_type
+        if media_type not in INDEX_TYPES and (media_type in MANIFEST_TYPES
+                                              or "manifests" not in doc):
+            break
+        desc = _pick_platform(doc, want, source.label)
+        data = source.manifest(desc)
+        doc = load_doc(data, f"{source.label}: manifest {desc.digest}")
+        media_type, top_digest = desc.media_type, desc.digest
+    else:
+        raise IntegrityError(f"{source.label}: image indexes nested too deep")
+    config_desc, layers = _layers_of(doc, source.label)
+    config = load_doc(source.document(config_desc), f"{source.label}: image config")
+    rootfs = config.get("rootfs") if isinstance(config.get("rootfs"), dict) else {}
+    diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
+    if not isinstance(diff_ids, list) or len(diff_ids) != len(layers) or not all(
+            isinstance(d, str) and _DIGEST.match(d) for d in diff_ids):
+        raise IntegrityError(f"{source.label}: the config's rootfs.diff_ids do not list "
+                             f"one sha256 digest per layer ({len(layers)} layers)")
+    env, workdir, ann = image_settings(config, source.label)
+    name, version = parse_ref(as_ref) if as_ref else default_name(source)
+    if as_ref != "" and not replace:
+        _refuse_other_image(store, name, version, top_digest or "")
+    prog = ImportProgress(0, len(layers), 0, sum(d.size for d in layers))
+    report = ImportReport(source_text, f"{name}@{version}", "", top_digest or "", want)
+
+    def tick(n: int) -> None:
+        prog.bytes_done += n
+        report.bytes_read += n
+        if progress:
+            progress(prog)
+
+    known: KnownChunks | None = None
+    staged: list[StagedLayer | ImportedLayer] = []
+    try:
+        for desc, diff_id in zip(layers, diff_ids, strict=True):
+            have = _existing_layer(store, diff_id)
+            if have is not None:
+                d, m = have
+                staged.append(ImportedLayer(m.ref, d, m.content_digest, diff_id,
+                                            desc.digest or "", m.size, m.stored_size, True))
+                prog.bytes_done += desc.size
+            else:
+                if known is None:
+                    from ..core.config import load_config
+
+                    known = KnownChunks.load(store, Path(load_config().data_dir)
+                                             / "chunk-tables")
+                # a connection that breaks mid-layer reads the layer again (transient
+                # failures only, under the one retry policy)
+                staged.append(retry.call(
+                    lambda desc=desc, diff_id=diff_id, k=known: stage_layer(  # type: ignore[misc]
+                        store, source, desc, diff_id, known=k, tick=tick),
+                    f"importing layer {desc.digest or diff_id}"))
+            prog.objects_done += 1
+            if progress:
+                progress(prog)
+        # every layer verified: only now does the store change
+        for x in staged:
+            report.layers.append(x.publish(store) if isinstance(x, StagedLayer) else x)
+    finally:
+        for x in staged:
+            if isinstance(x, StagedLayer):
+                x.discard()
+    ann["oci.source"] = source_text
+    if top_digest:
+        ann["oci.digest"] = top_digest
+    digest, _ = write_image(store, name, version, [x.manifest for x in report.layers],
+                            env=env, workdir=workdir, annotations=ann,
+                            created_by=f"dsec import {source_text}")
+    if as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
+        _set_image_ref(store, name, version, digest, replace)
+    report.manifest = digest
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _refuse_other_image(store: Store, name: str, version: str, source_digest: str) -> None:
+    """Before anything is read: a ``name@version`` that names an image imported from another
+    manifest (or not imported at all) is not moved without ``replace``."""
+    try:
+        current = get_ref(store, f"{name}@{version}").manifest
+    except NotFoundError:
+        return
+    m = load_manifest(store, current)
+    if not source_digest or m.annotations.get("oci.digest") != source_digest:
+        raise RefConflictError(f"{name}@{version}", store.url, current,
+                               f"an image from {source_digest or 'another source'}",
+                               verb="this import would make it")
+
+
+def _set_image_ref(store: Store, name: str, version: str, digest: str, replace: bool
+                   ) -> None:
+    """Versions are immutable: an import does not move a ref that names another image
+    unless asked (the same import again makes the same manifest, and is a no-op)."""
+    try:
+        current = get_ref(store, f"{name}@{version}").manifest
+    except NotFoundError:
+        current = None
+    if current == digest:
+        return
+    if current is not None and not replace:
+        raise RefConflictError(f"{name}@{version}", store.url, current, digest,
+                               verb="this import made")
+    set_ref(store, name, version, digest)

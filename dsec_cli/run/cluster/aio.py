@@ -1,0 +1,295 @@
+"""A cluster node awaited from an event loop (`AsyncRemoteNode`): the node protocol of
+remote.py over an asyncio subprocess (``ssh node dsec agent --stdio`` on the node's shared
+SSH connection), so requests to any number of sandboxes wait in the loop, not in threads.
+
+One `AsyncChannel` per node and event loop multiplexes every request by id; a reader task
+routes each reply and each exec output event to its waiting caller. Failures are typed as
+for `RemoteNode`: the session dying or a bounded wait running out is `NodeUnreachableError`,
+retried only for opening a channel and for read-only requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import inspect
+import itertools
+import logging
+import weakref
+from typing import Any
+
+from ...backends.base import ExecResult
+from ...backends.sandbox_agent.aio import AsyncOutputCallback, AsyncStdin
+from ...core.config import net_timeouts
+from ...core.errors import DsecError, NodeUnreachableError
+from ..aio import _whole, blocking
+from ..node import CreateOptions, check_exec
+from ..state import SandboxRecord
+from .protocol import (
+    MAX_LINE,
+    PROTOCOL_VERSION,
+    b64,
+    decode,
+    encode,
+    error_from_wire,
+    from_wire,
+    to_wire,
+    unb64,
+)
+from .remote import IDEMPOTENT, RETRIES, NodeEntry, RemoteRecord
+from .ssh import classify
+
+log = logging.getLogger(__name__)
+
+_EOF: dict[str, Any] = {"eof": True}
+
+
+class AsyncChannel:
+    """One node service session, read by a task of the loop that opened it."""
+
+    def __init__(self, entry: NodeEntry, proc: asyncio.subprocess.Process) -> None:
+        self.name, self.proc = entry.name, proc
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Queue[dict[str, Any]]] = {}
+        self._stderr: list[bytes] = []
+        self.closed = False
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read()), loop.create_task(self._drain_err())]
+
+    @classmethod
+    async def open(cls, entry: NodeEntry, timeout: float) -> AsyncChannel:
+        # the ControlMaster is started (or checked) once per node by the threaded code
+        await blocking(entry.target.ensure_master, entry.name)
+        proc = await asyncio.create_subprocess_exec(
+            *entry.target.command_argv(entry.remote_command()), stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=MAX_LINE + 1)
+        ch = cls(entry, proc)
+        greet = min(timeout, net_timeouts().read)
+        try:
+            await ch.call("hello", {"version": PROTOCOL_VERSION}, timeout=greet)
+        except BaseException:
+            await ch.close()
+            raise
+        return ch
+
+    async def _drain_err(self) -> None:
+        assert self.proc.stderr is not None
+        async for line in self.proc.stderr:
+            self._stderr.append(line)
+            del self._stderr[:-20]
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        try:
+            while True:
+                line = await self.proc.stdout.readline()
+                if not line:
+                    break
+                try:
+                    msg = decode(line)
+                except ValueError:
+                    log.warning("%s: not a node service message: %r", self.name, line[:200])
+                    continue
+                q = self._pending.get(msg.get("id"))  # type: ignore[arg-type]
+                if q is not None:
+                    q.put_nowait(msg)
+        except (ValueError, OSError) as e:  # a line past MAX_LINE, or the pipe broke
+            log.warning("%s: node service stream failed: %s", self.name, e)
+        self.closed = True
+        for q in self._pending.values():
+            q.put_nowait(_EOF)
+
+    async def failure(self) -> DsecError:
+        try:
+            rc: int | None = await asyncio.wait_for(self.proc.wait(), 2)
+        except TimeoutError:
+            rc = None
+        text = b"".join(self._stderr).decode(errors="replace")
+        if rc == 127:
+            text += "\ncommand not found"
+        err = classify(self.name, text)
+        return err if isinstance(err, DsecError) else NodeUnreachableError(str(err))
+
+    async def call(self, op: str, args: dict[str, Any] | None = None, *,
+                   timeout: float | None = None,
+                   on_event: AsyncOutputCallback | None = None) -> Any:
+        if self.closed:
+            raise await self.failure()
+        rid = next(self._ids)
+        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._pending[rid] = q
+        try:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(encode({"id": rid, "op": op, "args": args or {}}))
+                await self.proc.stdin.drain()
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self.closed = True
+                raise await self.failure() from None
+            loop = asyncio.get_running_loop()
+            deadline = None if timeout is None else loop.time() + timeout
+            while True:
+                left = None if deadline is None else max(0.0, deadline - loop.time())
+                try:
+                    msg = await asyncio.wait_for(q.get(), left)
+                except TimeoutError:
+                    raise NodeUnreachableError(
+                        f"{self.name}: no answer to {op} within {timeout:g}s") from None
+                if msg is _EOF:
+                    raise await self.failure()
+                if "event" in msg:
+                    if on_event is not None:
+                        r = on_event(str(msg["event"]), unb64(msg.get("data", "")))
+                        if inspect.isawaitable(r):
+                            await r
+                    continue
+                if msg.get("ok"):
+                    return msg.get("result")
+                raise error_from_wire(msg.get("error") or {}, self.name)
+        finally:
+            self._pending.pop(rid, None)
+
+    async def close(self) -> None:
+        self.closed = True
+        if self.proc.returncode is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()  # the node service finishes what is in flight, exits
+                await asyncio.wait_for(self.proc.wait(), 5)
+            except (TimeoutError, OSError):
+                self.proc.kill()
+                await self.proc.wait()
+        for t in self._tasks:
+            t.cancel()
+
+
+_channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                     dict[tuple[Any, ...], AsyncChannel]] = \
+    weakref.WeakKeyDictionary()
+_opening: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                    dict[tuple[Any, ...], asyncio.Lock]] = \
+    weakref.WeakKeyDictionary()
+
+
+async def channel(entry: NodeEntry, timeout: float) -> AsyncChannel:
+    """The running loop's channel to a node, opened on first use and reopened if it died."""
+    loop = asyncio.get_running_loop()
+    chans = _channels.setdefault(loop, {})
+    ch = chans.get(entry.key())
+    if ch is not None and not ch.closed:
+        return ch
+    async with _opening.setdefault(loop, {}).setdefault(entry.key(), asyncio.Lock()):
+        ch = chans.get(entry.key())
+        if ch is None or ch.closed:
+            ch = chans[entry.key()] = await AsyncChannel.open(entry, timeout)
+        return ch
+
+
+async def close_channels() -> None:
+    """Close the running loop's node sessions (their ssh processes exit)."""
+    chans = _channels.pop(asyncio.get_running_loop(), {})
+    for ch in chans.values():
+        await ch.close()
+
+
+class AsyncRemoteNode:
+    """`RemoteNode`'s sandbox operations as coroutines, over the loop's channel."""
+
+    def __init__(self, entry: NodeEntry, timeout: float = 30.0) -> None:
+        self.entry, self.name, self.timeout = entry, entry.name, timeout
+
+    async def call(self, op: str, args: dict[str, Any] | None = None, *,
+                   timeout: float | None = None,
+                   on_event: AsyncOutputCallback | None = None) -> Any:
+        delay = 0.2
+        for attempt in range(RETRIES):
+            try:
+                ch = await channel(self.entry, self.timeout)
+            except NodeUnreachableError:
+                if attempt == RETRIES - 1:
+                    raise
+                await asyncio.sleep(delay)
+                delay *= 2
+                continue
+            try:
+                return await ch.call(op, args, timeout=timeout, on_event=on_event)
+            except NodeUnreachableError:
+                await ch.close()
+                if op not in IDEMPOTENT or attempt == RETRIES - 1:
+                    raise
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def _rec(self, doc: Any) -> RemoteRecord:
+        rec = from_wire(SandboxRecord, doc)
+        return RemoteRecord(f"{self.name}/{rec.id}", self.name, rec)
+
+    @staticmethod
+    def local_id(sid: str) -> str:
+        return sid.rsplit("/", 1)[-1]
+
+    async def create(self, image: str, opts: CreateOptions | None = None) -> RemoteRecord:
+        doc = await self.call("create", {"image": image,
+                                         "opts": to_wire(opts or CreateOptions())})
+        return self._rec(doc)
+
+    async def lookup(self, sid: str) -> RemoteRecord:
+        return self._rec(await self.call("lookup", {"id": self.local_id(sid)},
+                                         timeout=self.timeout))
+
+    async def describe(self, sid: str) -> dict[str, Any]:
+        doc = dict(await self.call("describe", {"id": self.local_id(sid)},
+                                   timeout=self.timeout))
+        return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}",
+                "node": self.name}
+
+    async def pause(self, sid: str) -> RemoteRecord:
+        return self._rec(await self.call("pause", {"id": self.local_id(sid)}))
+
+    async def resume(self, sid: str) -> RemoteRecord:
+        return self._rec(await self.call("resume", {"id": self.local_id(sid)}))
+
+    async def remove(self, sid: str) -> RemoteRecord:
+        return self._rec(await self.call("remove", {"id": self.local_id(sid)}))
+
+    async def snapshot(self, sid: str, ref: str, push: str | None = None) -> dict[str, Any]:
+        out = dict(await self.call("snapshot", {"id": self.local_id(sid), "ref": ref,
+                                                "push": push}))
+        out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
+        return out
+
+    async def fork(self, sid: str, n: int) -> dict[str, Any]:
+        out = dict(await self.call("fork", {"id": self.local_id(sid), "n": n}))
+        out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
+        out["copies"] = [self._rec(d) for d in out.get("copies", [])]
+        return out
+
+    async def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
+                   cwd: str | None = None, stdin: AsyncStdin = None,
+                   timeout: float | None = None, on_output: AsyncOutputCallback | None = None,
+                   capture_limit: int | None = None) -> ExecResult:
+        check_exec(argv, timeout)
+        data = await _whole(stdin)  # the protocol sends stdin whole
+        r = await self.call("exec", {
+            "id": self.local_id(sid), "argv": list(argv), "env": env or {}, "cwd": cwd,
+            "stdin": None if data is None else b64(data), "timeout": timeout,
+            "stream": on_output is not None, "capture_limit": capture_limit},
+            on_event=on_output)
+        return from_wire(ExecResult, r)
+
+    async def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        await self.call("put", {"id": self.local_id(sid), "path": path, "data": b64(data),
+                                "mode": mode})
+
+    async def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
+        r = await self.call("get", {"id": self.local_id(sid), "path": path})
+        return base64.b64decode(r["data"]), int(r["mode"])
+
+    async def get_file(self, sid: str, path: str) -> bytes:
+        return (await self.get_file_with_mode(sid, path))[0]
+
+    async def copy(self, src: str, dst: str) -> dict[str, Any]:
+        from .api import copy_remote
+
+        return await blocking(copy_remote, src, dst, None, None)

@@ -1,0 +1,281 @@
+"""`dsec import`: OCI layouts, docker save tarballs and registry images become dsec layers
+and images with the tree, metadata and config of the image; layers already imported cost
+nothing; the streamed chunker cuts as the whole-file chunker does."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from dsec_cli.api import images, oci
+from dsec_cli.build.layer import _Writer, chunk_stream
+from dsec_cli.format.chunker import cut
+from dsec_cli.format.index import ChunkParams
+from dsec_cli.push.dedup import KnownChunks
+from dsec_cli.push.stores import open_store
+
+from .conftest import store_files
+from .helpers import Image, base_image, compress, file, layer_tar, sha, skopeo, write_layout
+
+
+def _tree(path: Path) -> dict[str, tuple[str, int, bytes]]:
+    out = {}
+    for dirpath, dirs, names in os.walk(path):
+        for n in dirs + names:
+            p = Path(dirpath) / n
+            rel = str(p.relative_to(path))
+            st = p.lstat()
+            if p.is_symlink():
+                out[rel] = ("sym", 0, os.readlink(p).encode())
+            elif p.is_dir():
+                out[rel] = ("dir", st.st_mode & 0o7777, b"")
+            else:
+                out[rel] = ("reg", st.st_mode & 0o7777, p.read_bytes())
+    return out
+
+
+def test_layout_import_gives_the_tree_config_and_free_reimport(env: dict[str, str],
+                                                               tmp_path: Path) -> None:
+    digests = write_layout(base_image(), tmp_path / "layout")
+    r = oci.import_image(str(tmp_path / "layout"), as_ref="base@1")
+    assert [x.diff_id for x in r.layers] == json.loads(digests["diff_ids"])
+    assert [x.ref for x in r.layers] == [f"oci-layer@{d[7:]}"
+                                         for d in json.loads(digests["diff_ids"])]
+    assert r.source_digest == digests["manifest"]
+    images.export_image("base@1", tmp_path / "tree")
+    tree = _tree(tmp_path / "tree")
+    assert "opt/app/old.txt" not in tree  # whiteout applied
+    assert tree["opt/app/keep.txt"] == ("reg", 0o644, b"keep")
+    assert "var/cache/a" not in tree and tree["var/cache/b"][2] == b"b" * 50  # opaque dir
+    assert tree["etc/link"] == ("sym", 0, b"hostname")
+    assert os.stat(tmp_path / "tree/etc/hard").st_ino == os.stat(
+        tmp_path / "tree/etc/hostname").st_ino
+    assert tree["bin-tool"][1] == 0o755
+    assert tree["opt/big.bin"][2] == base_image().layers[0][6].data
+    doc = images.inspect("base@1")
+    m = doc["manifest"]
+    assert doc["env"] == {"PATH": "/usr/bin:/bin", "GREETING": "hi"}
+    assert doc["workdir"] == "/work"
+    assert json.loads(m["annotations"]["oci.entrypoint"]) == ["/bin/sh", "-c"]
+    assert json.loads(m["annotations"]["oci.cmd"]) == ["echo hello"]
+    assert m["annotations"]["oci.user"] == "0:0"
+    assert m["annotations"]["oci.label.org.example.kind"] == "test"
+
+    before = store_files(env)
+    again = oci.import_image(str(tmp_path / "layout"), as_ref="base@1")
+    assert all(x.reused for x in again.layers) and again.bytes_read == 0
+    assert again.manifest == r.manifest
+    assert store_files(env).keys() == before.keys()
+
+
+def test_layer_shared_by_two_images_is_read_once(env: dict[str, str], tmp_path: Path) -> None:
+    img = base_image()
+    write_layout(img, tmp_path / "a")
+    other = Image([img.layers[0], [file("srv/other.txt", b"other")]], ["gzip", "none"])
+    write_layout(other, tmp_path / "b")
+    oci.import_image(str(tmp_path / "a"), as_ref="a@1")
+    r = oci.import_image(str(tmp_path / "b"), as_ref="b@1")
+    assert [x.reused for x in r.layers] == [True, False]
+
+
+def test_round_trip_export_import_and_peers_read_the_export(env: dict[str, str],
+                                                            tmp_path: Path) -> None:
+    """import -> export --format oci -> import gives the same content digests; skopeo
+    reads the export as a docker archive (and dsec imports that too), umoci unpacks it to
+    the tree dsec exports."""
+    write_layout(base_image(), tmp_path / "layout")
+    first = oci.import_image(str(tmp_path / "layout"), as_ref="base@1")
+    for compression in ("gzip", "zstd"):
+        out = tmp_path / f"out-{compression}"
+        e = oci.export_oci("base@1", out, compression=compression)
+        assert len(e.layers) == 2
+        again = oci.import_image(str(out), as_ref=f"again-{compression}@1")
+        assert [x.content_digest for x in again.layers] == \
+            [x.content_digest for x in first.layers]
+        assert images.inspect(f"again-{compression}@1")["env"] == images.inspect("base@1")["env"]
+    # deterministic: the same image exports to the same OCI digests
+    assert oci.export_oci("base@1", tmp_path / "out2").manifest_digest == \
+        oci.export_oci("base@1", tmp_path / "out3").manifest_digest
+
+    archive = tmp_path / "image.tar"
+    skopeo("copy", f"oci:{tmp_path / 'out-gzip'}", f"docker-archive:{archive}:test/base:1")
+    via_docker = oci.import_image(str(archive), as_ref="docker@1")
+    assert [x.content_digest for x in via_docker.layers] == \
+        [x.content_digest for x in first.layers]
+    doc = images.inspect("docker@1")
+    assert doc["workdir"] == "/work" and doc["env"]["GREETING"] == "hi"
+
+    import subprocess
+
+    bundle = tmp_path / "bundle"
+    subprocess.run(["umoci", "unpack", "--image", f"{tmp_path / 'out-gzip'}:1", str(bundle)],
+                   check=True, capture_output=True, timeout=300)
+    images.export_image("base@1", tmp_path / "tree")
+    assert _tree(bundle / "rootfs") == _tree(tmp_path / "tree")
+    runtime = json.loads((bundle / "config.json").read_text())
+    assert runtime["process"]["cwd"] == "/work"
+    assert "GREETING=hi" in runtime["process"]["env"]
+    assert runtime["process"]["args"] == ["/bin/sh", "-c", "echo hello"]
+
+
+def test_registry_import_by_tag_and_digest_and_export_to_registry(
+        env: dict[str, str], tmp_path: Path, registry: str, run_dsec) -> None:  # type: ignore[no-untyped-def]
+    write_layout(base_image(), tmp_path / "layout")
+    skopeo("copy", "--dest-tls-verify=false", f"oci:{tmp_path / 'layout'}:v1",
+           f"docker://{registry}/lib/base:v1")
+    p = run_dsec("import", f"{registry}/lib/base:v1", "--insecure", "--json")
+    r = json.loads(p.stdout)
+    assert r["ref"] == "base@v1" and len(r["layers"]) == 2
+    digest = r["source_digest"]
+    p = run_dsec("import", f"{registry}/lib/base@{digest}", "--insecure", "--as", "pinned@1",
+                 "--json")
+    r2 = json.loads(p.stdout)
+    assert r2["source_digest"] == digest and all(x["reused"] for x in r2["layers"])
+    # out to the registry, and back
+    p = run_dsec("export", "base@v1", "--to-registry", f"{registry}/lib/out:x", "--insecure",
+                 "--json")
+    assert json.loads(p.stdout)["registry"] == f"{registry}/lib/out:x"
+    skopeo("copy", "--src-tls-verify=false", f"docker://{registry}/lib/out:x",
+           f"oci:{tmp_path / 'pulled'}:x")
+    r3 = json.loads(run_dsec("import", f"{tmp_path / 'pulled'}:x", "--as", "back@1",
+                             "--json").stdout)
+    assert [x["content_digest"] for x in r3["layers"]] == \
+        [x["content_digest"] for x in r["layers"]]
+
+
+def test_image_index_platform_selection(env: dict[str, str], tmp_path: Path,
+                                        run_dsec) -> None:  # type: ignore[no-untyped-def]
+    amd = Image([[file("arch", b"amd64")]])
+    arm = Image([[file("arch", b"arm64")]])
+    lay = tmp_path / "multi"
+    manifests = []
+    for img, arch in ((amd, "amd64"), (arm, "arm64")):
+        write_layout(img, lay, tag=arch)
+        entry = json.loads((lay / "index.json").read_text())["manifests"][0]
+        entry["platform"] = {"os": "linux", "architecture": arch}
+        entry.pop("annotations")
+        manifests.append(entry)
+    idx = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+           "manifests": manifests}
+    data = json.dumps(idx).encode()
+    (lay / "blobs/sha256" / sha(data)[7:]).write_bytes(data)
+    (lay / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": idx["mediaType"], "digest": sha(data), "size": len(data)}]}))
+    run_dsec("import", str(lay), "--as", "m@amd", "--platform", "linux/amd64")
+    run_dsec("import", str(lay), "--as", "m@arm", "--platform", "linux/arm64")
+    for tag, want in (("amd", b"amd64"), ("arm", b"arm64")):
+        images.export_image(f"m@{tag}", tmp_path / tag)
+        assert (tmp_path / tag / "arch").read_bytes() == want
+    p = run_dsec("import", str(lay), "--platform", "linux/s390x", check=2)
+    err = " ".join(p.stderr.split())
+    assert "linux/s390x" in err and "linux/arm64" in err
+
+
+def test_uncompressed_and_zstd_layers(env: dict[str, str], tmp_path: Path) -> None:
+    img = Image([[file("a", b"A" * 70000)], [file("b", b"B")], [file("c", b"C")]],
+                ["none", "zstd", "gzip"])
+    write_layout(img, tmp_path / "l")
+    oci.import_image(str(tmp_path / "l"), as_ref="c@1")
+    images.export_image("c@1", tmp_path / "t")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "t").iterdir()} == {
+        "a": b"A" * 70000, "b": b"B", "c": b"C"}
+
+
+@pytest.mark.parametrize("size", [16 << 10, 200 << 10, 256 << 10, (256 << 10) + 1, 5 << 20,
+                                  (4 << 20) + 12345])
+def test_streamed_chunking_matches_whole_file_chunking(tmp_path: Path, size: int) -> None:
+    rnd = random.Random(size)
+    data = rnd.randbytes(size)
+    params = ChunkParams()
+    store = open_store(tmp_path.as_uri())
+    w = _Writer(store, KnownChunks(), params, tmp_path, None, False)
+    try:
+        pos = 0
+
+        def read(n: int) -> bytes:
+            nonlocal pos
+            n = min(n, 70001)  # short reads, as from a network stream
+            out = data[pos:pos + n]
+            pos += len(out)
+            return out
+
+        got = chunk_stream(w, read, size, params)
+        lengths = [ln for _, _, ln in got]
+        if size <= params.max_size:
+            assert lengths == [size]
+        else:
+            assert lengths == [ln for _, ln in cut(memoryview(data), params)]
+    finally:
+        w.abort()
+
+
+def test_docker_save_layout_with_uncompressed_members(env: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    """A docker save tarball written by hand: manifest.json, the config and layer.tar
+    members, as docker writes them."""
+    import io
+    import tarfile
+
+    plain = layer_tar([file("hello.txt", b"hello")])
+    config = json.dumps({"architecture": "amd64", "os": "linux",
+                         "config": {"Env": ["A=1"], "WorkingDir": "/"},
+                         "rootfs": {"type": "layers", "diff_ids": [sha(plain)]}}).encode()
+    members = {"abc/layer.tar": plain, "cfg.json": config,
+               "manifest.json": json.dumps([{"Config": "cfg.json", "RepoTags": ["x/y:7"],
+                                              "Layers": ["abc/layer.tar"]}]).encode()}
+    archive = tmp_path / "save.tar"
+    with tarfile.open(archive, "w") as tf:
+        for name, data in members.items():
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+    r = oci.import_image(f"{archive}:7")
+    assert r.ref == "save@7" and images.inspect("save@7")["env"] == {"A": "1"}
+    assert r.source_digest == sha(config)
+    assert oci.import_image(f"{archive}:7").manifest == r.manifest  # again: no conflict
+    assert compress(b"", "none") == b""
+
+
+def test_registry_that_fails_each_request_twice(env: dict[str, str], tmp_path: Path,
+                                                registry: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every manifest and blob request meets two 503s first: the import retries them
+    (transient errors only) and gets the same image."""
+    from tests.flakyproxy import FlakyProxy
+
+    write_layout(base_image(), tmp_path / "layout")
+    skopeo("copy", "--dest-tls-verify=false", f"oci:{tmp_path / 'layout'}:v1",
+           f"docker://{registry}/flaky/base:v1")
+    direct = oci.import_image(f"{registry}/flaky/base:v1", as_ref="direct@1", insecure=True)
+    proxy = FlakyProxy(f"http://{registry}")
+    try:
+        host = proxy.url.removeprefix("http://")
+        monkeypatch.setenv("DSEC_STORE", (tmp_path / "other-store").as_uri())
+        r = oci.import_image(f"{host}/flaky/base:v1", as_ref="flaky@1", insecure=True)
+        assert proxy.failed >= 2 * 3  # manifest, config and layers each failed first
+    finally:
+        proxy.stop()
+    assert [x.content_digest for x in r.layers] == [x.content_digest for x in direct.layers]
+
+
+def test_a_layer_is_streamed_not_held_whole(env: dict[str, str], tmp_path: Path) -> None:
+    """Importing a 48 MiB layer of incompressible bytes allocates far less than the layer
+    (Python allocations traced: the read-ahead queue, chunk windows, chunks in flight)."""
+    import tracemalloc
+
+    big = random.Random(7).randbytes(48 << 20)
+    write_layout(Image([[file("big", big)]], ["none"]), tmp_path / "l")
+    del big
+    tracemalloc.start()
+    try:
+        oci.import_image(str(tmp_path / "l"), as_ref="big@1")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, f"peak {peak >> 20} MiB"
+    images.export_image("big@1", tmp_path / "t")
+    assert (tmp_path / "t/big").stat().st_size == 48 << 20

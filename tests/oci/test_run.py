@@ -1,0 +1,33 @@
+"""An imported image runs with the container backend: its layers, env and workdir."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .helpers import Image, file, write_layout
+
+
+@pytest.fixture
+def node(env: dict[str, str], dsec_home: Path) -> Iterator[dict[str, str]]:
+    yield env
+    from dsec_cli.run.node import Node
+
+    n = Node(dsec_home / "state", env["DSEC_STORE"])
+    for r in n.db.all():
+        n.remove(r.id)
+    n.gc(budget=0)
+
+
+def test_imported_image_runs_in_a_container(node: dict[str, str], tmp_path: Path,
+                                            busybox_tar: Path, run_dsec) -> None:  # type: ignore[no-untyped-def]
+    img = Image([busybox_tar.read_bytes(), [file("work/task.txt", b"from the top layer\n")]],
+                ["gzip", "zstd"], env=["PATH=/bin:/usr/bin", "GREETING=imported"],
+                workdir="/work")
+    write_layout(img, tmp_path / "layout")
+    run_dsec("import", str(tmp_path / "layout"), "--as", "task@1")
+    p = run_dsec("run", "--backend", "container", "task@1", "--", "sh", "-c",
+                 "echo $GREETING; pwd; cat task.txt")
+    assert p.stdout == "imported\n/work\nfrom the top layer\n"
