@@ -20,12 +20,14 @@ from ..backends.base import ExecResult, OutputCallback
 from ..core import validate
 from ..run.contract import NodeAPI
 from ..run.node import CreateOptions, Node, local_node
+from ..run.options import CPU_CLASS_CHOICES as CPU_CLASSES  # cpu_class= values
 from ..run.state import SandboxRecord
 
 __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "CreateOptions", "NodeAPI",
            "run",
            "list_sandboxes", "gc_node", "create_many", "create", "create_options", "target",
-           "exec_in", "copy", "ps", "remove", "pause", "resume", "snapshot", "fork"]
+           "exec_in", "copy", "ps", "remove", "pause", "resume", "snapshot", "fork", "park",
+           "thaw", "top", "CPU_CLASSES"]
 
 if TYPE_CHECKING:
     from ..backends.fnpool import FunctionCallError, FunctionPool
@@ -64,15 +66,18 @@ class Sandbox:
                  network: Literal["none", "host"] = "none", env: dict[str, str] | None = None,
                  workdir: str | None = None, state_dir: str | Path | None = None,
                  store: str | None = None, node: str | None = None,
-                 disk: int | str | None = None) -> None:
+                 disk: int | str | None = None, cpu_class: str | None = None) -> None:
         """``node``: a configured cluster node's name, ``"auto"`` (placed by free capacity
         and cached image bytes) or ``None``/``"local"`` for this machine. ``disk``: bytes
-        (or "1G") the sandbox may write; past it writes fail with ENOSPC inside."""
+        (or "1G") the sandbox may write; past it writes fail with ENOSPC inside.
+        ``cpu_class``: ``latency`` (exec answers stay fast), ``batch`` (the default) or
+        ``idle`` (runs only when nothing else wants the CPU)."""
         if isinstance(image, str):
             validate.image(image, "image")
         validate.node_option(node, "node")
         opts = create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
-                              network=network, env=env, workdir=workdir, disk=disk)
+                              network=network, env=env, workdir=workdir, disk=disk,
+                              cpu_class=cpu_class)
         self.node, self._rec = create(image, opts, node, state_dir, store)
 
     @classmethod
@@ -133,6 +138,15 @@ class Sandbox:
 
     def snapshot(self, ref: str, push: str | None = None) -> dict[str, Any]:
         return self.node.snapshot(self.id, ref, push)
+
+    def park(self) -> dict[str, Any]:
+        """Stop the sandbox and give its memory back (to swap where the node has swap);
+        returns its resident, reclaimed and swapped bytes. `thaw` brings it back."""
+        return self.node.park(self.id)
+
+    def thaw(self) -> dict[str, Any]:
+        """Let a parked sandbox run again: same files, same processes."""
+        return self.node.thaw(self.id)
 
     def fork(self, n: int) -> list[Sandbox]:
         """``n`` new sandboxes on the same node, each starting from this one's files as they
@@ -195,7 +209,7 @@ def create_many(n: int, image: str | Path, backend: str = "container", *,
                 memory: int | str | None = None, pids: int | None = None,
                 ttl: float | str | None = None, network: Literal["none", "host"] = "none",
                 env: dict[str, str] | None = None, workdir: str | None = None,
-                disk: int | str | None = None) -> list[Any]:
+                disk: int | str | None = None, cpu_class: str | None = None) -> list[Any]:
     """Create ``n`` sandboxes spread over the cluster's nodes (or ``nodes``) by placement.
 
     Returns one `CreateResult` per sandbox, in order: ``.ok``, ``.node``, ``.sandbox`` (a
@@ -207,7 +221,8 @@ def create_many(n: int, image: str | Path, backend: str = "container", *,
     from ..run.cluster.registry import load_nodes
 
     opts = create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
-                          network=network, env=env, workdir=workdir, disk=disk)
+                          network=network, env=env, workdir=workdir, disk=disk,
+                          cpu_class=cpu_class)
     results = _create_many(n, str(image), opts, nodes, parallel)
     entries = load_nodes()
     for r in results:
@@ -245,14 +260,15 @@ def create_options(backend: str = "container", *, cpus: float | None = None,
                    ttl: float | str | None = None, network: str = "none",
                    env: dict[str, str] | None = None, workdir: str | None = None,
                    fetch: str = "eager", disk: int | str | None = None,
-                   prefix: str = "") -> CreateOptions:
+                   cpu_class: str | None = None, prefix: str = "") -> CreateOptions:
     """Checked create options; errors name each option with ``prefix`` (``--`` for flags)."""
     validate.positive_float(cpus, prefix + "cpus")
     validate.positive_int(pids, prefix + "pids")
     return CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, prefix + "memory"),
                          pids=pids, ttl=_secs(ttl, prefix + "ttl"),
                          network=network, env=dict(env or {}),  # type: ignore[arg-type]
-                         workdir=workdir, fetch=fetch, disk=_size(disk, prefix + "disk"))
+                         workdir=workdir, fetch=fetch, disk=_size(disk, prefix + "disk"),
+                         cpu_class=cpu_class)
 
 
 def create(image: str | Path, opts: CreateOptions, node: str | None = None,
@@ -313,11 +329,18 @@ def ps(state_dir: str | Path | None = None, node: str | None = None, *,
         return recs, failed
     node_api = target(None, node, state_dir)
     out = []
-    for r in node_api.sandboxes():
+    records = node_api.sandboxes()
+    # actual use beside the declared limits: resident, reclaimed and swapped bytes, class
+    use = {u["id"]: u for u in node_api.top()} if records else {}
+    for r in records:
         doc = r.public()
         stats = node_api.fetch_stats(r)
         if stats is not None:
             doc["fetch"] = stats  # bytes fetched / from cache, stall time (lazy mounts)
+        u = use.get(doc["id"])
+        if u is not None:
+            doc["usage"] = {k: u[k] for k in ("class", "resident", "reclaimed", "swapped",
+                                              "idle_seconds") if k in u}
         out.append(doc)
     return out, []
 
@@ -343,6 +366,25 @@ def snapshot(sandbox_id: str, ref: str, push: str | None = None, node: str | Non
              state_dir: str | Path | None = None) -> dict[str, Any]:
     """Turn a sandbox's changes into a new layer and an image ``ref`` stacking it."""
     return target(sandbox_id, node, state_dir).snapshot(sandbox_id, ref, push)
+
+
+def park(sandbox_id: str, node: str | None = None,
+         state_dir: str | Path | None = None) -> dict[str, Any]:
+    """Stop a sandbox and push its memory out; its resident, reclaimed and swapped bytes."""
+    return target(sandbox_id, node, state_dir).park(sandbox_id)
+
+
+def thaw(sandbox_id: str, node: str | None = None,
+         state_dir: str | Path | None = None) -> dict[str, Any]:
+    """Let a parked sandbox run again."""
+    return target(sandbox_id, node, state_dir).thaw(sandbox_id)
+
+
+def top(state_dir: str | Path | None = None, node: str | None = None,
+        interval: float = 0.0) -> list[dict[str, Any]]:
+    """Per sandbox of one node: CPU (a fraction of one CPU over ``interval`` seconds),
+    resident, reclaimed and swapped bytes, class and idle seconds."""
+    return target(None, node, state_dir).top(interval)
 
 
 def fork(sandbox_id: str, n: int, node: str | None = None,

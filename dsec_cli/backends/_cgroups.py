@@ -10,17 +10,37 @@ removes through this one class.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from ..core.errors import BackendError
 
+log = logging.getLogger(__name__)
+
 ROOT = Path("/sys/fs/cgroup")
-CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+CONTROLLERS = ("memory", "pids", "cpu", "freezer", "cpuacct")
+
+#: CPU classes (docs/density.md): (cpu.shares on v1, cpu.weight on v2, cpu.idle).
+#: ``latency`` outweighs a default group tenfold, so its wake-ups preempt batch work;
+#: ``idle`` runs only when nothing else wants the CPU (SCHED_IDLE for the group where the
+#: kernel has cpu.idle, the smallest weight otherwise).
+CPU_CLASSES: dict[str, tuple[int, int, int]] = {
+    "latency": (10240, 1000, 0),
+    "batch": (1024, 100, 0),
+    "idle": (2, 1, 1),
+}
+#: per class, the /proc/PID/oom_score_adj of the sandbox's processes as it starts (its
+#: agent); the agent starts commands 300 above itself. Host-wide OOM only: each sandbox's
+#: own limit is its own. Only raised, never lowered below the default: raising needs no
+#: CAP_SYS_RESOURCE, which a dsec inside a container may lack.
+OOM_SCORE_ADJ: dict[str, int] = {"latency": 0, "batch": 300, "idle": 600}
 
 
 @dataclass(frozen=True)
@@ -74,6 +94,12 @@ class Cgroup:
         m = self.layout.mounts.get(controller)
         return None if m is None else m / self.rel
 
+    def is_v2(self, controller: str) -> bool:
+        """Whether `controller` sits on the unified (v2) hierarchy: decided per controller,
+        as a hybrid host may mount some on v1 and leave others to v2."""
+        m = self.layout.mounts.get(controller)
+        return m is not None and _on_v2(m)
+
     # -- creation ------------------------------------------------------------------------------
     def create(self, memory: int | None = None, pids: int | None = None,
                cpus: float | None = None) -> None:
@@ -116,6 +142,153 @@ class Cgroup:
             else:
                 _write(cpu / "cpu.cfs_period_us", "100000")
                 _write(cpu / "cpu.cfs_quota_us", str(quota))
+
+    def set_cpu_class(self, cls: str) -> dict[str, int]:
+        """Apply a CPU class (`CPU_CLASSES`) with the controls the cpu controller offers
+        here; returns the values written, by file name (empty without a cpu controller)."""
+        shares, weight, idle = CPU_CLASSES[cls]
+        cpu = self.path("cpu")
+        if cpu is None or not cpu.is_dir():
+            return {}
+        out = {"cpu.weight": weight} if self.is_v2("cpu") else {"cpu.shares": shares}
+        if (cpu / "cpu.idle").exists():
+            out["cpu.idle"] = idle
+        try:
+            if out.get("cpu.idle") == 0:  # leave SCHED_IDLE first: weights are ignored in it
+                _write(cpu / "cpu.idle", "0")
+            for name, value in out.items():
+                _write(cpu / name, str(value))
+        except OSError as e:
+            raise BackendError(f"cannot set CPU class {cls} on {self.rel}: {e}") from e
+        return out
+
+    def apply_class(self, cls: str) -> dict[str, int]:
+        """A sandbox's class: its CPU controls, and its processes' standing with the host's
+        OOM killer (`OOM_SCORE_ADJ`, inherited by everything they fork later), so a batch
+        sandbox overrunning a full host is killed before a latency one."""
+        out = self.set_cpu_class(cls)
+        adj = OOM_SCORE_ADJ[cls]
+        for pid in self.procs():
+            try:
+                _write(Path(f"/proc/{pid}/oom_score_adj"), str(adj))
+            except (ProcessLookupError, FileNotFoundError):
+                pass  # a process that just exited
+            except OSError as e:
+                log.warning("cannot set the OOM standing of %s: %s", self.rel, e)
+        out["oom_score_adj"] = adj
+        return out
+
+    def cpu_class_files(self) -> dict[str, int]:
+        """The CPU controls as the kernel holds them (for reports and tests)."""
+        out: dict[str, int] = {}
+        cpu = self.path("cpu")
+        for name in ("cpu.shares", "cpu.weight", "cpu.idle"):
+            try:
+                out[name] = int((cpu / name).read_text()) if cpu else 0
+            except (OSError, ValueError):
+                out.pop(name, None)
+        return out
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the group has used (cpuacct on v1, cpu.stat on v2)."""
+        try:
+            acct = self.path("cpuacct")
+            if acct is not None and not self.is_v2("cpuacct"):
+                return int((acct / "cpuacct.usage").read_text()) / 1e9
+            cpu = self.path("cpu")
+            if cpu is not None and self.is_v2("cpu"):
+                for line in (cpu / "cpu.stat").read_text().splitlines():
+                    if line.startswith("usage_usec "):
+                        return int(line.split()[1]) / 1e6
+        except (OSError, ValueError):
+            pass
+        return None
+
+    # -- memory reclamation --------------------------------------------------------------------
+    def memory_use(self) -> dict[str, int]:
+        """``resident`` (bytes charged to the group in RAM: anonymous, shmem and page cache),
+        ``anon`` and ``swapped`` (bytes the group holds in swap)."""
+        mem = self.path("memory")
+        if mem is None:
+            return {}
+        try:
+            stat: dict[str, int] = {}
+            for line in (mem / "memory.stat").read_text().splitlines():
+                k, _, v = line.partition(" ")
+                if v.isdigit():
+                    stat[k] = int(v)
+            if self.is_v2("memory"):
+                resident = int((mem / "memory.current").read_text())
+                swap_file = mem / "memory.swap.current"
+                swapped = int(swap_file.read_text()) if swap_file.exists() else 0
+                anon = stat.get("anon", 0) + stat.get("shmem", 0)
+            else:
+                resident = int((mem / "memory.usage_in_bytes").read_text())
+                swapped = stat.get("total_swap", stat.get("swap", 0))
+                anon = stat.get("total_rss", stat.get("rss", 0)) + \
+                    stat.get("total_shmem", stat.get("shmem", 0))
+        except (OSError, ValueError):
+            return {}
+        return {"resident": resident, "anon": anon, "swapped": swapped}
+
+    def reclaim(self) -> int:
+        """Push the group's memory out (page cache dropped, anonymous memory to swap where
+        there is swap): memory.reclaim on v2, memory.force_empty on v1 (which reclaims with
+        tasks inside), lowering and restoring the limit where neither is offered. Returns the
+        bytes the group's resident use went down by."""
+        mem = self.path("memory")
+        if mem is None or not mem.is_dir():
+            return 0
+        before = self.memory_use().get("resident", 0)
+        try:
+            if self.is_v2("memory") and (mem / "memory.reclaim").exists():
+                try:
+                    _write(mem / "memory.reclaim", str(max(before, 4096)))
+                except OSError as e:
+                    if e.errno != errno.EAGAIN:  # EAGAIN: less than asked could go
+                        raise
+            else:
+                # force_empty loops while it makes progress, and a lowered limit would
+                # OOM-kill whatever allocates meanwhile: the group stays frozen throughout
+                with self._frozen_for_reclaim():
+                    if not self.is_v2("memory") and (mem / "memory.force_empty").exists():
+                        _write(mem / "memory.force_empty", "0")
+                    else:
+                        self._squeeze(mem)
+        except OSError as e:
+            raise BackendError(f"cannot reclaim memory of {self.rel}: {e}") from e
+        return max(0, before - self.memory_use().get("resident", before))
+
+    @contextmanager
+    def _frozen_for_reclaim(self) -> Iterator[None]:
+        """Frozen while the body runs, then as it was (a paused group stays frozen)."""
+        f = self.path("freezer")
+        if f is None or not f.is_dir() or self.frozen():
+            yield
+            return
+        self.freeze()
+        try:
+            yield
+        finally:
+            self.thaw()
+
+    def _squeeze(self, mem: Path) -> None:
+        """Reclaim by lowering the limit step by step (the kernel reclaims to meet it, and
+        refuses with EBUSY where it cannot), then restore it."""
+        name = "memory.max" if self.is_v2("memory") else "memory.limit_in_bytes"
+        old = (mem / name).read_text().strip()
+        target = self.memory_use().get("resident", 0)
+        try:
+            while target > (1 << 20):
+                target //= 2
+                try:
+                    _write(mem / name, str(target))
+                except OSError as e:
+                    if e.errno != errno.EBUSY:
+                        raise
+                    break
+        finally:
+            _write(mem / name, old)
 
     def add(self, pid: int) -> None:
         for d in set(self.dirs().values()):
@@ -239,6 +412,11 @@ class Cgroup:
                 d.rmdir()
             except OSError:
                 pass
+
+
+@cache
+def _on_v2(mount: Path) -> bool:
+    return (mount / "cgroup.controllers").is_file()
 
 
 def _kill(pid: int) -> None:

@@ -26,6 +26,7 @@ class Limits:
     memory: int | None = None  # bytes
     pids: int | None = None
     disk: int | None = None  # bytes of writable space
+    cpu_class: str | None = None  # latency | batch | idle (_cgroups.CPU_CLASSES); None: untouched
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,12 @@ class Backend(abc.ABC):
 
     def is_alive(self, handle: SandboxHandle) -> bool:
         return True
+
+    def cgroup(self, handle: SandboxHandle) -> str | None:
+        """The cgroup (relative path) holding everything the sandbox runs, where it has one:
+        what CPU classes, memory reclamation and `dsec top` act on."""
+        cg = handle.state.get("cgroup")
+        return str(cg) if cg else None
 
     def describe(self, handle: SandboxHandle) -> dict[str, Any]:
         """Backend facts for `dsec ps` / `inspect` (acceleration, pids...)."""

@@ -168,6 +168,8 @@ class ContainerBackend(CgroupAgentBackend):
             (sdir / "config.json").write_text(json.dumps(config))
             pid = self._runc_run(spec.sandbox_id, sdir, runc_root)
             handle.state["pid"] = pid
+            if spec.limits.cpu_class:
+                _cgroups.Cgroup(cgroup).apply_class(spec.limits.cpu_class)
             handle.state["start_time"] = _rootfs.proc_start_time(pid)
             if spec.network == "none":
                 _rootfs.loopback_up(pid)

@@ -90,6 +90,8 @@ class FncallBackend(CgroupAgentBackend):
             handle.state["start_time"] = _rootfs.proc_start_time(pid)
             for p in descendants(pid):  # bwrap, its pid-1 and the agent: children inherit
                 cg.add(p)
+            if lim.cpu_class:
+                cg.apply_class(lim.cpu_class)
         except BaseException:
             self.destroy(handle)
             raise

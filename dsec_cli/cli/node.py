@@ -54,14 +54,22 @@ def _rows(results: list[Any]) -> list[tuple[Any, ...]]:
     for r in results:
         if not r.ok:
             state = "unreachable" if r.to_dict()["unreachable"] else "error"
-            rows.append((r.node, state, "", "", "", "", str(r.error)))
+            rows.append((r.node, state, "", "", "", "", "", str(r.error)))
             continue
         i = r.value
         cap, use = i["capacity"], i["usage"]
         rows.append((r.node, "ok", i["dsec"], f"{cap['cpus']:g} cpu, {human_bytes(cap['memory'])}",
-                     f"{use['sandboxes']}/{cap['sandboxes']}", human_bytes(i["cache_bytes"]),
-                     i.get("hostname", "")))
+                     f"{use['sandboxes']}/{cap['sandboxes']}", _use(cap, use),
+                     human_bytes(i["cache_bytes"]), i.get("hostname", "")))
     return rows
+
+
+def _use(cap: dict[str, Any], use: dict[str, Any]) -> str:
+    """Declared CPUs and memory against the overcommitted capacity, and resident memory."""
+    cpus = cap["cpus"] * cap.get("cpu_overcommit", 1)
+    mem = cap["memory"] * cap.get("memory_overcommit", 1)
+    return (f"{use['cpus']:g}/{cpus:g} cpu, {human_bytes(use['memory'])}/{human_bytes(mem)}, "
+            f"{human_bytes(use.get('resident', 0))}")
 
 
 def _status(names: list[str] | None, json_out: bool, timeout: float | None) -> None:
@@ -71,8 +79,8 @@ def _status(names: list[str] | None, json_out: bool, timeout: float | None) -> N
     if json_out:
         print_json([r.to_dict() for r in results])
     else:
-        table(None, ["NODE", "STATE", "VERSION", "CAPACITY", "SANDBOXES", "CACHED", "HOST / ERROR"],
-              _rows(results))
+        table(None, ["NODE", "STATE", "VERSION", "CAPACITY", "SANDBOXES",
+                     "CPU / MEMORY DECLARED, RESIDENT", "CACHED", "HOST / ERROR"], _rows(results))
     if names and any(not r.ok for r in results):
         raise typer.Exit(1)
 
@@ -93,11 +101,66 @@ def check_(
                      ] = None,
     json_out: JsonOpt = False,
     timeout: TimeoutOpt = None,
+    host: Annotated[bool, typer.Option(
+        "--host", help="report this host's density facilities instead: swap, KSM, cgroup "
+                       "v1/v2 controllers, and the fallback for each one missing")] = False,
 ) -> None:
     """Reach nodes over SSH and ask their node services; exits 1 if any does not answer."""
+    if host:
+        from ..api.density import host_facts
+
+        _host(host_facts(), json_out)
+        return
     from ..api.cluster import load_nodes
 
     _status(names or list(load_nodes()) or None, json_out, timeout)
+
+
+def _host(facts: dict[str, Any], json_out: bool) -> None:
+    if json_out:
+        print_json(facts)
+        return
+    ctl = ", ".join(f"{c} {v or 'missing'}" for c, v in facts["cgroup_controllers"].items())
+    ksm = facts["ksm"]
+    typer.echo(f"cgroups:  {ctl}")
+    typer.echo(f"reclaim:  {facts['reclaim'] or 'none'}; cpu.idle "
+               f"{'yes' if facts['cpu_idle'] else 'no'}")
+    typer.echo(f"swap:     {human_bytes(facts['swap_total'])} "
+               f"({human_bytes(facts['swap_free'])} free)")
+    typer.echo("ksm:      " + ("not in this kernel" if not ksm["available"] else
+                               f"{'on' if ksm.get('run') else 'off'}, saving "
+                               f"{human_bytes(ksm.get('saved_bytes', 0))}"))
+    for note in facts["notes"]:
+        typer.echo(f"note: {note}")
+
+
+@node_app.command("setup")
+def setup(
+    swap: Annotated[str | None, typer.Option(  # noqa: UP007
+        "--swap", help="add a swap file of this size (e.g. 8G), where the operator allows")
+                    ] = None,
+    swap_file: Annotated[str | None, typer.Option(  # noqa: UP007
+        "--swap-file", help="where (default /var/lib/dsec/swapfile; a local disk filesystem)")
+                         ] = None,
+    ksm: Annotated[bool | None, typer.Option(  # noqa: UP007
+        "--ksm/--no-ksm", help="merge identical VM guest pages (kernel same-page merging)")
+                   ] = None,
+    ksm_pages: Annotated[int | None, typer.Option(  # noqa: UP007
+        "--ksm-pages", help="pages KSM scans per wake-up")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Prepare this host for density: a swap file, KSM on and tuned; then report it."""
+    from ..api.density import setup_node
+
+    out = setup_node(swap, swap_file, ksm, ksm_pages)
+    if json_out:
+        print_json(out)
+        return
+    if "swap" in out:
+        sw = out["swap"]
+        typer.echo(f"swap file {sw['file']} ({human_bytes(sw['size'])})"
+                   + (" was already on" if sw["already"] else " is on"))
+    _host(out["host"], False)
 
 
 @node_app.command("rm")

@@ -83,6 +83,9 @@ def register(app: typer.Typer) -> None:
         detach: Annotated[bool, typer.Option("--detach", "-d",
                                              help="print the id and leave it running")
                           ] = False,
+        cpu_class: Annotated[str | None, typer.Option(  # noqa: UP007
+            "--class", help="CPU class: latency (exec answers stay fast) | batch (default) | "
+                            "idle (only when nothing else wants the CPU)")] = None,
         fetch: Annotated[str, typer.Option(
             "--fetch", help="eager (fetch every layer first) | lazy (mount now, fetch files on "
                             "first read) | background (lazy, plus a full fetch behind it)")
@@ -104,7 +107,8 @@ def register(app: typer.Typer) -> None:
             raise UsageError("give a command after -- or use -d to leave the sandbox running")
         opts = sandbox_options(image, backend=backend, cpus=cpus, memory=memory, pids=pids,
                                ttl=ttl, network=network, disk=disk, env=env, workdir=workdir,
-                               timeout=timeout, fetch=fetch, node_name=node_name)
+                               timeout=timeout, fetch=fetch, node_name=node_name,
+                               cpu_class=cpu_class)
         if job is not None:
             _run_in_job(job, image, opts, cmd, timeout, json_out, node_name, state_dir)
             return

@@ -79,9 +79,20 @@ def ps_table(recs: list[dict[str, Any]]) -> None:
 
     t = time.time()
     rows = [(r["id"], r["backend"], r["image"], r["status"], f"{t - r['created']:.0f}s",
-             "" if r["expires"] is None else f"{max(0, r['expires'] - t):.0f}s")
+             "" if r["expires"] is None else f"{max(0, r['expires'] - t):.0f}s",
+             r.get("usage", {}).get("class", ""), _memory(r))
             for r in recs]
-    table(None, ["ID", "BACKEND", "IMAGE", "STATUS", "AGE", "TTL LEFT"], rows)
+    table(None, ["ID", "BACKEND", "IMAGE", "STATUS", "AGE", "TTL LEFT", "CLASS",
+                 "MEMORY USED/DECLARED"], rows)
+
+
+def _memory(r: dict[str, Any]) -> str:
+    from .render import human_bytes
+
+    declared = (r.get("limits") or {}).get("memory")
+    resident = r.get("usage", {}).get("resident")
+    return (f"{'-' if resident is None else human_bytes(resident)}/"
+            f"{'-' if declared is None else human_bytes(declared)}")
 
 
 def sandbox_options(image: str, *, backend: str = "container", cpus: float | None = None,
@@ -89,7 +100,7 @@ def sandbox_options(image: str, *, backend: str = "container", cpus: float | Non
                     network: str = "none", disk: str | None = None,
                     env: list[str] | None = None, workdir: str | None = None,
                     timeout: float | None = None, fetch: str = "eager",
-                    node_name: str | None = None) -> Any:
+                    node_name: str | None = None, cpu_class: str | None = None) -> Any:
     """`dsec run`'s options, checked: the `CreateOptions` of the new sandbox."""
     from ..api import sandboxes
     from ..core import validate
@@ -99,7 +110,8 @@ def sandbox_options(image: str, *, backend: str = "container", cpus: float | Non
     validate.positive_float(timeout, "--timeout")
     return sandboxes.create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
                                     network=network, env=parse_env(env), workdir=workdir,
-                                    fetch=fetch, disk=disk, prefix="--")
+                                    fetch=fetch, disk=disk, cpu_class=cpu_class,
+                                    prefix="--")
 
 
 def create_sandbox(image: str, *, state_dir: str | None = None, node_name: str | None = None,

@@ -40,6 +40,9 @@ class Config:
     # connect_timeout + read_timeout, retries included (docs/stores.md, docs/cluster.md)
     connect_timeout: str = "10s"
     read_timeout: str = "20s"
+    #: node gc reclaims memory from sandboxes idle this long (a duration; "" = never):
+    #: docs/density.md
+    idle_reclaim: str = ""
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: bounds on store objects read (`StoreLimits` field -> size or count), e.g.
     #: ``limits: {index_json_bytes: 1G, index_entries: 8000000}``
@@ -63,7 +66,8 @@ _KEYS = {f.name for f in fields(Config)} - {"sources"}
 _ENV = {"DSEC_STORE": "store", "DSEC_DATA_DIR": "data_dir", "DSEC_STATE_DIR": "state_dir",
         "DSEC_CACHE_BUDGET": "cache_budget", "DSEC_KERNEL": "kernel",
         "DSEC_VM_BOOT": "vm_boot",
-        "DSEC_CONNECT_TIMEOUT": "connect_timeout", "DSEC_READ_TIMEOUT": "read_timeout"}
+        "DSEC_CONNECT_TIMEOUT": "connect_timeout", "DSEC_READ_TIMEOUT": "read_timeout",
+        "DSEC_IDLE_RECLAIM": "idle_reclaim"}
 
 
 def user_config_file() -> Path:

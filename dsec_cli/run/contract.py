@@ -75,6 +75,19 @@ class NodeAPI(Protocol):
     def snapshot(self, sid: str, ref: str, push: str | None = None) -> dict[str, Any]:
         ...
 
+    # -- density (run/density.py) ----------------------------------------------------------
+    def park(self, sid: str) -> dict[str, Any]:
+        """Stop a sandbox and push its memory out; resident, reclaimed and swapped bytes."""
+        ...
+
+    def thaw(self, sid: str) -> dict[str, Any]:
+        """Let a parked sandbox run again, with the same files and processes."""
+        ...
+
+    def top(self, interval: float = 0.0) -> list[dict[str, Any]]:
+        """Per sandbox: CPU, resident, reclaimed and swapped memory, class, idle time."""
+        ...
+
     def remove(self, sid: str) -> Any:
         ...
 

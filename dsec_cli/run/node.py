@@ -38,7 +38,7 @@ from ..backends import (
     get_backend,
 )
 from ..core.errors import NotFoundError, SandboxError, UsageError
-from . import images, pins, reconcile
+from . import density, images, pins, reconcile
 from .images import Image
 from .options import BACKEND_CHOICES, CreateOptions
 from .state import NodeDB, SandboxRecord, now
@@ -152,12 +152,13 @@ class Node:
         if img is None:
             img = self.resolve_image(image) if fetch == "eager" else \
                 images.lazy(self.store(), self.cache_root, self.sandboxes_dir / sid, image)
-        limits = Limits(cpus=opts.cpus, memory=opts.memory, pids=opts.pids, disk=opts.disk)
+        limits = Limits(cpus=opts.cpus, memory=opts.memory, pids=opts.pids, disk=opts.disk,
+                        cpu_class=opts.cpu_class)
         env = {**img.env, **opts.env}
         workdir = opts.workdir or img.workdir or "/"
         spec_row: dict[str, Any] = {
             "limits": {"cpus": opts.cpus, "memory": opts.memory, "pids": opts.pids,
-                       "disk": opts.disk},
+                       "disk": opts.disk, "cpu_class": opts.cpu_class},
             "network": opts.network, "env": env, "workdir": workdir,
             "layer_digests": img.layer_digests, "from_store": img.from_store, "fetch": fetch}
         if pool_key is not None:
@@ -284,6 +285,8 @@ class Node:
             raise UsageError(f"sandbox {rec.id} is still being created")
         if rec.status == "paused":
             raise UsageError(f"sandbox {rec.id} is paused", hint=f"dsec resume {rec.id}")
+        if rec.status == "parked":
+            raise UsageError(f"sandbox {rec.id} is parked", hint=f"dsec thaw {rec.id}")
         b, h = self.backend(rec.backend), self.handle_of(rec)
         if rec.status == "dead" or not b.is_alive(h):
             if rec.status != "dead":
@@ -299,10 +302,15 @@ class Node:
         """Run argv in the sandbox. Output goes to `on_output` as it arrives and is kept in
         the result up to `capture_limit` bytes per stream (None: all of it)."""
         check_exec(argv, timeout)
-        _, b, h = self.live(sid)
+        rec, b, h = self.live(sid)
         req = ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout,  # type: ignore[arg-type]
                           capture_limit)
-        return b.exec(h, req, on_output)
+        sdir = self.sandboxes_dir / rec.id
+        density.touch(sdir)  # idle time (top, idle reclaim) counts from the last exec
+        try:
+            return b.exec(h, req, on_output)
+        finally:
+            density.touch(sdir)
 
     def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
         _, b, h = self.live(sid)
@@ -341,11 +349,25 @@ class Node:
     def resume(self, sid: str) -> SandboxRecord:
         rec = self.lookup(sid)
         if rec.status != "paused":
-            raise UsageError(f"sandbox {rec.id} is not paused (it is {rec.status})")
+            raise UsageError(f"sandbox {rec.id} is not paused (it is {rec.status})",
+                             hint=f"dsec thaw {rec.id}" if rec.status == "parked" else None)
         self.backend(rec.backend).resume(self.handle_of(rec))
         self.db.update(rec.id, status="running")
         rec.status = "running"
         return rec
+
+    def park(self, sid: str) -> dict[str, Any]:
+        """Stop a sandbox and push its memory out (to swap where there is swap); its
+        resident, reclaimed and swapped bytes. See density.py."""
+        return density.park(self, sid)
+
+    def thaw(self, sid: str) -> dict[str, Any]:
+        """Let a parked sandbox run again, with the same files and processes."""
+        return density.thaw(self, sid)
+
+    def top(self, interval: float = 0.0) -> list[dict[str, Any]]:
+        """Per sandbox: CPU, resident, reclaimed and swapped memory, class, idle time."""
+        return density.top(self, interval)
 
     def snapshot(self, sid: str, ref: str, push: str | None = None) -> dict[str, Any]:
         """The sandbox's writable diff becomes layer ``NAME-layer@VERSION`` and image
@@ -383,8 +405,9 @@ class Node:
     def describe(self, sid: str) -> dict[str, Any]:
         rec = self.lookup(sid)
         out = rec.public()
-        if rec.status in ("running", "paused"):
+        if rec.status in ("running", "paused", "parked"):
             out.update(self.backend(rec.backend).describe(self.handle_of(rec)))
+            out["usage"] = density.usage(self, rec)
         stats = self.fetch_stats(rec)
         if stats is not None:
             out["fetch"] = stats

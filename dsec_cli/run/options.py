@@ -8,10 +8,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..backends import _rootfs
+from ..backends import _cgroups, _rootfs
 from ..core.errors import UsageError
 
 BACKEND_CHOICES = ("container", "fncall", "microvm", "vm")
+CPU_CLASS_CHOICES = tuple(_cgroups.CPU_CLASSES)  # latency | batch | idle (docs/density.md)
 MIN_MEMORY = 8 << 20
 MIN_DISK = _rootfs.MIN_DISK
 MAX_SIZE = 1 << 60
@@ -30,6 +31,7 @@ class CreateOptions:
     disk: int | None = None  # bytes the sandbox may write (its upper dir, or /tmp for fncall)
     fetch: str = "eager"  # eager | lazy | background (docs/lazy.md)
     record_seconds: float | None = None  # lazy: profile reads this long (default 30 s)
+    cpu_class: str | None = None  # latency | batch | idle; None: batch, nothing written
 
     def validate(self) -> None:
         if self.backend not in BACKEND_CHOICES:
@@ -54,6 +56,9 @@ class CreateOptions:
             raise UsageError(f"invalid --network {self.network!r}: choose none or host")
         if self.workdir is not None and not self.workdir.startswith("/"):
             raise UsageError(f"invalid workdir {self.workdir!r}: must be an absolute path")
+        if self.cpu_class is not None and self.cpu_class not in CPU_CLASS_CHOICES:
+            raise UsageError(f"invalid --class {self.cpu_class!r}: choose one of "
+                             f"{', '.join(CPU_CLASS_CHOICES)}")
         if self.fetch not in ("eager", "lazy", "background"):
             raise UsageError(f"invalid --fetch {self.fetch!r}: choose eager, lazy or background")
 

@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 MEMBER_ESTIMATE = {"container": 16 << 20, "fncall": 8 << 20, "microvm": 512 << 20,
                    "vm": 512 << 20}
 #: the create options that make a pool key (a TTL is set when a member is taken)
-KEY_FIELDS = ("backend", "cpus", "memory", "pids", "disk", "network", "env", "workdir")
+KEY_FIELDS = ("backend", "cpus", "memory", "pids", "disk", "network", "env", "workdir",
+              "cpu_class")
 RECENT_MAX = 1024
 
 

@@ -43,7 +43,7 @@ def reconcile(node: Node) -> dict[str, list[str]]:
                     unpin(node.store, node.cgroup_parent, r.id)
                 node.db.delete(r.id)
                 report["aborted"].append(r.id)
-        elif r.status in ("running", "paused"):
+        elif r.status in ("running", "paused", "parked"):
             if not node.backend(r.backend).is_alive(node.handle_of(r)):
                 node.db.update(r.id, status="dead")
                 report["dead"].append(r.id)
@@ -68,7 +68,7 @@ def reconcile(node: Node) -> dict[str, list[str]]:
 def gc(node: Node, budget: int | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Remove expired and dead sandboxes, then evict unleased cached layers, least
     recently used first, until the cache fits the budget."""
-    from ..core.config import parse_size
+    from ..core.config import parse_duration, parse_size
 
     report: dict[str, Any] = {"removed": [], "evicted": [], "freed_bytes": 0}
     if not dry_run:
@@ -99,6 +99,11 @@ def gc(node: Node, budget: int | None = None, dry_run: bool = False) -> dict[str
                     node.remove(r.id)
                 except NotFoundError:
                     pass  # removed concurrently
+    idle = load_config().idle_reclaim
+    if idle:  # the idle-reclaim policy (density.py): memory back from idle sandboxes
+        from .density import reclaim_idle
+
+        report["reclaimed"] = reclaim_idle(node, parse_duration(idle, "idle_reclaim"), dry_run)
     budget = budget if budget is not None else parse_size(node.cache_budget, "cache budget")
     from ..push.materialize import LayerCache
 

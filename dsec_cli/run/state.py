@@ -24,7 +24,7 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     backend TEXT NOT NULL,
     image TEXT NOT NULL,
     image_digest TEXT NOT NULL,
-    status TEXT NOT NULL,           -- creating | running | paused | dead | pooled
+    status TEXT NOT NULL,           -- creating | running | paused | parked | dead | pooled
     handle TEXT,                    -- the backend's JSON state, once created
     spec TEXT NOT NULL,             -- limits, network, env, workdir, layers (JSON)
     created REAL NOT NULL,

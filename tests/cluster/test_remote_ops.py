@@ -115,3 +115,29 @@ def test_node_id_prefixes(client: SshCluster, run_dsec) -> None:  # type: ignore
         assert run_dsec("rm", f"node1/{local[:6]}").stdout.strip() == sid
     finally:
         run_dsec("rm", sid, check=False)
+def test_class_park_thaw_top_through_the_node(client: SshCluster, run_dsec) -> None:  # type: ignore[no-untyped-def]
+    sid = run_dsec("run", "--node", "node1", "-d", "--class", "latency", "--memory", "64M",
+                   IMAGE).stdout.strip()
+    try:
+        run_dsec("exec", sid, "--", "sh", "-c", "echo before > /root/f")
+        doc = json.loads(run_dsec("park", sid, "--json").stdout)
+        assert doc["id"] == sid and doc["status"] == "parked"
+        assert {"resident", "reclaimed", "swapped"} <= set(doc)
+        assert "dsec thaw" in run_dsec("exec", sid, "--", "true", check=2).stderr
+        assert json.loads(run_dsec("thaw", sid, "--json").stdout)["status"] == "running"
+        assert run_dsec("exec", sid, "--", "cat", "/root/f").stdout == "before\n"
+        top = json.loads(run_dsec("top", "--node", "node1", "--json", "--interval",
+                                  "0.1").stdout)
+        row = [r for r in top if r["id"] == sid][0]
+        assert row["class"] == "latency" and row["node"] == "node1"
+        assert row["declared_memory"] == 64 << 20 and row["resident"] > 0
+        ps = json.loads(run_dsec("ps", "--node", "node1", "--json").stdout)
+        use = [r for r in ps if r["id"] == sid][0]["usage"]
+        assert use["class"] == "latency" and use["resident"] > 0
+        nodes = json.loads(run_dsec("node", "ls", "--json").stdout)
+        info = [n for n in nodes if n["node"] == "node1"][0]["result"]
+        assert info["usage"]["resident"] > 0 and info["usage"]["latency_cpus"] == 0
+        assert info["capacity"]["cpu_overcommit"] == 1.0
+        assert "cgroup_controllers" in info["density"]
+    finally:
+        run_dsec("rm", sid)

@@ -313,10 +313,25 @@ static void do_exec(int ci, uint32_t id, const uint8_t *p, size_t n) {
         signal(SIGCHLD, SIG_DFL);
         signal(SIGTERM, SIG_DFL);
         /* the OOM killer must pick what the agent starts, never the agent: as init, its
-         * death ends the sandbox. Raising a score needs no privilege (lowering would). */
-        int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+         * death ends the sandbox. Commands score 300 above the agent (whose own score the
+         * host sets by the sandbox's class). Raising a score needs no privilege. */
+        int oom = open("/proc/self/oom_score_adj", O_RDONLY | O_CLOEXEC);
+        int adj = 0;
         if (oom >= 0) {
-            ssize_t ow = write(oom, "300", 3);
+            char cur[16];
+            ssize_t got = read(oom, cur, sizeof cur - 1);
+            if (got > 0) {
+                cur[got] = 0;
+                adj = atoi(cur);
+            }
+            close(oom);
+        }
+        adj = adj + 300 > 1000 ? 1000 : adj + 300;
+        oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+        if (oom >= 0) {
+            char val[16];
+            int len = snprintf(val, sizeof val, "%d", adj);
+            ssize_t ow = write(oom, val, (size_t)len);
             (void)ow;
             close(oom);
         }

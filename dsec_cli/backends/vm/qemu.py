@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 from ...core.config import env, load_config
 from ...core.errors import BackendError, SandboxError, UsageError
+from .. import _cgroups
 from ..agented import AgentBackend
 from ..base import (
     BackendContext,
@@ -86,6 +87,7 @@ class QemuBackend(AgentBackend):
     machine: ClassVar[str] = ""
     blk_dev: ClassVar[str] = ""
     serial_dev: ClassVar[str] = ""
+    balloon_dev: ClassVar[str] = ""
     net_dev: ClassVar[str] = ""
 
     supports_pause = True  # QMP stop / cont
@@ -94,12 +96,14 @@ class QemuBackend(AgentBackend):
     @classmethod
     def from_context(cls, ctx: BackendContext) -> QemuBackend:
         # root images and the accelerator probe are kept per node
-        return cls(ctx.state_dir, ctx.kernel)
+        return cls(ctx.state_dir, ctx.kernel, cgroup_parent=ctx.cgroup_parent)
 
     def __init__(self, state_dir: str | os.PathLike[str] | None = None,
                  kernel: str | os.PathLike[str] | None = None,
                  qemu: str = "qemu-system-x86_64", accel: str = "auto",
-                 boot_timeout: float = BOOT_TIMEOUT, boot: str | None = None) -> None:
+                 boot_timeout: float = BOOT_TIMEOUT, boot: str | None = None,
+                 cgroup_parent: str = "dsec") -> None:
+        self.cgroup_parent = cgroup_parent  # QEMU runs in <parent>/<sandbox id>
         if accel not in ("auto", "kvm", "tcg"):
             raise UsageError(f"unknown accelerator {accel!r}: choose auto, kvm or tcg")
         cfg = load_config() if boot is None or not state_dir else None
@@ -182,7 +186,9 @@ class QemuBackend(AgentBackend):
         accel = st["accel"]
         # the -name argument is also how is_alive tells our QEMU from a reused pid
         argv = [self._qemu_binary(), "-name", _qemu_name(spec.sandbox_id).decode(),
-                "-M", self.machine, "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
+                # guest RAM is QEMU's private anonymous memory, marked mergeable for KSM
+                "-M", f"{self.machine},mem-merge=on", "-accel", accel,
+                "-cpu", "host" if accel == "kvm" else "max",
                 "-smp", str(cpus), "-m", f"{mem >> 20}M",
                 "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
                 "-daemonize", "-pidfile", st["pidfile"],
@@ -197,7 +203,10 @@ class QemuBackend(AgentBackend):
                 "-device", f"{self.blk_dev},drive=disk",
                 "-chardev", f"socket,id=agent,path={st['agent_sock']},server=on,wait=off",
                 "-device", self.serial_dev,
-                "-device", "virtserialport,chardev=agent,name=dsec.agent"]
+                "-device", "virtserialport,chardev=agent,name=dsec.agent",
+                # pages the guest frees are reported and dropped from QEMU's RAM: an idle
+                # VM's resident memory is what its guest really holds (docs/density.md)
+                "-device", f"{self.balloon_dev},free-page-reporting=on"]
         if spec.network == "host":
             argv += ["-netdev", "user,id=net0", "-device", f"{self.net_dev},netdev=net0"]
         if snap:
@@ -220,7 +229,8 @@ class QemuBackend(AgentBackend):
 
     def _state(self, spec: SandboxSpec) -> dict[str, Any]:
         return {**_default_state(spec.sandbox_id, str(spec.state_dir)), "machine": self.name,
-                "env": dict(spec.env), "workdir": spec.workdir, "network": spec.network}
+                "env": dict(spec.env), "workdir": spec.workdir, "network": spec.network,
+                "cgroup": f"{self.cgroup_parent}/{spec.sandbox_id}"}
 
     def _parts(self, spec: SandboxSpec) -> tuple[Kernel, Path, Path]:
         kernel = self._kernel()
@@ -236,6 +246,13 @@ class QemuBackend(AgentBackend):
                                f"{proc.stderr.strip()[-1000:]}")
         pid = int(Path(st["pidfile"]).read_text().strip())
         st["pid"], st["start_time"] = pid, _proc_start(pid)
+        # QEMU (every thread, guest RAM charged from here on) in the sandbox's own group:
+        # its CPU class, resident memory and reclamation act on it
+        cg = _cgroups.Cgroup(st["cgroup"])
+        cg.create()
+        cg.add(pid)
+        if spec.limits.cpu_class:
+            cg.apply_class(spec.limits.cpu_class)
 
     def _create_cold(self, spec: SandboxSpec, snap: bool = False) -> SandboxHandle:
         sdir = spec.state_dir
@@ -430,6 +447,8 @@ class QemuBackend(AgentBackend):
         mnt = st.get("snap_mount")
         if mnt and os.path.ismount(mnt):
             subprocess.run(["umount", "-l", mnt], capture_output=True)
+        if st.get("cgroup"):
+            _cgroups.Cgroup(st["cgroup"]).remove()
         shutil.rmtree(st["run_dir"], ignore_errors=True)
         if st.get("disk"):
             Path(st["disk"]).unlink(missing_ok=True)
@@ -518,6 +537,7 @@ class MicroVMBackend(QemuBackend):
     machine: ClassVar[str] = "microvm,x-option-roms=off"
     blk_dev: ClassVar[str] = "virtio-blk-device"
     serial_dev: ClassVar[str] = "virtio-serial-device"
+    balloon_dev: ClassVar[str] = "virtio-balloon-device"
     net_dev: ClassVar[str] = "virtio-net-device"
 
 
@@ -528,6 +548,7 @@ class VMBackend(QemuBackend):
     machine: ClassVar[str] = "q35"
     blk_dev: ClassVar[str] = "virtio-blk-pci"
     serial_dev: ClassVar[str] = "virtio-serial-pci"
+    balloon_dev: ClassVar[str] = "virtio-balloon-pci"
     net_dev: ClassVar[str] = "virtio-net-pci"
 
 

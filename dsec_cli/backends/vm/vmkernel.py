@@ -28,6 +28,7 @@ from ...core.errors import UsageError
 GUEST_MODULES = (
     "virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "virtio_net",
     "crc32c_generic", "ext4", "erofs", "overlay",
+    "virtio_balloon",  # free page reporting: memory the guest frees goes back to the host
 )
 #: softdeps written as crypto aliases, which modinfo cannot resolve without modules.alias
 _ALIASES = {"crypto-crc32c": "crc32c_generic"}

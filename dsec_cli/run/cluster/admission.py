@@ -10,9 +10,17 @@ create returns (or failed), so a sandbox is counted exactly once, however many c
 node service process runs at once. Reservations of a dead
 node service process (pid gone) are ignored and pruned.
 
-Capacity comes from ``<state dir>/capacity.yaml`` (keys ``sandboxes``, ``cpus``, ``memory``);
-missing keys default to the machine: its CPUs, its RAM, and one sandbox per 10 MiB of RAM.
-A sandbox without ``--cpus``/``--memory`` counts only against the sandbox count.
+Capacity comes from ``<state dir>/capacity.yaml`` (keys ``sandboxes``, ``cpus``, ``memory``,
+``cpu_overcommit``, ``memory_overcommit``); missing keys default to the machine: its CPUs, its
+RAM, one sandbox per 10 MiB of RAM, and ratios of 1. A sandbox without ``--cpus``/``--memory``
+counts only against the sandbox count.
+
+Overcommit (docs/density.md): declared CPUs of ``batch`` sandboxes may add up to ``cpus``
+times ``cpu_overcommit``, while ``latency`` ones never add up past ``cpus`` (their exec answers
+must stay fast) and ``idle`` ones do not count. Declared memory may add up to ``memory`` times
+``memory_overcommit``, and, whatever is declared, the memory the node's sandboxes actually hold
+now (resident, after reclaim) plus the new sandbox's declared memory over that ratio must fit
+in ``memory``.
 """
 
 from __future__ import annotations
@@ -34,12 +42,13 @@ from ...backends import _rootfs
 from ...core.config import parse_size
 from ...core.errors import ConfigError
 from ...core.sqlite import immediate, thread_connection
+from ..density import resident_total
 from ..node import Node
 from .errors import CapacityError
 
 #: rows that hold capacity; a warm pool member counts once, as ``pooled`` and then as the
 #: running sandbox it becomes (a create served from a pool reserves nothing)
-LIVE = ("creating", "running", "paused", "pooled")
+LIVE = ("creating", "running", "paused", "parked", "pooled")
 
 
 @dataclass
@@ -47,6 +56,8 @@ class Capacity:
     sandboxes: int
     cpus: float
     memory: int
+    cpu_overcommit: float = 1.0
+    memory_overcommit: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,12 +66,18 @@ class Capacity:
 @dataclass
 class Usage:
     sandboxes: int = 0
-    cpus: float = 0.0
-    memory: int = 0
+    cpus: float = 0.0  # declared, idle-class sandboxes left out
+    memory: int = 0  # declared
+    latency_cpus: float = 0.0  # declared by latency-class sandboxes (part of cpus)
+    resident: int = 0  # bytes the node's sandboxes hold in RAM now
 
-    def add(self, cpus: float | None, memory: int | None) -> None:
+    def add(self, cpus: float | None, memory: int | None, cpu_class: str | None = None
+            ) -> None:
         self.sandboxes += 1
-        self.cpus += cpus or 0.0
+        if cpu_class != "idle":
+            self.cpus += cpus or 0.0
+        if cpu_class == "latency":
+            self.latency_cpus += cpus or 0.0
         self.memory += memory or 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,9 +110,14 @@ def load_capacity(state_dir: Path) -> Capacity:
                 cap.cpus = float(value)
             elif key == "memory" and isinstance(value, int | str):
                 cap.memory = parse_size(str(value), f"{path}: memory")
+            elif key in ("cpu_overcommit", "memory_overcommit") and \
+                    isinstance(value, int | float) and not isinstance(value, bool) and \
+                    1 <= value <= 1000:
+                setattr(cap, key, float(value))
             else:
                 raise ConfigError(f"{path}: invalid key or value {key!r}: {value!r}",
-                                  hint="keys: sandboxes (int), cpus (number), memory (e.g. 64G)")
+                                  hint="keys: sandboxes (int), cpus (number), memory (e.g. 64G), "
+                                       "cpu_overcommit and memory_overcommit (1 to 1000)")
     return cap
 
 
@@ -109,7 +131,11 @@ class Admission:
         db = self._db()
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("CREATE TABLE IF NOT EXISTS reservations (token TEXT PRIMARY KEY, "
-                   "pid INTEGER, start INTEGER, cpus REAL, memory INTEGER, created REAL)")
+                   "pid INTEGER, start INTEGER, cpus REAL, memory INTEGER, created REAL, "
+                   "cpu_class TEXT)")
+        cols = {r[1] for r in db.execute("PRAGMA table_info(reservations)")}
+        if "cpu_class" not in cols:  # a table made before CPU classes
+            db.execute("ALTER TABLE reservations ADD COLUMN cpu_class TEXT")
 
     def _db(self) -> sqlite3.Connection:
         # reservations need no durability: after a crash their owners are dead, and dead
@@ -138,29 +164,34 @@ class Admission:
         u = Usage()
         # summed inside sqlite (JSON1): decoding every row in Python would cost milliseconds
         # per create on a node holding thousands of sandboxes
-        n, cpus, memory = self._node_db().execute(
-            "SELECT count(*), total(json_extract(spec, '$.limits.cpus')), "
-            "total(json_extract(spec, '$.limits.memory')) FROM sandboxes "
+        cls = "json_extract(spec, '$.limits.cpu_class')"
+        cpu = "json_extract(spec, '$.limits.cpus')"
+        n, cpus, memory, latency = self._node_db().execute(
+            f"SELECT count(*), total(CASE WHEN {cls} = 'idle' THEN 0 ELSE {cpu} END), "
+            "total(json_extract(spec, '$.limits.memory')), "
+            f"total(CASE WHEN {cls} = 'latency' THEN {cpu} ELSE 0 END) FROM sandboxes "
             f"WHERE status IN ({','.join('?' * len(LIVE))})", LIVE).fetchone()
         u.sandboxes, u.cpus, u.memory = int(n), float(cpus), int(memory)
+        u.latency_cpus = float(latency)
+        u.resident = resident_total(self.node)
         held = []
         stale = []
-        for token, pid, start, cpus, memory in db.execute(
-                "SELECT token, pid, start, cpus, memory FROM reservations"):
+        for token, pid, start, cpus, memory, cpu_class in db.execute(
+                "SELECT token, pid, start, cpus, memory, cpu_class FROM reservations"):
             if _rootfs.alive(pid, start):
-                held.append((token, cpus, memory))
+                held.append((token, cpus, memory, cpu_class))
             else:
                 stale.append((token,))
         if held:
             # a reservation is named by the id of the sandbox it admits: once that sandbox's
             # row exists the row is what counts, so a create in flight is counted once
-            tokens = [t for t, _, _ in held]
+            tokens = [t for t, _, _, _ in held]
             rows = {r[0] for r in self._node_db().execute(
                 f"SELECT id FROM sandboxes WHERE id IN ({','.join('?' * len(tokens))}) "
                 f"AND status IN ({','.join('?' * len(LIVE))})", (*tokens, *LIVE))}
-            for token, cpus, memory in held:
+            for token, cpus, memory, cpu_class in held:
                 if token not in rows:
-                    u.add(cpus, memory)
+                    u.add(cpus, memory, cpu_class)
         if stale:
             db.executemany("DELETE FROM reservations WHERE token=?", stale)
         return u
@@ -169,7 +200,8 @@ class Admission:
         with self._locked() as db:
             return self._usage(db)
 
-    def reserve(self, cpus: float | None, memory: int | None, token: str | None = None) -> str:
+    def reserve(self, cpus: float | None, memory: int | None, cpu_class: str | None = None,
+                token: str | None = None) -> str:
         """Admit one sandbox or raise CapacityError; returns the reservation token, the id
         the sandbox will have (``token``, or a new one)."""
         cap = self.capacity()
@@ -178,23 +210,32 @@ class Admission:
             short = []
             if u.sandboxes + 1 > cap.sandboxes:
                 short.append(f"sandboxes {u.sandboxes}/{cap.sandboxes}")
-            if cpus and u.cpus + cpus > cap.cpus + 1e-9:
-                short.append(f"cpus {u.cpus:g}+{cpus:g} > {cap.cpus:g}")
-            if memory and u.memory + memory > cap.memory:
-                short.append(f"memory {u.memory}+{memory} > {cap.memory}")
+            cpu_cap = cap.cpus * cap.cpu_overcommit
+            if cpus and cpu_class != "idle" and u.cpus + cpus > cpu_cap + 1e-9:
+                short.append(f"cpus {u.cpus:g}+{cpus:g} > {cpu_cap:g}")
+            if cpus and cpu_class == "latency" and u.latency_cpus + cpus > cap.cpus + 1e-9:
+                short.append(f"latency cpus {u.latency_cpus:g}+{cpus:g} > {cap.cpus:g}")
+            mem_cap = int(cap.memory * cap.memory_overcommit)
+            if memory and u.memory + memory > mem_cap:
+                short.append(f"memory {u.memory}+{memory} > {mem_cap}")
+            # a new sandbox is expected to hold its declared memory over the ratio
+            expect = int(memory / cap.memory_overcommit) if memory else 0
+            if memory and u.resident + expect > cap.memory:
+                short.append(f"resident memory {u.resident}+{expect} > {cap.memory}")
             if short:
                 raise CapacityError("node is full: " + ", ".join(short),
                                     hint="place with --node auto, or remove sandboxes")
             token = token or secrets.token_hex(6)
             pid = os.getpid()
-            db.execute("INSERT INTO reservations VALUES (?,?,?,?,?,?)",
-                       (token, pid, _rootfs.proc_start_time(pid), cpus, memory, time.time()))
+            db.execute("INSERT INTO reservations VALUES (?,?,?,?,?,?,?)",
+                       (token, pid, _rootfs.proc_start_time(pid), cpus, memory, time.time(),
+                        cpu_class))
             return token
 
     def admit_member(self, opts: Any) -> Any:
         """The pools' admission hook: a warm pool member is made only where a sandbox could
         be; returns its release."""
-        token = self.reserve(opts.cpus, opts.memory)
+        token = self.reserve(opts.cpus, opts.memory, opts.cpu_class)
         return lambda: self.release(token)
 
     def release(self, token: str) -> None:

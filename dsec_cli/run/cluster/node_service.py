@@ -30,6 +30,7 @@ from typing import IO, Any
 from ... import __version__ as _dsec_version
 from ...core import validate
 from ...core.errors import UsageError
+from ..density import host_facts
 from ..node import CreateOptions, Node, local_node
 from .admission import Admission
 from .protocol import (
@@ -70,7 +71,8 @@ class NodeService:
         image = args.get("image")
         return {**self.node.info(str(image) if image else None), "protocol": PROTOCOL_VERSION,
                 "capacity": self.admission.capacity().to_dict(),
-                "usage": self.admission.usage().to_dict()}
+                "usage": self.admission.usage().to_dict(),
+                "density": host_facts()}  # swap, KSM, controllers: docs/density.md
 
     # -- sandboxes ------------------------------------------------------------------------------
     def create(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
@@ -80,7 +82,7 @@ class NodeService:
         # a warm pool member is already counted: taking it reserves nothing
         rec = self.node.take_pooled(image, opts)
         if rec is None:
-            token = self.admission.reserve(opts.cpus, opts.memory)
+            token = self.admission.reserve(opts.cpus, opts.memory, opts.cpu_class)
             try:
                 rec = self.node.create(image, opts, from_pool=False, sid=token)
             finally:
@@ -130,6 +132,16 @@ class NodeService:
     def snapshot(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         return self.node.snapshot(str(args["id"]), str(args["ref"]), args.get("push"))
 
+    def park(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.node.park(str(args["id"]))
+
+    def thaw(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.node.thaw(str(args["id"]))
+
+    def top(self, args: dict[str, Any], emit: Emit) -> list[dict[str, Any]]:
+        return self.node.top(validate.positive_float(args.get("interval") or None, "interval")
+                             or 0.0)
+
     def fork(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         from ..fork import check_count, copy_options
 
@@ -157,7 +169,8 @@ class NodeService:
         return serve(self.node, self.admission, args)
 
     OPS = ("hello", "info", "create", "exec", "put", "get", "lookup", "remove", "pause",
-           "resume", "describe", "snapshot", "fork", "ps", "gc", "job")
+           "resume", "describe", "snapshot", "fork", "ps", "gc", "job", "park", "thaw",
+           "top")
 
     def handle(self, msg: dict[str, Any], emit: Emit) -> Any:
         op = msg.get("op")

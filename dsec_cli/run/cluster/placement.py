@@ -38,8 +38,13 @@ class NodeView:
     @classmethod
     def from_info(cls, name: str, info: dict[str, Any], image: str | None = None) -> NodeView:
         cap, use = info["capacity"], info["usage"]
-        v = cls(name, int(cap["sandboxes"]), float(cap["cpus"]), int(cap["memory"]),
-                int(use["sandboxes"]), float(use["cpus"]), int(use["memory"]))
+        # overcommit: a node offers its capacity times its ratios, and counts as used what
+        # its sandboxes declared or, where more, what they hold now at the same ratio
+        mem_ratio = float(cap.get("memory_overcommit", 1.0))
+        used_memory = max(int(use["memory"]), int(use.get("resident", 0) * mem_ratio))
+        v = cls(name, int(cap["sandboxes"]), float(cap["cpus"]) * float(
+                    cap.get("cpu_overcommit", 1.0)), int(cap["memory"] * mem_ratio),
+                int(use["sandboxes"]), float(use["cpus"]), used_memory)
         if image and "image" in info:
             v.images[image] = (int(info["image"]["bytes"]), int(info["image"]["cached_bytes"]))
         return v

@@ -502,6 +502,18 @@ class RemoteNode:
     def resume(self, sid: str) -> RemoteRecord:
         return self._rec(self.call("resume", {"id": self.local_id(sid)}))
 
+    def park(self, sid: str) -> dict[str, Any]:
+        doc = dict(self.call("park", {"id": self.local_id(sid)}))
+        return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}"}
+
+    def thaw(self, sid: str) -> dict[str, Any]:
+        doc = dict(self.call("thaw", {"id": self.local_id(sid)}))
+        return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}"}
+
+    def top(self, interval: float = 0.0) -> list[dict[str, Any]]:
+        rows = self.call("top", {"interval": interval}, timeout=self.timeout + interval)
+        return [{**r, "id": f"{self.name}/{r['id']}", "node": self.name} for r in rows]
+
     def describe(self, sid: str) -> dict[str, Any]:
         doc = dict(self.call("describe", {"id": self.local_id(sid)}, timeout=self.timeout))
         return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}",

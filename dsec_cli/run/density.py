@@ -1,0 +1,327 @@
+"""Density on one node: memory reclamation (`park`, `thaw`, the idle-reclaim policy), the
+per-sandbox figures `dsec top` shows, what the host offers for it (swap, KSM, cgroup v1/v2
+controllers) and `dsec node setup` (a swap file, KSM on and tuned). docs/density.md.
+
+Reclamation acts on a sandbox's cgroup (`Backend.cgroup`): for containers and fncall sandboxes
+the group of everything inside, for VMs the QEMU process's group (guest RAM is QEMU's private
+anonymous memory). `park` stops the sandbox (freezer, or QEMU `stop`) and pushes its memory
+out (page cache dropped, anonymous pages to swap where there is swap); `thaw` lets it run
+again, and its pages come back as they are touched: files and processes are as they were.
+The idle policy reclaims without stopping, from sandboxes no exec has touched for a while.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..backends import _cgroups
+from ..core.errors import DsecError, SandboxError, UsageError
+
+if TYPE_CHECKING:
+    from .node import Node
+    from .state import SandboxRecord
+
+log = logging.getLogger(__name__)
+
+ACTIVE = "active"  # per-sandbox file whose mtime is the last exec's start or end
+RECLAIM = "reclaim.json"  # per-sandbox figures of the last reclaim
+KSM = Path("/sys/kernel/mm/ksm")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# -- activity ------------------------------------------------------------------------------------
+def touch(sdir: Path) -> None:
+    """Mark the sandbox active now (one utime: cheap enough for every exec)."""
+    p = sdir / ACTIVE
+    try:
+        os.utime(p)
+    except FileNotFoundError:
+        try:
+            p.touch()
+        except OSError:
+            pass  # the sandbox is going away
+    except OSError:
+        pass
+
+
+def idle_seconds(sdir: Path, created: float) -> float:
+    try:
+        last = (sdir / ACTIVE).stat().st_mtime
+    except OSError:  # never exec'd: idle since it was made
+        last = created
+    return max(0.0, time.time() - last)
+
+
+def _cgroup(node: Node, rec: SandboxRecord) -> _cgroups.Cgroup | None:
+    rel = node.backend(rec.backend).cgroup(node.handle_of(rec))
+    return _cgroups.Cgroup(rel) if rel else None
+
+
+def _read_reclaim(sdir: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads((sdir / RECLAIM).read_text())
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_reclaim(sdir: Path, doc: dict[str, Any]) -> None:
+    tmp = sdir / (RECLAIM + ".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(sdir / RECLAIM)
+
+
+# -- per-sandbox figures -------------------------------------------------------------------------
+def usage(node: Node, rec: SandboxRecord) -> dict[str, Any]:
+    """What one sandbox declared and what it uses: ``resident`` and ``swapped`` bytes now,
+    ``reclaimed`` by its last reclaim, CPU seconds, class and idle time."""
+    sdir = node.sandboxes_dir / rec.id
+    limits = rec.spec.get("limits", {})
+    out: dict[str, Any] = {"id": rec.id, "backend": rec.backend, "status": rec.status,
+                           "class": limits.get("cpu_class") or "batch",
+                           "declared_memory": limits.get("memory"),
+                           "declared_cpus": limits.get("cpus"),
+                           "idle_seconds": round(idle_seconds(sdir, rec.created), 1)}
+    cg = _cgroup(node, rec) if rec.status in ("running", "paused", "parked") else None
+    if cg is not None:
+        out.update(cg.memory_use())
+        out["cpu_seconds"] = cg.cpu_seconds()
+        pid = (rec.handle or {}).get("pid")
+        if rec.backend in ("microvm", "vm") and pid:
+            out["ksm_merged"] = _ksm_merged(pid)
+    last = _read_reclaim(sdir)
+    out["reclaimed"] = int(last.get("reclaimed", 0))
+    out["reclaimed_at"] = last.get("at")
+    return out
+
+
+def top(node: Node, interval: float = 0.0) -> list[dict[str, Any]]:
+    """Every sandbox's `usage`; with ``interval``, CPU use as a fraction of one CPU over
+    that many seconds (two samples)."""
+    if not (isinstance(interval, int | float) and 0 <= interval <= 60):
+        raise UsageError(f"invalid interval {interval!r}: between 0 and 60 seconds")
+    recs = node.sandboxes(reconcile=False)
+    first = [usage(node, r) for r in recs]
+    if interval <= 0:
+        return first
+    time.sleep(interval)
+    out = []
+    for r, a in zip(recs, first, strict=True):
+        b = usage(node, r)
+        if a.get("cpu_seconds") is not None and b.get("cpu_seconds") is not None:
+            b["cpu"] = round((b["cpu_seconds"] - a["cpu_seconds"]) / interval, 3)
+        out.append(b)
+    return out
+
+
+# -- park / thaw / idle reclaim ------------------------------------------------------------------
+def _reclaim(node: Node, rec: SandboxRecord, cg: _cgroups.Cgroup, parked: bool
+             ) -> dict[str, Any]:
+    before = cg.memory_use()
+    freed = cg.reclaim()
+    after = cg.memory_use()
+    doc = {"reclaimed": freed, "at": time.time(), "parked": parked,
+           "resident_before": before.get("resident", 0)}
+    _write_reclaim(node.sandboxes_dir / rec.id, doc)
+    return {"id": rec.id, "status": "parked" if parked else rec.status, "reclaimed": freed,
+            "resident_before": before.get("resident", 0), **after}
+
+
+def park(node: Node, sid: str) -> dict[str, Any]:
+    """Stop a running sandbox and push its memory out; `thaw` brings it back."""
+    rec, b, h = node.live(sid)
+    cg = _cgroup(node, rec)
+    if cg is None:
+        raise UsageError(f"{rec.backend} sandbox {rec.id} has no cgroup to reclaim from")
+    if not b.supports_pause:
+        raise UsageError(f"{rec.backend} sandboxes cannot be stopped, so cannot be parked")
+    b.pause(h)
+    node.db.update(rec.id, status="parked")
+    try:
+        return _reclaim(node, rec, cg, parked=True)
+    except DsecError:
+        b.resume(h)  # a sandbox is never left stopped by a park that failed
+        node.db.update(rec.id, status="running")
+        raise
+
+
+def thaw(node: Node, sid: str) -> dict[str, Any]:
+    """Let a parked sandbox run again (its pages come back from swap as they are used)."""
+    rec = node.lookup(sid)
+    if rec.status != "parked":
+        raise UsageError(f"sandbox {rec.id} is not parked (it is {rec.status})")
+    b, h = node.backend(rec.backend), node.handle_of(rec)
+    if not b.is_alive(h):
+        node.db.update(rec.id, status="dead")
+        raise SandboxError(f"sandbox {rec.id} is no longer running",
+                           hint=f"remove it with `dsec rm {rec.id}`")
+    b.resume(h)
+    node.db.update(rec.id, status="running")
+    touch(node.sandboxes_dir / rec.id)
+    rec.status = "running"
+    return usage(node, rec)
+
+
+def reclaim_idle(node: Node, after: float, dry_run: bool = False) -> list[dict[str, Any]]:
+    """Reclaim from running sandboxes no exec has touched for ``after`` seconds and that
+    were not reclaimed since (they keep running; their next exec faults pages back in)."""
+    out = []
+    for rec in node.db.all():
+        if rec.status != "running":
+            continue
+        sdir = node.sandboxes_dir / rec.id
+        idle = idle_seconds(sdir, rec.created)
+        last = _read_reclaim(sdir).get("at") or 0.0
+        if idle < after or last > time.time() - idle:
+            continue
+        cg = _cgroup(node, rec)
+        if cg is None:
+            continue
+        if dry_run:
+            out.append({"id": rec.id, "idle_seconds": round(idle, 1)})
+            continue
+        try:
+            out.append(_reclaim(node, rec, cg, parked=False))
+        except DsecError as e:
+            log.warning("idle reclaim of %s failed: %s", rec.id, e)
+    return out
+
+
+def resident_total(node: Node) -> int:
+    """Bytes all this node's sandboxes hold in RAM now (the node's parent group: one read)."""
+    return int(_cgroups.Cgroup(node.cgroup_parent).memory_use().get("resident", 0))
+
+
+# -- the host ------------------------------------------------------------------------------------
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            parts = v.split()
+            if parts and parts[0].isdigit():
+                out[k] = int(parts[0]) * 1024
+    return out
+
+
+def ksm_state() -> dict[str, Any]:
+    """KSM's switch and what it saves now (pages_sharing pages are deduplicated away)."""
+    if not (KSM / "run").exists():
+        return {"available": False}
+    out: dict[str, Any] = {"available": True}
+    for name in ("run", "pages_to_scan", "sleep_millisecs", "pages_shared", "pages_sharing"):
+        try:
+            out[name] = int((KSM / name).read_text())
+        except (OSError, ValueError):
+            pass
+    out["saved_bytes"] = out.get("pages_sharing", 0) * PAGE
+    return out
+
+
+def _ksm_merged(pid: int) -> int:
+    """Bytes of a process's memory KSM merged with identical pages elsewhere."""
+    try:
+        return int(Path(f"/proc/{int(pid)}/ksm_merging_pages").read_text()) * PAGE
+    except (OSError, ValueError):
+        return 0
+
+
+def host_facts() -> dict[str, Any]:
+    """What this host offers for density, each with the fallback used where it is missing."""
+    lay = _cgroups.layout()
+    probe = _cgroups.Cgroup("")
+    controllers = {c: ("v2" if probe.is_v2(c) else "v1") if c in lay.mounts else None
+                   for c in ("cpu", "cpuacct", "memory", "freezer", "pids")}
+    mem = lay.mounts.get("memory")
+    cpu = lay.mounts.get("cpu")
+    info = _meminfo()
+    notes = []
+    if not info.get("SwapTotal"):
+        notes.append("no swap: reclaim drops page cache only, anonymous memory stays "
+                     "(add swap with `dsec node setup --swap SIZE`)")
+    ksm = ksm_state()
+    if not ksm["available"]:
+        notes.append("no KSM in this kernel: VM guest memory is not merged")
+    elif not ksm.get("run"):
+        notes.append("KSM is off: VM guest memory is not merged (`dsec node setup --ksm`)")
+    reclaim = None
+    if mem is not None:
+        reclaim = "memory.reclaim" if probe.is_v2("memory") and (mem / "memory.reclaim").exists() \
+            else "memory.force_empty" if (mem / "memory.force_empty").exists() else "limit"
+    else:
+        notes.append("no memory controller: no reclamation, no resident figures")
+    cpu_idle = cpu is not None and (cpu / "cpu.idle").exists()
+    if cpu is None:
+        notes.append("no cpu controller: CPU classes are recorded but not applied")
+    elif not cpu_idle:
+        notes.append("no cpu.idle: the idle class gets the smallest weight instead")
+    return {"cgroup_controllers": controllers, "reclaim": reclaim, "cpu_idle": cpu_idle,
+            "swap_total": info.get("SwapTotal", 0), "swap_free": info.get("SwapFree", 0),
+            "ksm": ksm, "notes": notes}
+
+
+def setup(swap: int | None = None, swap_file: Path | None = None,
+          ksm: bool | None = None, ksm_pages: int | None = None) -> dict[str, Any]:
+    """Prepare this host: a swap file of ``swap`` bytes (made, formatted and enabled unless
+    one is already on at ``swap_file``), KSM on or off and its scan rate."""
+    out: dict[str, Any] = {}
+    if swap is not None:
+        path = Path(swap_file or "/var/lib/dsec/swapfile").absolute()
+        out["swap"] = add_swap(path, swap)
+    if ksm is not None or ksm_pages is not None:
+        if not (KSM / "run").exists():
+            raise UsageError("this kernel has no KSM (/sys/kernel/mm/ksm)")
+        try:
+            if ksm_pages is not None:
+                (KSM / "pages_to_scan").write_text(str(ksm_pages))
+            if ksm is not None:
+                (KSM / "run").write_text("1" if ksm else "0")
+        except OSError as e:
+            raise UsageError(f"cannot set KSM: {e}", hint="run as root") from e
+        out["ksm"] = ksm_state()
+    out["host"] = host_facts()
+    return out
+
+
+def _active_swaps() -> set[str]:
+    with open("/proc/swaps") as f:
+        return {line.split()[0] for line in f.read().splitlines()[1:] if line.split()}
+
+
+def add_swap(path: Path, size: int) -> dict[str, Any]:
+    """Make and enable a swap file (kept as it is if it is already on)."""
+    if str(path) in _active_swaps():
+        return {"file": str(path), "size": path.stat().st_size, "already": True}
+    if size < (40 << 10):
+        raise UsageError(f"invalid --swap {size}: a swap file needs at least 40 KiB")
+    if path.exists():
+        raise UsageError(f"{path} exists and is not an active swap file: not overwriting it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+        for argv in (["mkswap", str(path)], ["swapon", str(path)]):
+            proc = subprocess.run(argv, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise UsageError(f"{argv[0]} {path} failed: {proc.stderr.strip()}",
+                                 hint="the file must be on a local filesystem such as ext4")
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return {"file": str(path), "size": size, "already": False}
+
+
+def remove_swap(path: Path) -> None:
+    """Turn a swap file off (its pages come back to RAM) and delete it."""
+    if str(path) in _active_swaps():
+        subprocess.run(["swapoff", str(path)], check=True, capture_output=True)
+    path.unlink(missing_ok=True)
