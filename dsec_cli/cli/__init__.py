@@ -66,11 +66,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
                    "(docs/jobs.md)."),
     "pool": ("pool", "Warm pools: sandboxes made ahead, taken by creates with the same image, "
                      "backend, limits and environment."),
-    "park": ("density", "Freeze a sandbox and push its memory out (to swap where the host has "
-                        "it); its files and processes are kept for `dsec thaw`."),
-    "thaw": ("density", "Bring a parked sandbox back: unfreeze it, its memory returns on use."),
-    "top": ("density", "Per sandbox CPU, resident, reclaimed and swapped memory, class and idle "
-                       "time; live, or --json."),
+    "park": ("density", "Stop a sandbox and give its memory back (to swap where the node has "
+                        "swap)."),
+    "thaw": ("density", "Let a parked sandbox run again: the same files and processes."),
+    "top": ("density", "Per sandbox: CPU, resident, declared, reclaimed and swapped memory, "
+                       "class, idle time; refreshed live on a terminal, one sample with --json "
+                       "or --once."),
 }
 
 ABOUT = "Content-addressed layers and sandboxes for agentic-RL environments."
