@@ -20,6 +20,7 @@ STEP_KEYS = {
     "copy": {"src", "dst", "owner", "mode", "keep_mtime"},
     "extract": {"src", "dst", "owner", "keep_mtime"},
     "run": {"cmd", "network", "env"},
+    "git_scrub": {"path", "base"},
 }
 
 
@@ -181,6 +182,8 @@ def _step(d: _Doc, node: yaml.Node, spec_dir: Path) -> tuple[Step, dict[str, Any
     if kind == "run" and isinstance(vn, yaml.ScalarNode):
         cmd = d.string(vn, "run")
         return Step("run", {"cmd": cmd, "network": False, "env": {}}, line), {"run": cmd}
+    if kind == "git_scrub":
+        return _git_scrub_step(d, vn, line)
     args = d.mapping(vn, kind)
     _check_unknown(d, args, STEP_KEYS[kind], f"{kind} step")
     doc: dict[str, Any] = {}
@@ -228,6 +231,25 @@ def _step(d: _Doc, node: yaml.Node, spec_dir: Path) -> tuple[Step, dict[str, Any
             raise d.err(args["mode"][1], f"mode {text!r} must be octal, e.g. '0755'") from None
         doc["mode"] = out["mode"]
     return Step(kind, out, line), {kind: doc}
+
+
+def _git_scrub_step(d: _Doc, node: yaml.Node, line: int) -> tuple[Step, dict[str, Any]]:
+    """``git_scrub: /testbed`` or ``git_scrub: {path: /testbed, base: REV}``: the repository
+    at ``path`` reduced to one commit holding the tree of ``base`` (default HEAD)."""
+    if isinstance(node, yaml.ScalarNode):
+        path_node, base_node = node, None
+    else:
+        args = d.mapping(node, "git_scrub")
+        _check_unknown(d, args, STEP_KEYS["git_scrub"], "git_scrub step")
+        if "path" not in args:
+            raise d.err(node, "git_scrub step needs `path:`")
+        path_node, base_node = args["path"][1], args.get("base", (None, None))[1]
+    path = _dst(d, path_node, d.string(path_node, "git_scrub.path"))
+    base = d.string(base_node, "git_scrub.base") if base_node is not None else "HEAD"
+    if not base or base.startswith("-") or any(c in base for c in "\0\n\t "):
+        raise d.err(base_node, f"git_scrub.base {base!r} is not a git revision")
+    doc = {"path": path, "base": base}
+    return Step("git_scrub", dict(doc), line), {"git_scrub": doc}
 
 
 def load_spec(path: Path) -> Spec:

@@ -13,6 +13,7 @@ import typer
 from ..core.errors import DsecError
 from . import build as _build
 from . import gc as _gc
+from . import grade as _grade
 from . import node as _node
 from . import optimize as _optimize
 from . import sandbox as _sandbox
@@ -32,7 +33,8 @@ def _root() -> None:
     """Content-addressed layers and sandboxes for agentic-RL environments."""
 
 
-for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify):
+for _module in (_build, _store, _sandbox, _gc, _node, _optimize, _verify,
+                _grade):
     _module.register(app)
 
 

@@ -1,0 +1,57 @@
+"""`dsec git-scrub`, `dsec git-check` and `dsec grade`: clean task images and scoring in a
+fork (thin: parse, call dsec_cli.api.grading, render)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .render import human_bytes, print_json
+
+_STORE = typer.Option("--store", help="store URL (default: local)")
+_JSON = typer.Option("--json", help="machine-readable output")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("git-scrub")
+    def git_scrub(
+        ref: Annotated[str, typer.Argument(help="layer or image NAME@VERSION holding the repo")],
+        path: Annotated[str, typer.Option("--path", help="the repository's path in the layer")],
+        as_ref: Annotated[str, typer.Option("--as", help="NAME@VERSION of the new layer")],
+        base: Annotated[str, typer.Option("--base", help="the task's base revision")] = "HEAD",
+        store: Annotated[str | None, _STORE] = None,
+        as_json: Annotated[bool, _JSON] = False,
+    ) -> None:
+        """Write a new layer: REF with the git repository at --path reduced to one commit
+        holding --base's tree (no other commits, tags, reflogs, remotes or stray objects)."""
+        from ..api.grading import git_scrub_layer
+
+        out = git_scrub_layer(ref, path, base=base, as_ref=as_ref, store=store)
+        if as_json:
+            print_json(out)
+        else:
+            typer.echo(f"{out['ref']} {out['digest'][:12]}: {path} at {base} "
+                       f"({human_bytes(out['size_before'])} -> {human_bytes(out['size'])})")
+
+    @app.command("git-check")
+    def git_check(
+        ref: Annotated[str, typer.Argument(help="layer or image NAME@VERSION")],
+        path: Annotated[str, typer.Option("--path", help="the repository's path in the layer")],
+        store: Annotated[str | None, _STORE] = None,
+        as_json: Annotated[bool, _JSON] = False,
+    ) -> None:
+        """Exit 0 when the repository at --path holds one parentless commit and nothing
+        beyond it; else list what reaches past it and exit 1."""
+        from ..api.grading import git_check as check
+
+        found = check(ref, path, store=store)
+        if as_json:
+            print_json({"path": found.path, "clean": found.clean, "problems": found.problems})
+        else:
+            for p in found.problems:
+                typer.echo(p)
+            typer.echo(f"{ref}:{path}: " + ("clean" if found.clean else
+                                            f"{len(found.problems)} problem(s)"))
+        if not found.clean:
+            raise typer.Exit(1)
