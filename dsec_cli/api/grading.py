@@ -17,9 +17,11 @@ from ..build.gitscrub import GitCheck, check, scrub
 from ..core.digests import parse_ref
 from ..core.errors import UsageError
 from ..push.stores.base import Store
+from ..run.grade import GradeResult
+from ..run.node import Node
 from .images import _store
 
-__all__ = ["GitCheck", "git_scrub_layer", "git_check", "grade"]
+__all__ = ["GitCheck", "GradeResult", "git_scrub_layer", "git_check", "grade", "start_task"]
 
 
 def _scratch(st: Store) -> Path:
@@ -73,12 +75,35 @@ def git_check(ref: str, path: str, store: str | Store | None = None) -> GitCheck
         shutil.rmtree(work, ignore_errors=True)
 
 
-def grade(sandbox_id: str, grader: str, **kw: Any) -> Any:
-    """Score a sandbox in a fork with the grader image ``grader`` (see
-    `dsec_cli.run.grade.grade`)."""
-    from ..run.grade import grade as _grade
+def _local(sandbox_id: str, state_dir: str | Path | None) -> Node:
     from .sandboxes import target
 
-    node = target(sandbox_id, None, kw.pop("state_dir", None))
-    return _grade(node, sandbox_id, grader, **kw)
+    node = target(sandbox_id, None, state_dir)
+    if not isinstance(node, Node):
+        raise UsageError(f"sandbox {sandbox_id} is on a cluster node: grade it on that node "
+                         "(`ssh NODE dsec grade ...`)")
+    return node
+
+
+def grade(sandbox_id: str, grader: str, *, timeout: float | str | None = None,
+          backend: str = "container", state_dir: str | Path | None = None) -> GradeResult:
+    """Score a sandbox in a fork started from the grader image ``grader`` (the task image's
+    layers and the hidden tests): only the agent's changes on the task's patch surface are
+    taken; the grader's command runs with its own limits and no network. The fork is
+    removed whatever happens."""
+    from ..core import validate
+    from ..run.grade import grade as _grade
+
+    validate.image(grader, "--grader")
+    secs = None if timeout is None else float(timeout) if isinstance(timeout, int | float) \
+        else validate.duration(timeout, "--timeout")
+    return _grade(_local(sandbox_id, state_dir), sandbox_id, grader, backend=backend,
+                  timeout=secs)
+
+
+def start_task(sandbox_id: str, state_dir: str | Path | None = None) -> dict[str, Any]:
+    """Record the protected paths' digests now: grading reports what changed since."""
+    from ..run.grade import start_task as _start
+
+    return _start(_local(sandbox_id, state_dir), sandbox_id)
 

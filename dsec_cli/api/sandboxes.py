@@ -122,6 +122,20 @@ class Sandbox:
     def info(self) -> dict[str, Any]:
         return self.node.describe(self.id)
 
+    def start_task(self) -> dict[str, Any]:
+        """Record the task's protected paths now; `grade` reports what changed since."""
+        from .grading import start_task
+
+        return start_task(self.id, state_dir=getattr(self.node, "root", None))
+
+    def grade(self, grader: str, **options: Any) -> Any:
+        """Score this sandbox in a fork with the grader image ``grader`` (a `GradeResult`:
+        reward, per-test outcomes, log, tamper audit); see `dsec_cli.api.grading.grade`."""
+        from .grading import grade
+
+        options.setdefault("state_dir", getattr(self.node, "root", None))
+        return grade(self.id, grader, **options)
+
     def remove(self) -> None:
         self.node.remove(self.id)
 

@@ -296,5 +296,6 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
 def _build_image(st: Store, spec: Spec, layers: list[str]) -> tuple[str, Manifest, list[str]]:
     ms = [load_manifest(st, d) for d in layers]
     digest, m = write_image(st, spec.name, spec.version, layers, env=spec.env,
-                            workdir=spec.workdir, spec_digest=spec.digest(), manifests=ms)
+                            workdir=spec.workdir, spec_digest=spec.digest(), manifests=ms,
+                            annotations=spec.annotations())
     return digest, m, base_warnings(layers, ms)

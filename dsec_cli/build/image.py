@@ -23,7 +23,8 @@ def base_warnings(layers: list[str], manifests: list[Manifest]) -> list[str]:
 def write_image(st: Store, name: str, version: str, layers: list[str], *,
                 env: dict[str, str] | None = None, workdir: str = "", spec_digest: str = "",
                 manifests: list[Manifest] | None = None, set_ref_too: bool = False,
-                created_by: str = "dsec build") -> tuple[str, Manifest]:
+                created_by: str = "dsec build", annotations: dict[str, str] | None = None
+                ) -> tuple[str, Manifest]:
     """Put an image manifest stacking ``layers`` (manifest digests, bottom first)."""
     ms = manifests or [load_manifest(st, d) for d in layers]
     for d, lm in zip(layers, ms, strict=True):
@@ -32,7 +33,8 @@ def write_image(st: Store, name: str, version: str, layers: list[str], *,
     m = Manifest(kind="image", name=name, version=version, layers=list(layers),
                  env=env or {}, workdir=workdir, spec_digest=spec_digest,
                  size=sum(x.size for x in ms), stored_size=sum(x.stored_size for x in ms),
-                 files=sum(x.files for x in ms), created_by=created_by)
+                 files=sum(x.files for x in ms), created_by=created_by,
+                 annotations=dict(annotations or {}))
     digest = put_manifest(st, m)
     if set_ref_too:
         set_ref(st, name, version, digest)

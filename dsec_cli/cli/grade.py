@@ -55,3 +55,47 @@ def register(app: typer.Typer) -> None:
                                             f"{len(found.problems)} problem(s)"))
         if not found.clean:
             raise typer.Exit(1)
+
+    @app.command("start-task")
+    def start_task(
+        sandbox: Annotated[str, typer.Argument(help="the agent's sandbox")],
+        as_json: Annotated[bool, _JSON] = False,
+    ) -> None:
+        """Record the digests of the task's protected paths now (after setup, before the
+        agent acts); `dsec grade` reports what the agent changed, created or deleted since."""
+        from ..api.grading import start_task as start
+
+        out = start(sandbox)
+        if as_json:
+            print_json(out)
+        else:
+            typer.echo(f"{out['sandbox']}: {out['protected']} protected path(s) recorded")
+
+    @app.command("grade")
+    def grade(
+        sandbox: Annotated[str, typer.Argument(help="the agent's sandbox")],
+        grader: Annotated[str, typer.Option("--grader", help="grader image NAME@VERSION")],
+        timeout: Annotated[str | None, typer.Option(
+            "--timeout", help="the grader command's limit (default: the grader's own)")] = None,
+        as_json: Annotated[bool, _JSON] = False,
+    ) -> None:
+        """Score SANDBOX in a fork: the task image plus the grader's hidden tests, only the
+        agent's changes on the patch surface, no network. Exit 0 when graded (whatever the
+        reward), 1 when the grading itself failed."""
+        from ..api.grading import grade as run_grade
+
+        result = run_grade(sandbox, grader, timeout=timeout)
+        if as_json:
+            print_json(result.to_dict())
+        else:
+            for t in result.tests:
+                typer.echo(f"{t.outcome:8} {t.name}")
+            for d in result.dropped:
+                typer.echo(f"dropped  {d['path']} ({d['why']})")
+            tamper = ", ".join(f"{k} {', '.join(v)}" for k, v in result.tamper.items() if v)
+            typer.echo(f"reward {result.reward:g}" + (" (timed out)" if result.timed_out else "")
+                       + (f"; tampered: {tamper}" if result.tampered else "")
+                       + (f"; grading failed: {result.infra_error}" if result.infra_error
+                          else ""))
+        if result.infra_error:
+            raise typer.Exit(1)
