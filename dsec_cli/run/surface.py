@@ -23,8 +23,11 @@ NEVER_TAKEN = ("**/conftest.py", "**/sitecustomize.py", "**/usercustomize.py", "
                "**/*.pyc", "**/__pycache__/**", "**/pytest.ini", "**/tox.ini", "**/setup.cfg",
                "**/pyproject.toml", "**/.pytest_cache/**", "**/*.so", "**/*.egg-link",
                "**/entry_points.txt")
+#: caches an honest run of Python or pytest writes: never taken, never a tamper
+CACHES = ("**/*.pyc", "**/__pycache__/**", "**/.pytest_cache/**")
 #: protected in every task: the same hooks, and the interpreter's own package directories
-PROTECTED_ALWAYS = (*NEVER_TAKEN, "**/site-packages/**", "**/dist-packages/**")
+PROTECTED_ALWAYS = (*(p for p in NEVER_TAKEN if p not in CACHES), "**/site-packages/**",
+                    "**/dist-packages/**")
 #: bounds on what a fork takes from an agent
 MAX_FILES = 10_000
 MAX_BYTES = 256 << 20
@@ -276,11 +279,12 @@ def record_start(lowers: list[Path], diff: Diff, protected: Patterns) -> dict[st
 def audit(start: StartState, diff: Diff, protected: Patterns) -> dict[str, list[str]]:
     """Which protected paths the agent changed, created or deleted since ``start``."""
     out: dict[str, list[str]] = {"changed": [], "created": [], "deleted": []}
+    caches = Patterns(CACHES)
     seen = set()
     for c in diff.changes:
         if c.kind == _WHITEOUT:  # a deleted directory deletes what it held
             out["deleted"] += start.under(c.path, protected)
-        if not protected.match(c.path):
+        if not protected.match(c.path) or caches.match(c.path):
             continue
         seen.add(c.path)
         before = start.get(c.path)
