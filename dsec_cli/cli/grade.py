@@ -99,3 +99,21 @@ def register(app: typer.Typer) -> None:
                           else ""))
         if result.infra_error:
             raise typer.Exit(1)
+
+    @app.command("egress")
+    def egress(
+        sandbox: Annotated[str, typer.Argument(help="a sandbox created with network allowlist")],
+        rules: Annotated[list[str] | None, typer.Argument(
+            help="host, host:PORT or IPV4:PORT; none given: nothing may leave",
+            show_default=False)] = None,
+        as_json: Annotated[bool, _JSON] = False,
+    ) -> None:
+        """Replace a running sandbox's egress allowlist, enforced on the host's side."""
+        from ..api.sandboxes import Sandbox
+
+        out = Sandbox.attach(sandbox).set_egress(rules or [])
+        if as_json:
+            print_json(out)
+        else:
+            typer.echo(f"{sandbox}: egress {', '.join(out.get('rules', [])) or 'none'} "
+                       f"(gateway {out.get('gateway')}, {out.get('dropped', 0)} dropped)")
