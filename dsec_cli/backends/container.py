@@ -222,10 +222,10 @@ class ContainerBackend(CgroupAgentBackend):
             log.warning("falling back to runc delete for %s", handle.sandbox_id)
             self._runc(st, "delete", "--force", handle.sandbox_id, check=False)
             cg.remove()
-        if st.get("network") == "allowlist":
-            from . import egress
+        from . import egress
 
-            egress.detach(handle.sandbox_id)
+        if st.get("network") == "allowlist" or egress.attached(handle.sandbox_id):
+            egress.detach(handle.sandbox_id)  # also after a create killed midway
         runc_root = st.get("runc_root")
         if runc_root:
             shutil.rmtree(Path(runc_root) / handle.sandbox_id, ignore_errors=True)

@@ -89,14 +89,15 @@ def attach(sandbox_id: str, pid: int, rules: list[str], state_dir: Path) -> dict
     gw, addr = str(net[1]), str(net[2])
     state = {**n, "gateway": gw, "address": addr, "state_dir": str(state_dir)}
     ns = ["nsenter", "-t", str(pid), "-n"]
-    # the filter first: the link exists only behind it
+    # the link first (so `attached` sees a half-made setup), then the filter, and only then
+    # does the link reach the sandbox and come up
+    _run(["ip", "link", "add", n["host_if"], "type", "veth", "peer", "name", n["peer_if"]])
     for tool in ("iptables", "ip6tables"):
         _run([tool, "-w", "-N", n["chain"]], check=False)
         _run([tool, "-w", "-F", n["chain"]])
         _run([tool, "-w", "-A", n["chain"], "-j", "DROP"])
         for hook in ("INPUT", "FORWARD"):
             _run([tool, "-w", "-I", hook, "-i", n["host_if"], "-j", n["chain"]])
-    _run(["ip", "link", "add", n["host_if"], "type", "veth", "peer", "name", n["peer_if"]])
     _run(["sysctl", "-q", "-w", f"net.ipv6.conf.{n['host_if']}.disable_ipv6=1"])
     _run(["ip", "link", "set", n["peer_if"], "netns", str(pid)])
     _run(["ip", "addr", "add", f"{gw}/30", "dev", n["host_if"]])
@@ -125,11 +126,15 @@ def set_rules(state: dict[str, Any], rules: list[str]) -> None:
             Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() != "1":
         raise UsageError("egress to another machine needs forwarding on this node "
                          "(net.ipv4.ip_forward=1); only `host` rules work here")
-    # new rules go in above the old ones, then the old ones go: no moment without a filter
-    _run(["iptables", "-w", "-F", chain])
+    # fail closed while the rules change: a DROP on top, the old rules out, the new ones in
+    # below it, then the DROP on top goes
+    _run(["iptables", "-w", "-I", chain, "1", "-j", "DROP"])
+    while _run(["iptables", "-w", "-D", chain, "2"], check=False).returncode == 0:
+        pass
     for spec in accept:
         _run(["iptables", "-w", "-A", chain, "-i", iface, *spec, "-j", "ACCEPT"])
     _run(["iptables", "-w", "-A", chain, "-j", "DROP"])
+    _run(["iptables", "-w", "-D", chain, "1"])
     entry = {"time": time.time(), "rules": list(rules)}
     with open(Path(state["state_dir"]) / "egress.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
@@ -145,6 +150,11 @@ def dropped(state: dict[str, Any]) -> int:
         if len(parts) > 2 and parts[2] == "DROP":
             return int(parts[0])
     return 0
+
+
+def attached(sandbox_id: str) -> bool:
+    """Whether the host still holds the sandbox's link."""
+    return Path("/sys/class/net", names(sandbox_id)["host_if"]).exists()
 
 
 def detach(sandbox_id: str) -> None:
