@@ -28,7 +28,7 @@ SPECS = {
 layer: python
 version: "3.11-host"
 steps:
-  - extract: {src: ./python.tar, dst: /}
+  - extract: {src: ./python.tar, dst: /, keep_mtime: true}
 """,
     "calc-repo": """
 layer: calc-repo

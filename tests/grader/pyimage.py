@@ -12,7 +12,7 @@ from pathlib import Path
 PYTHON = Path("/usr/bin/python3.11")
 STDLIB = Path("/usr/lib/python3.11")
 SKIP = {"test", "idlelib", "tkinter", "ensurepip", "lib2to3", "pydoc_data", "turtledemo",
-        "__pycache__", "site-packages", "dist-packages", "config-3.11-x86_64-linux-gnu"}
+        "site-packages", "dist-packages", "config-3.11-x86_64-linux-gnu"}
 PYTEST = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py.py",
           "pytest-", "pluggy-", "iniconfig-", "packaging-", "pygments-")
 BINARIES = [PYTHON, Path("/usr/bin/git")]
@@ -44,8 +44,10 @@ def python_tar(dest: Path) -> Path:
     def skip(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         parts = Path(info.name).parts
         stdlib = parts[:3] == ("usr", "lib", "python3.11")
-        if (stdlib and set(parts[3:]) & SKIP) or "__pycache__" in parts \
-                or info.name.endswith(".pyc"):
+        # bytecode is kept (with the sources' mtimes: the layer keeps them), so a sandbox
+        # does not compile the standard library and pytest at every start
+        if (stdlib and set(parts[3:]) & SKIP) or (
+                info.name.endswith(".pyc") and ".cpython-311" not in info.name):
             return None
         info.uid = info.gid = 0
         info.uname = info.gname = "root"
