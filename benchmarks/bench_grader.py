@@ -89,8 +89,9 @@ def bench_fork(runs: int) -> dict[str, Any]:
         repo_with_history(repo, {"calc.py": task.BUGGY, "tests/test_calc.py": task.VISIBLE_TEST})
         tar_dir(repo, specs / "repo.tar", "testbed")
         (specs / "hidden").mkdir()
-        for name in ("test_hidden.py", "oracle_calc.py"):
-            shutil.copy(REPO / "tests/grader/task" / name, specs / "hidden" / name)
+        shutil.copy(REPO / "tests/grader/task/hidden_tests.py",
+                    specs / "hidden" / "test_hidden.py")
+        shutil.copy(REPO / "tests/grader/task/oracle_calc.py", specs / "hidden")
         shutil.copy(REPO / "tests/grader/task/pytest.ini", specs / "pytest.ini")
         for name, text in task.SPECS.items():
             (specs / f"{name}.yaml").write_text(text)

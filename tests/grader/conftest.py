@@ -89,8 +89,9 @@ def grade_store(tmp_path_factory: pytest.TempPathFactory, grade_data: Path,
     repo_with_history(repo, {"calc.py": BUGGY, "tests/test_calc.py": VISIBLE_TEST})
     tar_dir(repo, specs / "repo.tar", "testbed")
     (specs / "hidden").mkdir()
-    for name in ("test_hidden.py", "oracle_calc.py"):
-        shutil.copy(HERE / "task" / name, specs / "hidden" / name)
+    # stored under a name pytest does not collect here; the grader image calls it test_hidden
+    shutil.copy(HERE / "task" / "hidden_tests.py", specs / "hidden" / "test_hidden.py")
+    shutil.copy(HERE / "task" / "oracle_calc.py", specs / "hidden" / "oracle_calc.py")
     shutil.copy(HERE / "task" / "pytest.ini", specs / "pytest.ini")
     for name, text in SPECS.items():
         (specs / f"{name}.yaml").write_text(text)
