@@ -33,6 +33,9 @@ _SOURCES: dict[str, dict[str, str]] = {
         "FunctionCallError": "FunctionCallError", "run_sandbox": "run",
         "list_sandboxes": "list_sandboxes", "gc_node": "gc_node", "create_many": "create_many",
     },
+    "dsec_cli.api.grading": {"grade": "grade", "GradeResult": "GradeResult",
+                             "start_task": "start_task", "git_scrub_layer": "git_scrub_layer",
+                             "git_check": "git_check"},
     "dsec_cli.core.errors": {"DsecError": "DsecError", "UsageError": "UsageError"},
 }
 _EXPORTS = {name: (mod, attr) for mod, names in _SOURCES.items() for name, attr in names.items()}

@@ -252,14 +252,18 @@ def _step(d: _Doc, node: yaml.Node, spec_dir: Path) -> tuple[Step, dict[str, Any
 def _git_scrub_step(d: _Doc, node: yaml.Node, line: int) -> tuple[Step, dict[str, Any]]:
     """``git_scrub: /testbed`` or ``git_scrub: {path: /testbed, base: REV}``: the repository
     at ``path`` reduced to one commit holding the tree of ``base`` (default HEAD)."""
+    path_node: yaml.Node
+    base_node: yaml.Node | None = None
     if isinstance(node, yaml.ScalarNode):
-        path_node, base_node = node, None
+        path_node = node
     else:
         args = d.mapping(node, "git_scrub")
         _check_unknown(d, args, STEP_KEYS["git_scrub"], "git_scrub step")
         if "path" not in args:
             raise d.err(node, "git_scrub step needs `path:`")
-        path_node, base_node = args["path"][1], args.get("base", (None, None))[1]
+        path_node = args["path"][1]
+        if "base" in args:
+            base_node = args["base"][1]
     path = _dst(d, path_node, d.string(path_node, "git_scrub.path"))
     base = d.string(base_node, "git_scrub.base") if base_node is not None else "HEAD"
     if not base or base.startswith("-") or any(c in base for c in "\0\n\t "):

@@ -26,9 +26,9 @@ pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root"
 
 PROBE = """
 import socket, sys
-def tcp(host, port):
+def tcp(host, port, timeout=3):
     try:
-        s = socket.create_connection((host, port), timeout=3)
+        s = socket.create_connection((host, port), timeout=timeout)
         data = s.recv(100)
         s.close()
         return "open:" + data.decode()
@@ -62,8 +62,11 @@ def ipv6(port):
         return "open"
     except OSError:
         return "blocked"
-gw, allowed, other = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-print(tcp(gw, allowed), tcp(gw, other), udp_dns(gw), udp_dns("8.8.8.8"), raw_icmp(gw),
+gw, allowed, other, want = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+# a dropped packet never turns into an answer: the short waits can only err toward "blocked"
+# for what should be blocked; what may be open gets a generous wait
+print(tcp(gw, allowed, 30 if want == allowed else 3),
+      tcp(gw, other, 30 if want == other else 3), udp_dns(gw), udp_dns("8.8.8.8"), raw_icmp(gw),
       ipv6(allowed), tcp("1.1.1.1", 80))
 """
 
@@ -98,9 +101,11 @@ def servers() -> Iterator[tuple[int, int]]:
         s.close()
 
 
-def _probe(sb: Sandbox, gw: str, allowed: int, other: int) -> list[str]:
+def _probe(sb: Sandbox, gw: str, allowed: int, other: int, want: int = 0) -> list[str]:
+    """What the sandbox reaches; ``want``: the port expected open (waited for longer)."""
     sb.write_file("/tmp/probe.py", PROBE)
-    r = sb.exec(["python3", "/tmp/probe.py", gw, str(allowed), str(other)], timeout=120)
+    r = sb.exec(["python3", "/tmp/probe.py", gw, str(allowed), str(other), str(want)],
+                timeout=300)
     assert r.exit_code == 0, r.stderr
     return r.stdout.decode().split()
 
@@ -119,7 +124,7 @@ def test_allowlist_reaches_only_the_allowed_port(servers: tuple[int, int], node:
         info = sb.info()["egress"]
         gw = info["gateway"]
         assert info["rules"] == [f"host:{allowed}"]
-        assert _probe(sb, gw, allowed, other) == [
+        assert _probe(sb, gw, allowed, other, allowed) == [
             "open:allowed", "blocked", "blocked", "blocked", "blocked", "blocked", "blocked"]
         # the sandbox's root changes its own routes and addresses: nothing more gets out
         sb.exec("ip route add 192.0.2.0/24 dev eth0; ip addr add 10.9.9.9/32 dev eth0; true")
@@ -127,7 +132,7 @@ def test_allowlist_reaches_only_the_allowed_port(servers: tuple[int, int], node:
         assert sb.info()["egress"]["dropped"] > 0
         # changed while it runs, logged on the host's side
         sb.set_egress([f"host:{other}"])
-        assert _probe(sb, gw, allowed, other)[:2] == ["blocked", "open:other"]
+        assert _probe(sb, gw, allowed, other, other)[:2] == ["blocked", "open:other"]
         sb.set_egress([])
         assert _probe(sb, gw, allowed, other)[:2] == ["blocked", "blocked"]
         log = (Path(node.root) / "sandboxes" / sb.id / "egress.jsonl").read_text()
