@@ -15,8 +15,6 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.errors import UsageError
-
 #: names never taken from an agent, whatever the surface says: each runs code in the grader's
 #: Python or configures its test runner
 NEVER_TAKEN = ("**/conftest.py", "**/sitecustomize.py", "**/usercustomize.py", "**/*.pth",
@@ -28,9 +26,11 @@ CACHES = ("**/*.pyc", "**/__pycache__/**", "**/.pytest_cache/**")
 #: protected in every task: the same hooks, and the interpreter's own package directories
 PROTECTED_ALWAYS = (*(p for p in NEVER_TAKEN if p not in CACHES), "**/site-packages/**",
                     "**/dist-packages/**")
-#: bounds on what a fork takes from an agent
+#: bounds on what a fork takes from an agent (files past them are dropped, with why)
 MAX_FILES = 10_000
 MAX_BYTES = 256 << 20
+#: the longest list of dropped changes a result carries (the rest are counted)
+MAX_DROPPED = 1000
 
 _WHITEOUT = "whiteout"
 
@@ -96,19 +96,21 @@ class Diff:
     opaque: list[str] = field(default_factory=list)  # directories replaced as a whole
 
 
-def _read_nofollow(path: Path, limit: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+def _read_nofollow(path: Path, limit: int) -> bytes | None:
+    """The file's bytes, or None when it is not a regular file or passes ``limit``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UsageError(f"{path} changed type while it was read")
-        if st.st_size > limit:
-            raise UsageError(f"the agent's changes exceed {MAX_BYTES} bytes")
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
         chunks, total = [], 0
         while piece := os.read(fd, 1 << 20):
             total += len(piece)
             if total > limit:
-                raise UsageError(f"the agent's changes exceed {MAX_BYTES} bytes")
+                return None
             chunks.append(piece)
         return b"".join(chunks)
     finally:
@@ -130,7 +132,7 @@ def read_diff(upper: Path, want: Patterns | None = None, hashed: Patterns | None
     them when ``want`` is None) are read, within the bounds, and those ``hashed`` matches
     get their digest."""
     out = Diff()
-    budget = MAX_BYTES
+    budget, taken = MAX_BYTES, 0
     stack = [("", upper)]
     while stack:
         rel, here = stack.pop()
@@ -140,8 +142,6 @@ def read_diff(upper: Path, want: Patterns | None = None, hashed: Patterns | None
             continue
         for e in entries:
             path = f"{rel}{e.name}"
-            if len(out.changes) >= MAX_FILES:
-                raise UsageError(f"the agent changed more than {MAX_FILES} files")
             st = e.stat(follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 try:
@@ -155,10 +155,16 @@ def read_diff(upper: Path, want: Patterns | None = None, hashed: Patterns | None
                 out.changes.append(Change(path, _WHITEOUT))
             elif stat.S_ISREG(st.st_mode):
                 c = Change(path, "reg", st.st_mode & 0o777)
-                if want is None or want.match(path):
+                if (want is None or want.match(path)) and taken < MAX_FILES:
                     c.data = _read_nofollow(Path(e.path), budget)
-                    budget -= len(c.data)
-                    c.digest = hashlib.sha256(c.data).hexdigest()
+                    if c.data is None:
+                        c.kind = "too-large"  # past the bound: dropped
+                    else:
+                        budget -= len(c.data)
+                        taken += 1
+                        c.digest = hashlib.sha256(c.data).hexdigest()
+                elif want is None or want.match(path):
+                    c.kind = "too-many"
                 elif hashed is not None and hashed.match(path):
                     c.digest = _hash_nofollow(Path(e.path))
                 out.changes.append(c)
@@ -176,7 +182,19 @@ def split_surface(diff: Diff, surface: Patterns) -> tuple[list[Change], list[dic
     never = Patterns(NEVER_TAKEN)
     taken, dropped = [], []
     for c in diff.changes:
-        if not surface.match(c.path):
+        try:
+            c.path.encode("utf-8")
+        except UnicodeEncodeError:
+            dropped.append({"path": os.fsencode(c.path).decode("utf-8", "backslashreplace"),
+                            "why": "the name is not UTF-8"})
+            continue
+        if c.kind == "too-large":
+            dropped.append({"path": c.path, "why": f"past the patch bound ({MAX_BYTES} "
+                            "bytes in all), or not a regular file when read"})
+        elif c.kind == "too-many":
+            dropped.append({"path": c.path, "why": f"past the patch bound ({MAX_FILES} "
+                            "files)"})
+        elif not surface.match(c.path):
             dropped.append({"path": c.path, "why": "outside the patch surface"})
         elif never.match(c.path):
             dropped.append({"path": c.path, "why": "runs code in the grader (never taken)"})
@@ -184,6 +202,9 @@ def split_surface(diff: Diff, surface: Patterns) -> tuple[list[Change], list[dic
             dropped.append({"path": c.path, "why": f"a {c.kind}, not a regular file"})
         else:
             taken.append(c)
+    if len(dropped) > MAX_DROPPED:
+        dropped = dropped[:MAX_DROPPED] + [{"path": "...", "why": f"{len(dropped) - MAX_DROPPED} "
+                                            "more changes dropped"}]
     return taken, dropped
 
 

@@ -37,3 +37,17 @@ def test_no_patch_gets_nothing() -> None:
         result = sb.grade(GRADER)
         assert result.reward == 0.0 and not result.passed
         assert {t.outcome for t in result.tests} == {"failed"}
+
+
+def test_hostile_names_and_many_files_do_not_stop_grading() -> None:
+    with Sandbox(TASK) as sb:
+        sb.write_file("/testbed/calc.py", GOLD)
+        r = sb.exec("touch \"/testbed/$(printf '\\377')x.py\" && mkdir -p /tmp/many && "
+                    "cd /tmp/many && i=0 && while [ $i -lt 2000 ]; do : > f$i; i=$((i+1)); "
+                    "done", timeout=300)
+        assert r.exit_code == 0, r.stderr
+        result = sb.grade(GRADER)
+        assert result.reward == 1.0, result.log
+        assert {"path": "testbed/\\xffx.py", "why": "the name is not UTF-8"} in result.dropped
+        assert len(result.dropped) == 1001  # bounded, the rest counted
+        assert result.dropped[-1]["why"].endswith("more changes dropped")
