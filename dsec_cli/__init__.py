@@ -39,6 +39,9 @@ _SOURCES: dict[str, dict[str, str]] = {
     "dsec_cli.api.jobs": {"Job": "Job"},
     "dsec_cli.api.pools": {"list_pools": "list_pools", "set_pool": "set_pool",
                            "fill_pools": "fill_pools", "drain_pools": "drain_pools"},
+    "dsec_cli.api.grading": {"grade": "grade", "GradeResult": "GradeResult",
+                             "start_task": "start_task", "git_scrub_layer": "git_scrub_layer",
+                             "git_check": "git_check"},
     "dsec_cli.core.errors": {"DsecError": "DsecError", "UsageError": "UsageError"},
 }
 _EXPORTS = {name: (mod, attr) for mod, names in _SOURCES.items() for name, attr in names.items()}

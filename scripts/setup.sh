@@ -15,10 +15,15 @@ PKGS=(bubblewrap runc busybox-static zstd ca-certificates gcc libc6-dev fuse3)
 PKGS+=(qemu-system-x86 erofs-utils e2fsprogs)
 # Cluster: the ssh client reaches nodes (docs/cluster.md); test nodes run openssh-server.
 PKGS+=(openssh-client)
+# Grader plane: git for `git_scrub` / `dsec git-check`, iproute2 and iptables for egress
+# allowlists enforced on the host's side (docs/grader.md).
+PKGS+=(git iproute2 iptables)
 # Tests: the real servers and peers they start.
 DEV_PKGS=(docker-registry openssh-server)
 # OCI tests: peers that push, convert and unpack the OCI images dsec imports and exports.
 DEV_PKGS+=(skopeo umoci)
+# The grader suite's task image is made from Debian's own python3.11 (tests/grader/pyimage.py).
+DEV_PKGS+=(python3.11)
 # Benchmarks: peers measured side by side with dsec.
 DEV_PKGS+=(casync)
 

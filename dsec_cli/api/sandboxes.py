@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..backends.base import ExecResult, OutputCallback
 from ..core import validate
+from ..core.errors import UsageError
 from ..run.contract import NodeAPI
 from ..run.node import CreateOptions, Node, local_node
 from ..run.options import CPU_CLASS_CHOICES as CPU_CLASSES  # cpu_class= values
@@ -63,21 +64,26 @@ class Sandbox:
     def __init__(self, image: str | Path, backend: str = "container", *,
                  cpus: float | None = None, memory: int | str | None = None,
                  pids: int | None = None, ttl: float | str | None = None,
-                 network: Literal["none", "host"] = "none", env: dict[str, str] | None = None,
+                 network: Literal["none", "host", "allowlist"] = "none",
+                 env: dict[str, str] | None = None,
                  workdir: str | None = None, state_dir: str | Path | None = None,
                  store: str | None = None, node: str | None = None,
-                 disk: int | str | None = None, cpu_class: str | None = None) -> None:
+                 disk: int | str | None = None, cpu_class: str | None = None,
+                 egress: list[str] | None = None) -> None:
         """``node``: a configured cluster node's name, ``"auto"`` (placed by free capacity
         and cached image bytes) or ``None``/``"local"`` for this machine. ``disk``: bytes
         (or "1G") the sandbox may write; past it writes fail with ENOSPC inside.
         ``cpu_class``: ``latency`` (exec answers stay fast), ``batch`` (the default) or
-        ``idle`` (runs only when nothing else wants the CPU)."""
+        ``idle`` (runs only when nothing else wants the CPU).
+        ``network="allowlist"`` with ``egress=["host:8080", ...]``: only those leave, enforced
+        on the host's side; change it later with `set_egress`."""
         if isinstance(image, str):
             validate.image(image, "image")
         validate.node_option(node, "node")
         opts = create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
                               network=network, env=env, workdir=workdir, disk=disk,
                               cpu_class=cpu_class)
+        opts.egress = list(egress or [])
         self.node, self._rec = create(image, opts, node, state_dir, store)
 
     @classmethod
@@ -166,6 +172,28 @@ class Sandbox:
 
     def info(self) -> dict[str, Any]:
         return self.node.describe(self.id)
+
+    def set_egress(self, rules: list[str]) -> dict[str, Any]:
+        """Replace what this sandbox may reach (``[]``: nothing); logged beside it."""
+        from ..run.network import set_egress
+
+        if not hasattr(self.node, "backend"):
+            raise UsageError("egress of a cluster node's sandbox is changed on that node")
+        return set_egress(self.node, self.id, rules)  # type: ignore[arg-type]
+
+    def start_task(self) -> dict[str, Any]:
+        """Record the task's protected paths now; `grade` reports what changed since."""
+        from .grading import start_task
+
+        return start_task(self.id, state_dir=getattr(self.node, "root", None))
+
+    def grade(self, grader: str, **options: Any) -> Any:
+        """Score this sandbox in a fork with the grader image ``grader`` (a `GradeResult`:
+        reward, per-test outcomes, log, tamper audit); see `dsec_cli.api.grading.grade`."""
+        from .grading import grade
+
+        options.setdefault("state_dir", getattr(self.node, "root", None))
+        return grade(self.id, grader, **options)
 
     def remove(self) -> None:
         self.node.remove(self.id)

@@ -44,7 +44,9 @@ class SandboxSpec:
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/"
     limits: Limits = Limits()
-    network: Literal["none", "host"] = "none"
+    network: Literal["none", "host", "allowlist"] = "none"
+    #: with network "allowlist": what may leave (backends/egress.py), changeable while running
+    egress: tuple[str, ...] = ()
     hostname: str = "sandbox"
     #: image digest, so backends may share per-image artifacts (e.g. a VM root disk)
     image_digest: str = ""
@@ -137,6 +139,11 @@ class Backend(abc.ABC):
         """A directory in overlayfs upper format (whiteouts as 0:0 character devices,
         opaque directories marked by xattr) holding everything the sandbox changed."""
         raise UsageError(f"{self.name} sandboxes cannot be snapshotted")
+
+    def set_egress(self, handle: SandboxHandle, rules: list[str]) -> None:
+        """Replace a running sandbox's egress allowlist (network "allowlist" only)."""
+        raise UsageError(f"{self.name} sandboxes have no egress allowlist: use the "
+                         "container backend with network allowlist")
 
     def is_alive(self, handle: SandboxHandle) -> bool:
         return True

@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..core.errors import BackendError
+from ..core.errors import BackendError, UsageError
 from . import _cgroups, _rootfs, seccomp
 from .agented import AGENT_SOCKET_FD, CgroupAgentBackend, bind_agent_socket
 from .base import (
@@ -67,7 +67,7 @@ def oci_spec(spec: SandboxSpec, rootfs: Path, agent: Path, cgroup: str
     if lim.cpus:
         resources["cpu"] = {"quota": max(1000, int(lim.cpus * 100000)), "period": 100000}
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount", "cgroup")]
-    if spec.network == "none":
+    if spec.network in ("none", "allowlist"):
         namespaces.append({"type": "network"})
     mounts: list[dict[str, Any]] = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -171,8 +171,13 @@ class ContainerBackend(CgroupAgentBackend):
             if spec.limits.cpu_class:
                 _cgroups.Cgroup(cgroup).apply_class(spec.limits.cpu_class)
             handle.state["start_time"] = _rootfs.proc_start_time(pid)
-            if spec.network == "none":
+            if spec.network in ("none", "allowlist"):
                 _rootfs.loopback_up(pid)
+            if spec.network == "allowlist":
+                from . import egress
+
+                handle.state["egress"] = egress.attach(spec.sandbox_id, pid, list(spec.egress),
+                                                       sdir)
         except BaseException:
             self.destroy(handle)
             raise
@@ -219,6 +224,10 @@ class ContainerBackend(CgroupAgentBackend):
             log.warning("falling back to runc delete for %s", handle.sandbox_id)
             self._runc(st, "delete", "--force", handle.sandbox_id, check=False)
             cg.remove()
+        from . import egress
+
+        if st.get("network") == "allowlist" or egress.attached(handle.sandbox_id):
+            egress.detach(handle.sandbox_id)  # also after a create killed midway
         runc_root = st.get("runc_root")
         if runc_root:
             shutil.rmtree(Path(runc_root) / handle.sandbox_id, ignore_errors=True)
@@ -234,9 +243,25 @@ class ContainerBackend(CgroupAgentBackend):
 
     def describe(self, handle: SandboxHandle) -> dict[str, Any]:
         cg = _cgroups.Cgroup(handle.state["cgroup"])
-        return {"pid": handle.state.get("pid"), "cgroup": handle.state["cgroup"],
-                "runtime": "runc", "network": handle.state.get("network"),
-                "paused": cg.frozen(), **cg.counters()}
+        out = {"pid": handle.state.get("pid"), "cgroup": handle.state["cgroup"],
+               "runtime": "runc", "network": handle.state.get("network"),
+               "paused": cg.frozen(), **cg.counters()}
+        eg = handle.state.get("egress")
+        if eg:
+            from . import egress
+
+            out["egress"] = {"rules": eg.get("rules", []), "gateway": eg["gateway"],
+                             "address": eg["address"], "dropped": egress.dropped(eg)}
+        return out
+
+    def set_egress(self, handle: SandboxHandle, rules: list[str]) -> None:
+        eg = handle.state.get("egress")
+        if not eg:
+            raise UsageError(f"sandbox {handle.sandbox_id} was not created with network "
+                             "allowlist: its egress cannot change")
+        from . import egress
+
+        egress.set_rules(eg, rules)
 
     def _runc(self, st: dict[str, Any], *args: str, check: bool = True) -> str:
         argv = [runc_binary(), "--root", st["runc_root"], *args]

@@ -60,3 +60,40 @@ def run_in_root(root: Path, argv: list[str], *, env: dict[str, str], cwd: str = 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+#: host directories a host tool (git) needs; everything else of the host stays out of view
+_HOST_TOOL_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc/alternatives")
+
+
+def run_host_tool(argv: list[str], *, binds: dict[Path, str], env: dict[str, str],
+                  timeout: float | None = None) -> tuple[int, str]:
+    """Run one of the host's own tools (e.g. git) over an untrusted directory: the host's
+    /usr read-only, only ``binds`` (host dir -> path inside) writable, no network, no /etc,
+    no home, fresh namespaces and the seccomp policy. What the directory holds (a git
+    config naming commands, symlinks out of it) then reaches nothing of the host.
+    Returns the exit code and the combined output."""
+    filt = seccomp.bpf_fd()
+    cmd = [bwrap_path()]
+    for d in _HOST_TOOL_DIRS:
+        cmd += ["--ro-bind-try", d, d]
+    cmd += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+            *_rootfs.bwrap_walls(filt), "--unshare-all", "--die-with-parent", "--new-session",
+            "--clearenv", "--chdir", "/tmp"]
+    for host, inside in binds.items():
+        cmd += ["--bind", str(host), inside]
+    for k, v in env.items():
+        cmd += ["--setenv", k, v]
+    cmd += ["--", *argv]
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, pass_fds=(filt,))
+    finally:
+        os.close(filt)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        return 124, out.decode("utf-8", "replace")
+    return proc.returncode, out.decode("utf-8", "replace")

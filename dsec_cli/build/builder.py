@@ -31,7 +31,7 @@ from ..push.stores import open_store
 from ..push.stores.base import Store
 from .image import base_warnings, write_image
 from .spec import Spec, find_specs, load_spec
-from .steps import build_tree, clean_stale_staging, make_staging
+from .steps import STAGED_STEPS, build_tree, clean_stale_staging, make_staging
 
 if TYPE_CHECKING:  # the writer loads the compiled chunker: only when something is built
     from .layer import Progress, WriteStats
@@ -304,7 +304,7 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
     for b in bases:
         base_env.update(b.env)
     lowers: list[Path] = []
-    if any(s.kind == "run" for s in spec.steps):
+    if any(s.kind in STAGED_STEPS for s in spec.steps):
         cache = LayerCache(Path(load_config().state_dir))
         lowers = [cache.ensure(st, b, d) for d, b in zip(deps, bases, strict=True)]
     tmp_root = data_dir / "tmp"
@@ -326,5 +326,6 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
 def _build_image(st: Store, spec: Spec, layers: list[str]) -> tuple[str, Manifest, list[str]]:
     ms = [load_manifest(st, d) for d in layers]
     digest, m = write_image(st, spec.name, spec.version, layers, env=spec.env,
-                            workdir=spec.workdir, spec_digest=spec.digest(), manifests=ms)
+                            workdir=spec.workdir, spec_digest=spec.digest(), manifests=ms,
+                            annotations=spec.annotations())
     return digest, m, base_warnings(layers, ms)

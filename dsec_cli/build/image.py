@@ -34,7 +34,7 @@ def write_image(st: Store, name: str, version: str, layers: list[str], *,
                  env=env or {}, workdir=workdir, spec_digest=spec_digest,
                  size=sum(x.size for x in ms), stored_size=sum(x.stored_size for x in ms),
                  files=sum(x.files for x in ms), created_by=created_by,
-                 annotations=annotations or {})
+                 annotations=dict(annotations or {}))
     digest = put_manifest(st, m)
     if set_ref_too:
         set_ref(st, name, version, digest)

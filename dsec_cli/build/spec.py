@@ -16,11 +16,17 @@ from ..format import canonical
 
 OCI_PREFIX = "oci:"
 LAYER_KEYS = {"layer", "version", "from", "steps", "env", "workdir", "description"}
-IMAGE_KEYS = {"image", "version", "layers", "env", "workdir", "description"}
+IMAGE_KEYS = {"image", "version", "layers", "env", "workdir", "description", "task", "grade"}
+#: an image's `task:` (the agent's image) and `grade:` (the grader's image) sections,
+#: kept in the image manifest's annotations (docs/grader.md)
+TASK_KEYS = {"patch", "protected"}
+GRADE_KEYS = {"command", "results", "tests", "timeout", "memory", "pids", "cpus", "env",
+              "reward"}
 STEP_KEYS = {
     "copy": {"src", "dst", "owner", "mode", "keep_mtime"},
     "extract": {"src", "dst", "owner", "keep_mtime"},
     "run": {"cmd", "network", "env"},
+    "git_scrub": {"path", "base"},
 }
 
 
@@ -44,6 +50,17 @@ class Spec:
     workdir: str = ""
     description: str = ""
     doc: dict[str, Any] = field(default_factory=dict)  # the validated document
+    task: dict[str, Any] = field(default_factory=dict)  # image: patch surface, protected paths
+    grade: dict[str, Any] = field(default_factory=dict)  # image: how a grader scores
+
+    def annotations(self) -> dict[str, str]:
+        """What an image manifest keeps of `task:` and `grade:`."""
+        out = {}
+        if self.task:
+            out["dsec.task"] = canonical.dumps(self.task).decode()
+        if self.grade:
+            out["dsec.grade"] = canonical.dumps(self.grade).decode()
+        return out
 
     @property
     def ref(self) -> str:
@@ -182,6 +199,8 @@ def _step(d: _Doc, node: yaml.Node, spec_dir: Path) -> tuple[Step, dict[str, Any
     if kind == "run" and isinstance(vn, yaml.ScalarNode):
         cmd = d.string(vn, "run")
         return Step("run", {"cmd": cmd, "network": False, "env": {}}, line), {"run": cmd}
+    if kind == "git_scrub":
+        return _git_scrub_step(d, vn, line)
     args = d.mapping(vn, kind)
     _check_unknown(d, args, STEP_KEYS[kind], f"{kind} step")
     doc: dict[str, Any] = {}
@@ -231,6 +250,98 @@ def _step(d: _Doc, node: yaml.Node, spec_dir: Path) -> tuple[Step, dict[str, Any
     return Step(kind, out, line), {kind: doc}
 
 
+def _git_scrub_step(d: _Doc, node: yaml.Node, line: int) -> tuple[Step, dict[str, Any]]:
+    """``git_scrub: /testbed`` or ``git_scrub: {path: /testbed, base: REV}``: the repository
+    at ``path`` reduced to one commit holding the tree of ``base`` (default HEAD)."""
+    path_node: yaml.Node
+    base_node: yaml.Node | None = None
+    if isinstance(node, yaml.ScalarNode):
+        path_node = node
+    else:
+        args = d.mapping(node, "git_scrub")
+        _check_unknown(d, args, STEP_KEYS["git_scrub"], "git_scrub step")
+        if "path" not in args:
+            raise d.err(node, "git_scrub step needs `path:`")
+        path_node = args["path"][1]
+        if "base" in args:
+            base_node = args["base"][1]
+    path = _dst(d, path_node, d.string(path_node, "git_scrub.path"))
+    base = d.string(base_node, "git_scrub.base") if base_node is not None else "HEAD"
+    if not base or base.startswith("-") or any(c in base for c in "\0\n\t "):
+        raise d.err(base_node, f"git_scrub.base {base!r} is not a git revision")
+    doc = {"path": path, "base": base}
+    return Step("git_scrub", dict(doc), line), {"git_scrub": doc}
+
+
+def _patterns(d: _Doc, node: yaml.Node, what: str) -> list[str]:
+    out = []
+    for text, n in d.strings(node, what):
+        if not text or "\0" in text or ".." in text.split("/"):
+            raise d.err(n, f"{what}: {text!r} must be a path or glob without `..`")
+        out.append(text)
+    return out
+
+
+def _task(d: _Doc, node: yaml.Node) -> dict[str, Any]:
+    keys = d.mapping(node, "task")
+    _check_unknown(d, keys, TASK_KEYS, "task")
+    if "patch" not in keys:
+        raise d.err(node, "task needs `patch:` (the paths or globs an agent's patch may change)")
+    out = {"patch": _patterns(d, keys["patch"][1], "task.patch")}
+    if not out["patch"]:
+        raise d.err(keys["patch"][1], "task.patch must name at least one path or glob")
+    if "protected" in keys:
+        out["protected"] = _patterns(d, keys["protected"][1], "task.protected")
+    return out
+
+
+def _number(d: _Doc, node: yaml.Node, what: str, low: float, high: float) -> float:
+    text = d.string(node, what)
+    try:
+        value = float(text)
+        if not low <= value <= high:
+            raise ValueError
+    except ValueError:
+        raise d.err(node, f"{what} {text!r} must be a number from {low:g} to {high:g}"
+                    ) from None
+    return value
+
+
+def _grade(d: _Doc, node: yaml.Node) -> dict[str, Any]:
+    keys = d.mapping(node, "grade")
+    _check_unknown(d, keys, GRADE_KEYS, "grade")
+    if "command" not in keys:
+        raise d.err(node, "grade needs `command:` (what runs the hidden tests)")
+    out: dict[str, Any] = {"command": d.string(keys["command"][1], "grade.command")}
+    if "results" in keys:
+        out["results"] = _dst(d, keys["results"][1], d.string(keys["results"][1],
+                                                              "grade.results"))
+    if "tests" in keys:
+        out["tests"] = [t for t, _ in d.strings(keys["tests"][1], "grade.tests")]
+    if "timeout" in keys:
+        out["timeout"] = _number(d, keys["timeout"][1], "grade.timeout", 1, 86400)
+    if "cpus" in keys:
+        out["cpus"] = _number(d, keys["cpus"][1], "grade.cpus", 0.01, 1024)
+    if "pids" in keys:
+        out["pids"] = int(_number(d, keys["pids"][1], "grade.pids", 2, 1 << 22))
+    if "memory" in keys:
+        from ..core.config import parse_size
+
+        text = d.string(keys["memory"][1], "grade.memory")
+        try:
+            out["memory"] = parse_size(text, "grade.memory")
+        except UsageError as e:
+            raise d.err(keys["memory"][1], e.message) from None
+    if "env" in keys:
+        out["env"] = d.env(keys["env"][1])
+    if "reward" in keys:
+        out["reward"] = d.string(keys["reward"][1], "grade.reward")
+        if out["reward"] not in ("all", "fraction"):
+            raise d.err(keys["reward"][1], "grade.reward must be `all` (1 only when every "
+                        "test passes) or `fraction` (the share of tests that pass)")
+    return out
+
+
 def load_spec(path: Path) -> Spec:
     d = _Doc(path)
     top = d.load()
@@ -264,6 +375,10 @@ def load_spec(path: Path) -> Spec:
         spec.workdir = _dst(d, keys["workdir"][1], d.string(keys["workdir"][1], "workdir"))
     if "description" in keys:
         spec.description = d.string(keys["description"][1], "description")
+    for key, parse in (("task", _task), ("grade", _grade)):
+        if key in keys:
+            setattr(spec, key, parse(d, keys[key][1]))
+            doc[key] = getattr(spec, key)
     if kind == "layer":
         steps_node = keys["steps"][1] if "steps" in keys else None
         if steps_node is None:

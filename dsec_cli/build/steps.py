@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..backends.oneshot import run_in_root
-from ..core.errors import BuildError
+from ..core.errors import BuildError, DsecError
 from ..format.index import Entry
 from ..format.tree import Scanned, TreeWriter, parent_of, scan_dir
 from .spec import Spec, Step
@@ -29,6 +29,8 @@ from .tarball import read_tar
 
 log = logging.getLogger(__name__)
 
+#: steps that need the layer staged in a real directory (an overlay over `from`)
+STAGED_STEPS = ("run", "git_scrub")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -187,6 +189,22 @@ class StagedTree:
             raise BuildError(f"{spec.path}:{step.line}: run step exited with code {code}: "
                              f"{step.args['cmd']!r}")
 
+    def git_scrub(self, spec: Spec, step: Step, sde: int) -> None:
+        """Reduce a repository in the layer (or below it) to one commit at its base; what
+        was below becomes whiteouts, so only scrub where the history is added."""
+        from .gitscrub import scrub
+
+        if os.geteuid() != 0:
+            raise BuildError(f"{spec.path}:{step.line}: `git_scrub` steps need root (overlayfs)")
+        self.touched_after.append(_fs_tick(self.upper.parent))
+        _mount_overlay(self.lowers, self.upper, self.work, self.merged)
+        try:
+            scrub(self.merged, step.args["path"], step.args["base"], epoch=sde // 1_000_000_000)
+        except DsecError as e:
+            raise BuildError(f"{spec.path}:{step.line}: {e.message}") from e
+        finally:
+            _umount(self.merged)
+
     def scanned(self, sde: int) -> list[Scanned]:
         out = scan_dir(self.upper, overlay_upper=True)
         first_run = min(self.touched_after) if self.touched_after else None
@@ -302,7 +320,7 @@ def build_tree(spec: Spec, staging: Path, lowers: list[Path], base_env: dict[str
                on_line: Callable[[str], None] | None = None) -> list[Scanned]:
     """Run a layer spec's steps; return the layer's entries (sorted, with sources)."""
     sde = source_date_epoch()
-    if not any(s.kind == "run" for s in spec.steps):
+    if not any(s.kind in STAGED_STEPS for s in spec.steps):
         vt = VirtualTree()
         for n, step in enumerate(spec.steps):
             vt.add(_step_entries(step, staging / f"spool-{n}", sde), sde)
@@ -312,6 +330,8 @@ def build_tree(spec: Spec, staging: Path, lowers: list[Path], base_env: dict[str
     for n, step in enumerate(spec.steps):
         if step.kind == "run":
             st.run(spec, step, env, on_line)
+        elif step.kind == "git_scrub":
+            st.git_scrub(spec, step, sde)
         else:
             st.add(_step_entries(step, staging / f"spool-{n}", sde), sde, _read_source)
     return st.scanned(sde)

@@ -175,6 +175,7 @@ class Node:
         spec = SandboxSpec(sandbox_id=sid, rootfs=RootfsSpec(tuple(img.lower_dirs),
                            sdir / "upper", sdir / "work"), state_dir=sdir, env=env,
                            workdir=workdir, limits=limits, network=opts.network,
+                           egress=tuple(opts.egress),
                            image_digest=img.digest)
         status = "running" if pool_key is None else "pooled"
         try:

@@ -25,7 +25,8 @@ class CreateOptions:
     memory: int | None = None
     pids: int | None = None
     ttl: float | None = None
-    network: Literal["none", "host"] = "none"
+    network: Literal["none", "host", "allowlist"] = "none"
+    egress: list[str] = field(default_factory=list)  # network "allowlist": host:PORT, IP:PORT
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
     disk: int | None = None  # bytes the sandbox may write (its upper dir, or /tmp for fncall)
@@ -52,8 +53,19 @@ class CreateOptions:
         if self.ttl is not None and not (math.isfinite(self.ttl) and self.ttl > 0):
             raise UsageError(f"invalid --ttl {self.ttl}: must be a finite number of seconds "
                              "above 0")
-        if self.network not in ("none", "host"):
-            raise UsageError(f"invalid --network {self.network!r}: choose none or host")
+        if self.network not in ("none", "host", "allowlist"):
+            raise UsageError(f"invalid --network {self.network!r}: choose none, host or "
+                             "allowlist")
+        if self.egress and self.network != "allowlist":
+            raise UsageError("egress rules need network allowlist")
+        if self.network == "allowlist":
+            from ..backends.egress import parse_rule
+
+            if self.backend != "container":
+                raise UsageError(f"network allowlist is offered by the container backend, "
+                                 f"not {self.backend}")
+            for rule in self.egress:
+                parse_rule(rule)
         if self.workdir is not None and not self.workdir.startswith("/"):
             raise UsageError(f"invalid workdir {self.workdir!r}: must be an absolute path")
         if self.cpu_class is not None and self.cpu_class not in CPU_CLASS_CHOICES:

@@ -1,0 +1,170 @@
+"""Egress policy for a sandbox in its own network namespace, enforced on the host's side.
+
+A sandbox created with ``network="allowlist"`` gets a veth pair: ``eth0`` inside (a /30
+address, a default route through the host's end) and ``dse<id>`` on the host. Everything that
+leaves the sandbox enters the host through that one interface, where an iptables chain of the
+host (which nothing inside can see or change: the sandbox has no handle on the host's network
+namespace) accepts only the allowlist and drops the rest; IPv6 is off on the link and dropped
+by ip6tables. Changing its own routes, addresses or sending raw packets gets the sandbox
+nothing: the filter matches on the interface, not on what a packet claims.
+
+Rules: ``host:PORT`` (this node, reached at the gateway address: the sandbox's default
+route, reported by `describe`), ``IP:PORT`` (another machine: needs forwarding on the node),
+``host`` (every port of this node). An empty list is egress none. Every change is appended
+to the sandbox's ``egress.jsonl`` (host side); `describe` reports the dropped packets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import logging
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import BackendError, UsageError
+
+log = logging.getLogger(__name__)
+
+#: /30 links are carved from this shared-address range, one per sandbox
+POOL = ipaddress.ip_network("100.64.0.0/10")
+
+
+def parse_rule(rule: str) -> tuple[str, int | None]:
+    """``host``, ``host:PORT`` or ``IPV4:PORT`` -> (destination, port or None)."""
+    if rule == "host":
+        return "host", None
+    dest, sep, port_text = rule.rpartition(":")
+    if not sep or not dest:
+        raise UsageError(f"invalid egress rule {rule!r}: expected host, host:PORT or "
+                         "IPV4:PORT")
+    if dest != "host":
+        try:
+            ip = ipaddress.ip_address(dest)
+        except ValueError:
+            raise UsageError(f"invalid egress rule {rule!r}: the destination must be `host` "
+                             "or an IPv4 address (names are not resolved)") from None
+        if ip.version != 4:
+            raise UsageError(f"invalid egress rule {rule!r}: IPv6 egress is not offered")
+    try:
+        port = int(port_text)
+        if not 1 <= port <= 65535:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"invalid egress rule {rule!r}: port must be 1-65535") from None
+    return dest, port
+
+
+def names(sandbox_id: str) -> dict[str, str]:
+    h = hashlib.sha256(sandbox_id.encode()).hexdigest()[:9]
+    return {"host_if": f"dse{h}", "peer_if": f"dsp{h}", "chain": f"DSEC-{h}"}
+
+
+def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise BackendError(f"egress setup failed: {' '.join(argv)}: {r.stderr.strip()}")
+    return r
+
+
+def _pick_subnet(sandbox_id: str) -> ipaddress.IPv4Network:
+    used = _run(["ip", "-4", "-o", "addr", "show"]).stdout
+    blocks = POOL.num_addresses // 4
+    start = int(hashlib.sha256(sandbox_id.encode()).hexdigest(), 16) % blocks
+    for i in range(1024):
+        net = ipaddress.ip_network(
+            (int(POOL.network_address) + ((start + i) % blocks) * 4, 30))
+        if f" {net[1]}/" not in used:
+            return net  # type: ignore[return-value]
+    raise BackendError("no free egress link address")
+
+
+def attach(sandbox_id: str, pid: int, rules: list[str], state_dir: Path) -> dict[str, Any]:
+    """Give the sandbox whose init is ``pid`` its link and the host-side filter."""
+    n = names(sandbox_id)
+    net = _pick_subnet(sandbox_id)
+    gw, addr = str(net[1]), str(net[2])
+    state = {**n, "gateway": gw, "address": addr, "state_dir": str(state_dir)}
+    ns = ["nsenter", "-t", str(pid), "-n"]
+    # the link first (so `attached` sees a half-made setup), then the filter, and only then
+    # does the link reach the sandbox and come up
+    _run(["ip", "link", "add", n["host_if"], "type", "veth", "peer", "name", n["peer_if"]])
+    for tool in ("iptables", "ip6tables"):
+        _run([tool, "-w", "-N", n["chain"]], check=False)
+        _run([tool, "-w", "-F", n["chain"]])
+        _run([tool, "-w", "-A", n["chain"], "-j", "DROP"])
+        for hook in ("INPUT", "FORWARD"):
+            _run([tool, "-w", "-I", hook, "-i", n["host_if"], "-j", n["chain"]])
+    _run(["sysctl", "-q", "-w", f"net.ipv6.conf.{n['host_if']}.disable_ipv6=1"])
+    _run(["ip", "link", "set", n["peer_if"], "netns", str(pid)])
+    _run(["ip", "addr", "add", f"{gw}/30", "dev", n["host_if"]])
+    _run(["ip", "link", "set", n["host_if"], "up"])
+    _run([*ns, "ip", "link", "set", n["peer_if"], "name", "eth0"])
+    _run([*ns, "sysctl", "-q", "-w", "net.ipv6.conf.eth0.disable_ipv6=1"], check=False)
+    _run([*ns, "ip", "addr", "add", f"{addr}/30", "dev", "eth0"])
+    _run([*ns, "ip", "link", "set", "eth0", "up"])
+    _run([*ns, "ip", "route", "add", "default", "via", gw])
+    set_rules(state, rules)
+    return state
+
+
+def set_rules(state: dict[str, Any], rules: list[str]) -> None:
+    """Replace the allowlist (an empty list: nothing leaves); logged beside the sandbox."""
+    parsed = [parse_rule(r) for r in rules]
+    chain, iface = state["chain"], state["host_if"]
+    accept: list[list[str]] = []
+    for dest, port in parsed:
+        ip = state["gateway"] if dest == "host" else dest
+        spec = ["-d", ip]
+        if port is not None:
+            spec += ["-p", "tcp", "--dport", str(port)]
+        accept.append(spec)
+    if any(d != "host" for d, _ in parsed) and \
+            Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() != "1":
+        raise UsageError("egress to another machine needs forwarding on this node "
+                         "(net.ipv4.ip_forward=1); only `host` rules work here")
+    # fail closed while the rules change: a DROP on top, the old rules out, the new ones in
+    # below it, then the DROP on top goes
+    _run(["iptables", "-w", "-I", chain, "1", "-j", "DROP"])
+    while _run(["iptables", "-w", "-D", chain, "2"], check=False).returncode == 0:
+        pass
+    for spec in accept:
+        _run(["iptables", "-w", "-A", chain, "-i", iface, *spec, "-j", "ACCEPT"])
+    _run(["iptables", "-w", "-A", chain, "-j", "DROP"])
+    _run(["iptables", "-w", "-D", chain, "1"])
+    entry = {"time": time.time(), "rules": list(rules)}
+    with open(Path(state["state_dir"]) / "egress.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    state["rules"] = list(rules)
+    log.info("egress of %s: %s", state["host_if"], ", ".join(rules) or "none")
+
+
+def dropped(state: dict[str, Any]) -> int:
+    """Packets the filter dropped so far."""
+    r = _run(["iptables", "-w", "-L", state["chain"], "-v", "-x", "-n"], check=False)
+    for line in r.stdout.splitlines():
+        parts = line.split()
+        if len(parts) > 2 and parts[2] == "DROP":
+            return int(parts[0])
+    return 0
+
+
+def attached(sandbox_id: str) -> bool:
+    """Whether the host still holds the sandbox's link."""
+    return Path("/sys/class/net", names(sandbox_id)["host_if"]).exists()
+
+
+def detach(sandbox_id: str) -> None:
+    """Remove the link and the filter (idempotent; works from the sandbox id alone)."""
+    n = names(sandbox_id)
+    _run(["ip", "link", "del", n["host_if"]], check=False)
+    for tool in ("iptables", "ip6tables"):
+        for hook in ("INPUT", "FORWARD"):
+            while _run([tool, "-w", "-D", hook, "-i", n["host_if"], "-j", n["chain"]],
+                       check=False).returncode == 0:
+                pass
+        _run([tool, "-w", "-F", n["chain"]], check=False)
+        _run([tool, "-w", "-X", n["chain"]], check=False)

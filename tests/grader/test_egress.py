@@ -1,0 +1,157 @@
+"""Egress policy enforced on the host's side: a sandbox with an allowlist reaches the allowed
+port of this node and nothing else (another port, DNS, raw packets, IPv6, its own new routes),
+the allowlist changes while it runs, and nothing of the link or the filter outlives it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsec_cli.api.sandboxes import Sandbox
+from dsec_cli.backends import egress
+from dsec_cli.core.errors import UsageError
+
+from .conftest import TASK
+
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root"),
+              pytest.mark.usefixtures("grade_home")]
+
+PROBE = """
+import socket, sys
+def tcp(host, port, timeout=3):
+    try:
+        s = socket.create_connection((host, port), timeout=timeout)
+        data = s.recv(100)
+        s.close()
+        return "open:" + data.decode()
+    except OSError as e:
+        return "blocked"
+def udp_dns(host):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(3)
+    try:
+        s.sendto(b"\\x12\\x34\\x01\\x00\\x00\\x01\\x00\\x00\\x00\\x00\\x00\\x00"
+                 b"\\x07example\\x03com\\x00\\x00\\x01\\x00\\x01", (host, 53))
+        s.recvfrom(512)
+        return "answered"
+    except OSError:
+        return "blocked"
+def raw_icmp(host):
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    except OSError:
+        return "no-raw"
+    s.settimeout(3)
+    s.sendto(b"\\x08\\x00\\xf7\\xff\\x00\\x00\\x00\\x00", (host, 0))
+    try:
+        s.recvfrom(512)
+        return "answered"
+    except OSError:
+        return "blocked"
+def ipv6(port):
+    try:
+        s = socket.create_connection(("fe80::1%eth0", port), timeout=3)
+        return "open"
+    except OSError:
+        return "blocked"
+gw, allowed, other, want = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+# a dropped packet never turns into an answer: the short waits can only err toward "blocked"
+# for what should be blocked; what may be open gets a generous wait
+print(tcp(gw, allowed, 30 if want == allowed else 3),
+      tcp(gw, other, 30 if want == other else 3), udp_dns(gw), udp_dns("8.8.8.8"), raw_icmp(gw),
+      ipv6(allowed), tcp("1.1.1.1", 80))
+"""
+
+
+def _server(banner: bytes) -> tuple[socket.socket, threading.Thread]:
+    srv = socket.socket()
+    srv.bind(("0.0.0.0", 0))
+    srv.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            c.sendall(banner)
+            c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return srv, t
+
+
+@pytest.fixture
+def servers() -> Iterator[tuple[int, int]]:
+    """Two TCP services of this node: the one to allow and another one."""
+    a, _ = _server(b"allowed")
+    b, _ = _server(b"other")
+    yield a.getsockname()[1], b.getsockname()[1]
+    for s in (a, b):
+        s.shutdown(socket.SHUT_RDWR)
+        s.close()
+
+
+def _probe(sb: Sandbox, gw: str, allowed: int, other: int, want: int = 0) -> list[str]:
+    """What the sandbox reaches; ``want``: the port expected open (waited for longer)."""
+    sb.write_file("/tmp/probe.py", PROBE)
+    r = sb.exec(["python3", "/tmp/probe.py", gw, str(allowed), str(other), str(want)],
+                timeout=300)
+    assert r.exit_code == 0, r.stderr
+    return r.stdout.decode().split()
+
+
+def _leftovers(sid: str) -> list[str]:
+    n = egress.names(sid)
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    rules = "".join(subprocess.run([t, "-w", "-S"], capture_output=True, text=True).stdout
+                    for t in ("iptables", "ip6tables"))
+    return [x for x in (n["host_if"], n["chain"]) if x in links or x in rules]
+
+
+def test_allowlist_reaches_only_the_allowed_port(servers: tuple[int, int], node: Any) -> None:
+    allowed, other = servers
+    with Sandbox(TASK, network="allowlist", egress=[f"host:{allowed}"]) as sb:
+        info = sb.info()["egress"]
+        gw = info["gateway"]
+        assert info["rules"] == [f"host:{allowed}"]
+        assert _probe(sb, gw, allowed, other, allowed) == [
+            "open:allowed", "blocked", "blocked", "blocked", "blocked", "blocked", "blocked"]
+        # the sandbox's root changes its own routes and addresses: nothing more gets out
+        sb.exec("ip route add 192.0.2.0/24 dev eth0; ip addr add 10.9.9.9/32 dev eth0; true")
+        assert _probe(sb, gw, allowed, other)[1] == "blocked"
+        assert sb.info()["egress"]["dropped"] > 0
+        # changed while it runs, logged on the host's side
+        sb.set_egress([f"host:{other}"])
+        assert _probe(sb, gw, allowed, other, other)[:2] == ["blocked", "open:other"]
+        sb.set_egress([])
+        assert _probe(sb, gw, allowed, other)[:2] == ["blocked", "blocked"]
+        log = (Path(node.root) / "sandboxes" / sb.id / "egress.jsonl").read_text()
+        assert [json.loads(x)["rules"] for x in log.splitlines()] == [
+            [f"host:{allowed}"], [f"host:{other}"], []]
+        sid = sb.id
+    assert _leftovers(sid) == []
+
+
+def test_egress_none_is_the_default_and_rules_are_checked(servers: tuple[int, int]) -> None:
+    allowed, other = servers
+    with Sandbox(TASK) as sb:  # egress none: no link at all
+        assert "egress" not in sb.info()
+        r = sb.exec("ip -o link 2>/dev/null | grep -c eth0; true")
+        assert r.stdout.strip() in (b"0", b"")
+        with pytest.raises(UsageError, match="not created with network allowlist"):
+            sb.set_egress([f"host:{allowed}"])
+    for bad in ("host:0", "host:x", "example.com:80", "::1:80", "10.0.0.1"):
+        with pytest.raises(UsageError, match="invalid egress rule"):
+            Sandbox(TASK, network="allowlist", egress=[bad])
+    with pytest.raises(UsageError, match="need network allowlist"):
+        Sandbox(TASK, egress=[f"host:{allowed}"])
