@@ -66,11 +66,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
                    "(docs/jobs.md)."),
     "pool": ("pool", "Warm pools: sandboxes made ahead, taken by creates with the same image, "
                      "backend, limits and environment."),
-    "git-scrub": ("grade", "Write a new layer: REF with the git repository at --path reduced to one commit holding --base"s tree (no other commits, tags, reflogs, remotes or stray objects)."),
-    "git-check": ("grade", "Exit 0 when the repository at --path holds one parentless commit and nothing beyond it; else list what reaches past it and exit 1."),
-    "start-task": ("grade", "Record the digests of the task"s protected paths now (after setup, before the agent acts); `dsec grade` reports what the agent changed, created or deleted since."),
-    "grade": ("grade", "Score SANDBOX in a fork: the task image plus the grader"s hidden tests, only the agent"s changes on the patch surface, no network."),
-    "egress": ("grade", "Replace a running sandbox"s egress allowlist, enforced on the host"s side."),
+    "git-scrub": ("grade", "Write a new layer: REF with the git repository at --path reduced "
+                           "to one commit holding --base's tree (no other commits, tags, "
+                           "reflogs, remotes or stray objects)."),
+    "git-check": ("grade", "Exit 0 when the repository at --path holds one parentless commit "
+                           "and nothing beyond it; else list what reaches past it and exit 1."),
+    "start-task": ("grade", "Record the digests of the task's protected paths now (after "
+                            "setup, before the agent acts); `dsec grade` reports what the "
+                            "agent changed, created or deleted since."),
+    "grade": ("grade", "Score SANDBOX in a fork: the task image plus the grader's hidden "
+                       "tests, only the agent's changes on the patch surface, no network."),
+    "egress": ("grade", "Replace a running sandbox's egress allowlist, enforced on the host's "
+                        "side."),
     "park": ("density", "Stop a sandbox and give its memory back (to swap where the node has "
                         "swap)."),
     "thaw": ("density", "Let a parked sandbox run again: the same files and processes."),
