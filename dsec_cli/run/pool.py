@@ -55,7 +55,7 @@ MEMBER_ESTIMATE = {"container": 16 << 20, "fncall": 8 << 20, "microvm": 512 << 2
                    "vm": 512 << 20}
 #: the create options that make a pool key (a TTL is set when a member is taken)
 KEY_FIELDS = ("backend", "cpus", "memory", "pids", "disk", "network", "env", "workdir",
-              "cpu_class")
+              "cpu_class", "egress")
 RECENT_MAX = 1024
 
 
