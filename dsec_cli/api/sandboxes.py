@@ -19,6 +19,8 @@ from typing import Any, Literal
 from ..backends.base import ExecResult, OutputCallback
 from ..backends.fnpool import FunctionCallError, FunctionPool
 from ..core import validate
+from ..core.errors import UsageError
+from ..run import runconfig
 from ..run.contract import NodeAPI
 from ..run.node import CreateOptions, Node, local_node
 from ..run.state import SandboxRecord
@@ -26,7 +28,7 @@ from ..run.state import SandboxRecord
 __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "CreateOptions", "NodeAPI",
            "run",
            "list_sandboxes", "gc_node", "create_many", "create", "create_options", "target",
-           "exec_in", "copy", "ps", "remove", "pause", "resume", "snapshot", "fork"]
+           "exec_in", "command_for", "copy", "ps", "remove", "pause", "resume", "snapshot", "fork"]
 
 
 def _size(v: int | str | None, what: str) -> int | None:
@@ -52,15 +54,16 @@ class Sandbox:
                  network: Literal["none", "host"] = "none", env: dict[str, str] | None = None,
                  workdir: str | None = None, state_dir: str | Path | None = None,
                  store: str | None = None, node: str | None = None,
-                 disk: int | str | None = None) -> None:
+                 disk: int | str | None = None, user: str | None = None) -> None:
         """``node``: a configured cluster node's name, ``"auto"`` (placed by free capacity
         and cached image bytes) or ``None``/``"local"`` for this machine. ``disk``: bytes
-        (or "1G") the sandbox may write; past it writes fail with ENOSPC inside."""
+        (or "1G") the sandbox may write; past it writes fail with ENOSPC inside. ``user``:
+        who commands run as (NAME, UID, NAME:GROUP, UID:GID; default: the image's user)."""
         if isinstance(image, str):
             validate.image(image, "image")
         validate.node_option(node, "node")
         opts = create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
-                              network=network, env=env, workdir=workdir, disk=disk)
+                              network=network, env=env, workdir=workdir, disk=disk, user=user)
         self.node, self._rec = create(image, opts, node, state_dir, store)
 
     @classmethod
@@ -98,14 +101,16 @@ class Sandbox:
              stdin: bytes | str | Iterable[bytes] | None = None,
              env: dict[str, str] | None = None, cwd: str | None = None,
              timeout: float | None = None, on_output: OutputCallback | None = None,
-             capture_limit: int | None = None) -> ExecResult:
+             capture_limit: int | None = None, user: str | None = None) -> ExecResult:
         """Run a command (a list, or a string for `sh -c`); returns stdout, stderr, the exit
         code and the duration. A failing command is a result, not an exception. Output is
-        kept in the result up to ``capture_limit`` bytes per stream (None: all of it)."""
+        kept in the result up to ``capture_limit`` bytes per stream (None: all of it).
+        ``user`` overrides the sandbox's user for this command."""
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
+        extra = {} if user is None else {"user": user}
         return self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=data, timeout=timeout,
-                              on_output=on_output, capture_limit=capture_limit)
+                              on_output=on_output, capture_limit=capture_limit, **extra)
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         self.node.put_file(self.id, path, data.encode() if isinstance(data, str) else data, mode)
@@ -159,13 +164,29 @@ def _state_dir(node: NodeAPI) -> Path | None:
     return root if isinstance(root, Path) else None
 
 
-def run(image: str | Path, cmd: str | list[str], backend: str = "container",
-        **options: Any) -> ExecResult:
-    """Create a sandbox, run one command in it, remove it."""
+def run(image: str | Path, cmd: str | list[str] | None = None, backend: str = "container",
+        *, entrypoint: str | None = None, **options: Any) -> ExecResult:
+    """Create a sandbox, run one command in it, remove it. Without ``cmd``, the image's
+    entrypoint and cmd; with it, ``cmd`` follows the image's entrypoint (OCI semantics,
+    see `command_for`); ``entrypoint`` replaces the image's ("" for none)."""
     exec_opts = {k: options.pop(k) for k in ("stdin", "timeout", "on_output", "cwd")
                  if k in options}
     with Sandbox.create(image, backend, **options) as sb:
-        return sb.exec(cmd, **exec_opts)
+        given = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else cmd
+        return sb.exec(command_for(sb._rec, given, entrypoint), **exec_opts)
+
+
+def command_for(record: SandboxRecord | Any, cmd: list[str] | None,
+                entrypoint: str | None = None) -> list[str]:
+    """What a run of ``cmd`` starts in a sandbox of this record's image: the image's
+    entrypoint (or ``entrypoint``, "" for none) followed by ``cmd``, else by the image's
+    cmd (dropped when the entrypoint was given). An empty result is refused."""
+    spec = getattr(record, "spec", None) or {}
+    argv = runconfig.command(spec.get("entrypoint"), spec.get("cmd"), cmd, entrypoint)
+    if not argv:
+        raise UsageError("no command: give one after --, or run an image that has an "
+                         "entrypoint or cmd")
+    return argv
 
 
 def list_sandboxes(state_dir: str | Path | None = None, *, node: str | None = None,
@@ -233,14 +254,15 @@ def create_options(backend: str = "container", *, cpus: float | None = None,
                    ttl: float | str | None = None, network: str = "none",
                    env: dict[str, str] | None = None, workdir: str | None = None,
                    fetch: str = "eager", disk: int | str | None = None,
-                   prefix: str = "") -> CreateOptions:
+                   prefix: str = "", user: str | None = None) -> CreateOptions:
     """Checked create options; errors name each option with ``prefix`` (``--`` for flags)."""
     validate.positive_float(cpus, prefix + "cpus")
     validate.positive_int(pids, prefix + "pids")
     return CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, prefix + "memory"),
                          pids=pids, ttl=_secs(ttl, prefix + "ttl"),
                          network=network, env=dict(env or {}),  # type: ignore[arg-type]
-                         workdir=workdir, fetch=fetch, disk=_size(disk, prefix + "disk"))
+                         workdir=workdir, fetch=fetch, disk=_size(disk, prefix + "disk"),
+                         user=user)
 
 
 def create(image: str | Path, opts: CreateOptions, node: str | None = None,

@@ -106,6 +106,8 @@ TimeoutOpt = Annotated[float | None,  # noqa: UP007
                        typer.Option(help="kill the command after this many seconds")]
 SandboxArg = Annotated[str, typer.Argument(help="sandbox id (a unique prefix is enough)")]
 CmdArg = Annotated[list[str] | None, typer.Argument(help="command to run (after --)")]  # noqa: UP007
+UserOpt = Annotated[str | None, typer.Option(  # noqa: UP007
+    "--user", "-u", help="run as NAME, UID, NAME:GROUP or UID:GID (default: the image's user)")]
 NodeOpt = Annotated[str | None, typer.Option(  # noqa: UP007
     "--node", help="cluster node NAME, or local (ids NODE/ID name their node)")]
 
@@ -132,6 +134,10 @@ def register(app: typer.Typer) -> None:
             help="what the sandbox may write, e.g. 1G (past it: ENOSPC inside)")] = None,
         env: EnvOpt = None,
         workdir: WorkdirOpt = None,
+        user: UserOpt = None,
+        entrypoint: Annotated[str | None, typer.Option(  # noqa: UP007
+            "--entrypoint", help="replace the image's entrypoint (\"\" for none); the "
+                                 "image's cmd is then dropped too")] = None,
         timeout: TimeoutOpt = None,
         detach: Annotated[bool, typer.Option("--detach", "-d",
                                              help="print the id and leave it running")
@@ -149,35 +155,35 @@ def register(app: typer.Typer) -> None:
             "--job", help="a job on this node owns the sandbox (it stays; CMD is its first "
                           "journaled step)")] = None,
     ) -> None:
-        """Create a sandbox; run CMD in it and remove it, or leave it running with -d."""
+        """Create a sandbox; run CMD in it and remove it, or leave it running with -d.
+        Without CMD, the image's entrypoint and cmd run; CMD follows the image's
+        entrypoint, as docker does."""
         from ..api import sandboxes
         from ..core import validate
-        from ..core.errors import UsageError
         from .render import print_json
 
         validate.image(image)
         validate.node_option(node_name)
         validate.positive_float(timeout, "--timeout")
-        if not detach and not cmd and job is None:
-            raise UsageError("give a command after -- or use -d to leave the sandbox running")
         opts = sandboxes.create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
                                         network=network, env=_parse_env(env), workdir=workdir,
-                                        fetch=fetch, disk=disk, prefix="--")
+                                        fetch=fetch, disk=disk, prefix="--", user=user)
         if job is not None:
             _run_in_job(job, image, opts, cmd, timeout, json_out, node_name, state_dir)
             return
         node, rec = sandboxes.create(image, opts, node_name, state_dir)
         if detach:
             if cmd:
-                node.exec(rec.id, cmd, timeout=timeout, capture_limit=0)
+                node.exec(rec.id, sandboxes.command_for(rec, cmd, entrypoint), timeout=timeout,
+                          capture_limit=0)
             if json_out:
                 print_json(rec.public())
             else:
                 typer.echo(rec.id)
             return
-        assert cmd
         try:
-            res = node.exec(rec.id, cmd, stdin=_stdin_source(), timeout=timeout,
+            argv = sandboxes.command_for(rec, cmd, entrypoint)
+            res = node.exec(rec.id, argv, stdin=_stdin_source(), timeout=timeout,
                             on_output=None if json_out else _stream,
                             capture_limit=JSON_OUTPUT_LIMIT if json_out else 0)
         finally:
@@ -191,6 +197,7 @@ def register(app: typer.Typer) -> None:
         env: EnvOpt = None,
         workdir: WorkdirOpt = None,
         timeout: TimeoutOpt = None,
+        user: UserOpt = None,
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
         node: NodeOpt = None,
@@ -208,7 +215,8 @@ def register(app: typer.Typer) -> None:
         res = exec_in(sandbox, cmd, node=node, state_dir=state_dir, env=_parse_env(env),
                       cwd=workdir, stdin=_stdin_source(), timeout=timeout,
                       on_output=None if json_out else _stream,
-                      capture_limit=JSON_OUTPUT_LIMIT if json_out else 0)
+                      capture_limit=JSON_OUTPUT_LIMIT if json_out else 0,
+                      **({} if user is None else {"user": user}))
         _report(res, json_out)
 
     @app.command()

@@ -30,6 +30,7 @@ class CreateOptions:
     disk: int | None = None  # bytes the sandbox may write (its upper dir, or /tmp for fncall)
     fetch: str = "eager"  # eager | lazy | background (docs/lazy.md)
     record_seconds: float | None = None  # lazy: profile reads this long (default 30 s)
+    user: str | None = None  # who commands run as (NAME, UID, NAME:GROUP...): else the image's
 
     def validate(self) -> None:
         if self.backend not in BACKEND_CHOICES:
@@ -54,6 +55,10 @@ class CreateOptions:
             raise UsageError(f"invalid --network {self.network!r}: choose none or host")
         if self.workdir is not None and not self.workdir.startswith("/"):
             raise UsageError(f"invalid workdir {self.workdir!r}: must be an absolute path")
+        if self.user is not None and (not self.user or len(self.user) > 256
+                                      or any(c in self.user for c in "\0\n/")):
+            raise UsageError(f"invalid --user {self.user!r}: expected NAME, UID, NAME:GROUP "
+                             "or UID:GID")
         if self.fetch not in ("eager", "lazy", "background"):
             raise UsageError(f"invalid --fetch {self.fetch!r}: choose eager, lazy or background")
 
