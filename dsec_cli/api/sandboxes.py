@@ -108,7 +108,7 @@ class Sandbox:
         ``user`` overrides the sandbox's user for this command."""
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        extra = {} if user is None else {"user": user}
+        extra = _user_kw(self.node, user)
         return self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=data, timeout=timeout,
                               on_output=on_output, capture_limit=capture_limit, **extra)
 
@@ -156,6 +156,16 @@ class Sandbox:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+
+def _user_kw(node: NodeAPI, user: str | None) -> dict[str, str]:
+    """``user=`` for an exec on this node; refused for a cluster node's sandbox."""
+    if user is None:
+        return {}
+    if not isinstance(node, Node):
+        raise UsageError("an exec's user can be given only on this node's sandboxes",
+                         hint="create the sandbox with the user instead")
+    return {"user": user}
 
 
 def _state_dir(node: NodeAPI) -> Path | None:
@@ -284,6 +294,7 @@ def exec_in(sandbox_id: str, argv: list[str], *, node: str | None = None,
     """Run ``argv`` in a sandbox (keywords as `NodeAPI.exec`); in a job's sandbox on this
     node, as a journaled step (api/jobs.py)."""
     node_api = target(sandbox_id, node, state_dir)
+    kw.update(_user_kw(node_api, kw.pop("user", None)))
     if isinstance(node_api, Node) and (node_api.root / "jobs.db").exists():
         from .jobs import journaled_exec
 
