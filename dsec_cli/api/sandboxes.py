@@ -194,8 +194,8 @@ def command_for(record: SandboxRecord | Any, cmd: list[str] | None,
     spec = getattr(record, "spec", None) or {}
     argv = runconfig.command(spec.get("entrypoint"), spec.get("cmd"), cmd, entrypoint)
     if not argv:
-        raise UsageError("no command: give one after --, or run an image that has an "
-                         "entrypoint or cmd")
+        raise UsageError("no command: give one after --, use -d to leave the sandbox "
+                         "running, or run an image that has an entrypoint or cmd")
     return argv
 
 
