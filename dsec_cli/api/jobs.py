@@ -550,6 +550,8 @@ def journaled_exec(node: Any, sandbox_id: str, argv: list[str], **kw: Any
     sid = node.lookup(sandbox_id).id
     if not jobs.db.q("SELECT 1 FROM rollouts WHERE sandbox=?", (sid,)):
         return None
+    if kw.get("user") is not None:
+        raise UsageError("a job's steps run as its sandbox's user: --user is not taken here")
     stdin = kw.get("stdin")
     if stdin is not None and not isinstance(stdin, bytes):
         stdin = b"".join(stdin)  # the journal keeps the stdin to replay it

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..backends.base import ExecResult, OutputCallback
 from ..core import validate
 from ..core.errors import UsageError
+from ..run import runconfig
 from ..run.contract import NodeAPI
 from ..run.node import CreateOptions, Node, local_node
 from ..run.options import CPU_CLASS_CHOICES as CPU_CLASSES  # cpu_class= values
@@ -27,8 +28,8 @@ from ..run.state import SandboxRecord
 __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "CreateOptions", "NodeAPI",
            "run",
            "list_sandboxes", "gc_node", "create_many", "create", "create_options", "target",
-           "exec_in", "copy", "ps", "remove", "pause", "resume", "snapshot", "fork", "park",
-           "thaw", "top", "CPU_CLASSES"]
+           "exec_in", "command_for", "copy", "ps", "remove", "pause", "resume", "snapshot",
+           "fork", "park", "thaw", "top", "CPU_CLASSES"]
 
 if TYPE_CHECKING:
     from ..backends.fnpool import FunctionCallError, FunctionPool
@@ -69,20 +70,21 @@ class Sandbox:
                  workdir: str | None = None, state_dir: str | Path | None = None,
                  store: str | None = None, node: str | None = None,
                  disk: int | str | None = None, cpu_class: str | None = None,
-                 egress: list[str] | None = None) -> None:
+                 egress: list[str] | None = None, user: str | None = None) -> None:
         """``node``: a configured cluster node's name, ``"auto"`` (placed by free capacity
         and cached image bytes) or ``None``/``"local"`` for this machine. ``disk``: bytes
         (or "1G") the sandbox may write; past it writes fail with ENOSPC inside.
         ``cpu_class``: ``latency`` (exec answers stay fast), ``batch`` (the default) or
         ``idle`` (runs only when nothing else wants the CPU).
         ``network="allowlist"`` with ``egress=["host:8080", ...]``: only those leave, enforced
-        on the host's side; change it later with `set_egress`."""
+        on the host's side; change it later with `set_egress`. ``user``: who commands run as
+        (NAME, UID, NAME:GROUP, UID:GID; default: the image's user)."""
         if isinstance(image, str):
             validate.image(image, "image")
         validate.node_option(node, "node")
         opts = create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
                               network=network, env=env, workdir=workdir, disk=disk,
-                              cpu_class=cpu_class)
+                              cpu_class=cpu_class, user=user)
         opts.egress = list(egress or [])
         self.node, self._rec = create(image, opts, node, state_dir, store)
 
@@ -121,14 +123,16 @@ class Sandbox:
              stdin: bytes | str | Iterable[bytes] | None = None,
              env: dict[str, str] | None = None, cwd: str | None = None,
              timeout: float | None = None, on_output: OutputCallback | None = None,
-             capture_limit: int | None = None) -> ExecResult:
+             capture_limit: int | None = None, user: str | None = None) -> ExecResult:
         """Run a command (a list, or a string for `sh -c`); returns stdout, stderr, the exit
         code and the duration. A failing command is a result, not an exception. Output is
-        kept in the result up to ``capture_limit`` bytes per stream (None: all of it)."""
+        kept in the result up to ``capture_limit`` bytes per stream (None: all of it).
+        ``user`` overrides the sandbox's user for this command."""
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
+        extra = _user_kw(self.node, user)
         return self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=data, timeout=timeout,
-                              on_output=on_output, capture_limit=capture_limit)
+                              on_output=on_output, capture_limit=capture_limit, **extra)
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         self.node.put_file(self.id, path, data.encode() if isinstance(data, str) else data, mode)
@@ -207,19 +211,45 @@ class Sandbox:
         self.remove()
 
 
+def _user_kw(node: NodeAPI, user: str | None) -> dict[str, str]:
+    """``user=`` for an exec on this node; refused for a cluster node's sandbox."""
+    if user is None:
+        return {}
+    if not isinstance(node, Node):
+        raise UsageError("an exec's user can be given only on this node's sandboxes",
+                         hint="create the sandbox with the user instead")
+    return {"user": user}
+
+
 def _state_dir(node: NodeAPI) -> Path | None:
     """A local node's state dir (None for a cluster node: its ids carry the node)."""
     root = getattr(node, "root", None)
     return root if isinstance(root, Path) else None
 
 
-def run(image: str | Path, cmd: str | list[str], backend: str = "container",
-        **options: Any) -> ExecResult:
-    """Create a sandbox, run one command in it, remove it."""
+def run(image: str | Path, cmd: str | list[str] | None = None, backend: str = "container",
+        *, entrypoint: str | None = None, **options: Any) -> ExecResult:
+    """Create a sandbox, run one command in it, remove it. Without ``cmd``, the image's
+    entrypoint and cmd; with it, ``cmd`` follows the image's entrypoint (OCI semantics,
+    see `command_for`); ``entrypoint`` replaces the image's ("" for none)."""
     exec_opts = {k: options.pop(k) for k in ("stdin", "timeout", "on_output", "cwd")
                  if k in options}
     with Sandbox.create(image, backend, **options) as sb:
-        return sb.exec(cmd, **exec_opts)
+        given = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else cmd
+        return sb.exec(command_for(sb._rec, given, entrypoint), **exec_opts)
+
+
+def command_for(record: SandboxRecord | Any, cmd: list[str] | None,
+                entrypoint: str | None = None) -> list[str]:
+    """What a run of ``cmd`` starts in a sandbox of this record's image: the image's
+    entrypoint (or ``entrypoint``, "" for none) followed by ``cmd``, else by the image's
+    cmd (dropped when the entrypoint was given). An empty result is refused."""
+    spec = getattr(record, "spec", None) or {}
+    argv = runconfig.command(spec.get("entrypoint"), spec.get("cmd"), cmd, entrypoint)
+    if not argv:
+        raise UsageError("no command: give one after --, use -d to leave the sandbox "
+                         "running, or run an image that has an entrypoint or cmd")
+    return argv
 
 
 def list_sandboxes(state_dir: str | Path | None = None, *, node: str | None = None,
@@ -288,7 +318,8 @@ def create_options(backend: str = "container", *, cpus: float | None = None,
                    ttl: float | str | None = None, network: str = "none",
                    env: dict[str, str] | None = None, workdir: str | None = None,
                    fetch: str = "eager", disk: int | str | None = None,
-                   cpu_class: str | None = None, prefix: str = "") -> CreateOptions:
+                   cpu_class: str | None = None, prefix: str = "",
+                   user: str | None = None) -> CreateOptions:
     """Checked create options; errors name each option with ``prefix`` (``--`` for flags)."""
     validate.positive_float(cpus, prefix + "cpus")
     validate.positive_int(pids, prefix + "pids")
@@ -296,7 +327,7 @@ def create_options(backend: str = "container", *, cpus: float | None = None,
                          pids=pids, ttl=_secs(ttl, prefix + "ttl"),
                          network=network, env=dict(env or {}),  # type: ignore[arg-type]
                          workdir=workdir, fetch=fetch, disk=_size(disk, prefix + "disk"),
-                         cpu_class=cpu_class)
+                         cpu_class=cpu_class, user=user)
 
 
 def create(image: str | Path, opts: CreateOptions, node: str | None = None,
@@ -318,6 +349,7 @@ def exec_in(sandbox_id: str, argv: list[str], *, node: str | None = None,
     """Run ``argv`` in a sandbox (keywords as `NodeAPI.exec`); in a job's sandbox on this
     node, as a journaled step (api/jobs.py)."""
     node_api = target(sandbox_id, node, state_dir)
+    kw.update(_user_kw(node_api, kw.pop("user", None)))
     if isinstance(node_api, Node) and (node_api.root / "jobs.db").exists():
         from .jobs import journaled_exec
 

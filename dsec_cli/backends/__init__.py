@@ -20,12 +20,13 @@ from .base import (
     SandboxHandle,
     SandboxSpec,
     TreeSink,
+    UserIds,
 )
 
 __all__ = [
     "Backend", "BackendContext", "ExecRequest", "ExecResult", "Limits", "OutputCallback",
     "RootfsSpec",
-    "SandboxHandle", "SandboxSpec", "TreeSink", "get_backend", "BACKENDS",
+    "SandboxHandle", "SandboxSpec", "TreeSink", "UserIds", "get_backend", "BACKENDS",
 ]
 
 BACKENDS: dict[str, tuple[str, str]] = {

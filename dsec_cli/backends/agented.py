@@ -65,7 +65,8 @@ class AgentBackend(Backend):
     def exec(self, handle: SandboxHandle, request: ExecRequest,
              on_output: OutputCallback | None = None) -> ExecResult:
         return self.client(handle).exec(request.argv, request.env, request.cwd, request.stdin,
-                                        request.timeout, on_output, request.capture_limit)
+                                        request.timeout, on_output, request.capture_limit,
+                                        request.user)
 
     def put_file(self, handle: SandboxHandle, path: str, data: bytes, mode: int = 0o644) -> None:
         self.client(handle).put_file(path, data, mode)
@@ -172,7 +173,7 @@ async def exec_async(client: AsyncAgentClient, handle: SandboxHandle, request: E
     t0 = time.monotonic()
     res = await client.exec(request.argv, request.env, request.cwd,
                             request.stdin,  # type: ignore[arg-type]
-                            request.timeout, on_output, request.capture_limit)
+                            request.timeout, on_output, request.capture_limit, request.user)
     if cg is None:
         return res
     after = cg.limit_events()
@@ -192,7 +193,7 @@ def exec_with_accounting(client: AgentClient, handle: SandboxHandle, request: Ex
     before = cg.limit_events() if cg else (0, 0)
     t0 = time.monotonic()
     res = client.exec(request.argv, request.env, request.cwd, request.stdin, request.timeout,
-                      on_output, request.capture_limit)
+                      on_output, request.capture_limit, request.user)
     if cg is None:
         return res
     after = cg.limit_events()

@@ -50,6 +50,8 @@ class SandboxSpec:
     hostname: str = "sandbox"
     #: image digest, so backends may share per-image artifacts (e.g. a VM root disk)
     image_digest: str = ""
+    #: the user the sandbox's commands run as by default (the image's, or --user)
+    user: UserIds | None = None
 
 
 @dataclass
@@ -57,6 +59,22 @@ class SandboxHandle:
     sandbox_id: str
     backend: str
     state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class UserIds:
+    """Who a command runs as: uid, primary gid and supplementary groups."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"uid": self.uid, "gid": self.gid, "groups": list(self.groups)}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> UserIds:
+        return cls(int(doc["uid"]), int(doc["gid"]), tuple(int(g) for g in doc["groups"]))
 
 
 @dataclass(frozen=True)
@@ -69,6 +87,8 @@ class ExecRequest:
     #: bytes of each of stdout and stderr kept in the result (None: all); output past it
     #: still reaches the output callback
     capture_limit: int | None = None
+    #: run as this user (None: as the sandbox's agent runs, root)
+    user: UserIds | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ Two faces:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -23,7 +24,15 @@ from typing import Any, ClassVar
 from ..core.errors import BackendError, UsageError
 from . import _cgroups, _rootfs, seccomp
 from .agented import AGENT_SOCKET_FD, CgroupAgentBackend, bind_agent_socket
-from .base import BackendContext, SandboxHandle, SandboxSpec
+from .base import (
+    BackendContext,
+    ExecRequest,
+    ExecResult,
+    OutputCallback,
+    SandboxHandle,
+    SandboxSpec,
+    UserIds,
+)
 from .container import DEFAULT_PATH
 from .sandbox_agent import agent_binary
 
@@ -97,6 +106,22 @@ class FncallBackend(CgroupAgentBackend):
             raise
         return handle
 
+    def exec(self, handle: SandboxHandle, request: ExecRequest,
+             on_output: OutputCallback | None = None) -> ExecResult:
+        """Every command runs as the sandbox's user (its user namespace maps that one id):
+        asking for another is refused."""
+        if request.user is not None:
+            doc = handle.state.get("user")
+            own = UserIds.from_json(doc) if doc else UserIds(0, 0)
+            if (request.user.uid, request.user.gid) != (own.uid, own.gid):
+                raise UsageError(f"fncall sandboxes run every command as the user they were "
+                                 f"created with ({own.uid}:{own.gid}), not "
+                                 f"{request.user.uid}:{request.user.gid}",
+                                 hint="create the sandbox with --user, or use the container "
+                                      "backend")
+            request = dataclasses.replace(request, user=None)
+        return super().exec(handle, request, on_output)
+
     def _spawn(self, spec: SandboxSpec, rootfs: Path, cg: _cgroups.Cgroup) -> int:
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}
         # bwrap reads the seccomp program from SECCOMP_FD; /tmp is the only writable place,
@@ -110,6 +135,9 @@ class FncallBackend(CgroupAgentBackend):
                 "--cap-drop", "ALL", "--clearenv"]
         if spec.network == "host":
             argv.append("--share-net")
+        if spec.user is not None and (spec.user.uid, spec.user.gid) != (0, 0):
+            # one id each is mapped: every command runs as this user (no other can be taken)
+            argv += ["--unshare-user", "--uid", str(spec.user.uid), "--gid", str(spec.user.gid)]
         for k, v in env.items():
             argv += ["--setenv", k, v]
         argv += ["--chdir", spec.workdir or "/", "--", _rootfs.AGENT_IN_SANDBOX, "--listen-fd",

@@ -53,6 +53,8 @@ TimeoutOpt = Annotated[float | None,  # noqa: UP007
                        typer.Option(help="kill the command after this many seconds")]
 SandboxArg = Annotated[str, typer.Argument(help="sandbox id (a unique prefix is enough)")]
 CmdArg = Annotated[list[str] | None, typer.Argument(help="command to run (after --)")]  # noqa: UP007
+UserOpt = Annotated[str | None, typer.Option(  # noqa: UP007
+    "--user", "-u", help="run as NAME, UID, NAME:GROUP or UID:GID (default: the image's user)")]
 NodeOpt = Annotated[str | None, typer.Option(  # noqa: UP007
     "--node", help="cluster node NAME, or local (ids NODE/ID name their node)")]
 
@@ -79,6 +81,10 @@ def register(app: typer.Typer) -> None:
             help="what the sandbox may write, e.g. 1G (past it: ENOSPC inside)")] = None,
         env: EnvOpt = None,
         workdir: WorkdirOpt = None,
+        user: UserOpt = None,
+        entrypoint: Annotated[str | None, typer.Option(  # noqa: UP007
+            "--entrypoint", help="replace the image's entrypoint (\"\" for none); the "
+                                 "image's cmd is then dropped too")] = None,
         timeout: TimeoutOpt = None,
         detach: Annotated[bool, typer.Option("--detach", "-d",
                                              help="print the id and leave it running")
@@ -99,16 +105,16 @@ def register(app: typer.Typer) -> None:
             "--job", help="a job on this node owns the sandbox (it stays; CMD is its first "
                           "journaled step)")] = None,
     ) -> None:
-        """Create a sandbox; run CMD in it and remove it, or leave it running with -d."""
-        from ..core.errors import UsageError
+        """Create a sandbox; run CMD in it and remove it, or leave it running with -d.
+
+        Without CMD, the image's entrypoint and cmd run; CMD follows the image's entrypoint,
+        as docker does."""
         from .render import print_json
 
-        if not detach and not cmd and job is None:
-            raise UsageError("give a command after -- or use -d to leave the sandbox running")
         opts = sandbox_options(image, backend=backend, cpus=cpus, memory=memory, pids=pids,
                                ttl=ttl, network=network, disk=disk, env=env, workdir=workdir,
                                timeout=timeout, fetch=fetch, node_name=node_name,
-                               cpu_class=cpu_class)
+                               cpu_class=cpu_class, user=user)
         if job is not None:
             _run_in_job(job, image, opts, cmd, timeout, json_out, node_name, state_dir)
             return
@@ -117,15 +123,16 @@ def register(app: typer.Typer) -> None:
         node, rec = sandboxes.create(image, opts, node_name, state_dir)
         if detach:
             if cmd:
-                node.exec(rec.id, cmd, timeout=timeout, capture_limit=0)
+                node.exec(rec.id, sandboxes.command_for(rec, cmd, entrypoint), timeout=timeout,
+                          capture_limit=0)
             if json_out:
                 print_json(rec.public())
             else:
                 typer.echo(rec.id)
             return
-        assert cmd
         try:
-            res = node.exec(rec.id, cmd, stdin=stdin_source(), timeout=timeout,
+            argv = sandboxes.command_for(rec, cmd, entrypoint)
+            res = node.exec(rec.id, argv, stdin=stdin_source(), timeout=timeout,
                             on_output=None if json_out else stream_output,
                             capture_limit=JSON_OUTPUT_LIMIT if json_out else 0)
         finally:
@@ -139,6 +146,7 @@ def register(app: typer.Typer) -> None:
         env: EnvOpt = None,
         workdir: WorkdirOpt = None,
         timeout: TimeoutOpt = None,
+        user: UserOpt = None,
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
         node: NodeOpt = None,
@@ -146,7 +154,7 @@ def register(app: typer.Typer) -> None:
         """Run a command in a sandbox: streams output, forwards stdin, exits with its code."""
         raise typer.Exit(exec_command(sandbox, cmd or [], env=env, workdir=workdir,
                                       timeout=timeout, json_out=json_out,
-                                      state_dir=state_dir, node=node))
+                                      state_dir=state_dir, node=node, user=user))
 
     @app.command()
     def cp(

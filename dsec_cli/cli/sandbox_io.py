@@ -100,7 +100,8 @@ def sandbox_options(image: str, *, backend: str = "container", cpus: float | Non
                     network: str = "none", disk: str | None = None,
                     env: list[str] | None = None, workdir: str | None = None,
                     timeout: float | None = None, fetch: str = "eager",
-                    node_name: str | None = None, cpu_class: str | None = None) -> Any:
+                    node_name: str | None = None, cpu_class: str | None = None,
+                    user: str | None = None) -> Any:
     """`dsec run`'s options, checked: the `CreateOptions` of the new sandbox."""
     from ..api import sandboxes
     from ..core import validate
@@ -111,7 +112,7 @@ def sandbox_options(image: str, *, backend: str = "container", cpus: float | Non
     return sandboxes.create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
                                     network=network, env=parse_env(env), workdir=workdir,
                                     fetch=fetch, disk=disk, cpu_class=cpu_class,
-                                    prefix="--")
+                                    prefix="--", user=user)
 
 
 def create_sandbox(image: str, *, state_dir: str | None = None, node_name: str | None = None,
@@ -126,7 +127,7 @@ def create_sandbox(image: str, *, state_dir: str | None = None, node_name: str |
 def exec_command(sandbox: str, cmd: list[str], *, env: list[str] | None = None,
                  workdir: str | None = None, timeout: float | None = None,
                  json_out: bool = False, state_dir: str | None = None,
-                 node: str | None = None) -> int:
+                 node: str | None = None, user: str | None = None) -> int:
     """`dsec exec`: stream the command's output, exit with its code."""
     from ..api.sandboxes import exec_in
     from ..core import validate
@@ -140,7 +141,8 @@ def exec_command(sandbox: str, cmd: list[str], *, env: list[str] | None = None,
     res = exec_in(sandbox, cmd, node=node, state_dir=state_dir, env=parse_env(env),
                   cwd=workdir, stdin=stdin_source(), timeout=timeout,
                   on_output=None if json_out else stream_output,
-                  capture_limit=JSON_OUTPUT_LIMIT if json_out else 0)
+                  capture_limit=JSON_OUTPUT_LIMIT if json_out else 0,
+                  **({} if user is None else {"user": user}))
     return report(res, json_out)
 
 

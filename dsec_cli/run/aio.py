@@ -172,7 +172,7 @@ class AsyncNode:
                                   on_output=_threadsafe(on_output),
                                   capture_limit=capture_limit)
         req = ExecRequest(list(argv), dict(env or {}), cwd, stdin,  # type: ignore[arg-type]
-                          timeout, capture_limit)
+                          timeout, capture_limit, self.node.exec_user(rec, None))
         try:
             return await exec_async(client, h, req, on_output)
         except AgentError:

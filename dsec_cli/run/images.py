@@ -24,6 +24,7 @@ class Image:
     layer_digests: list[str]  # manifest digests of the layers (empty for a directory image)
     from_store: bool
     lazy_layers: list[dict[str, str]] = field(default_factory=list)  # index, content digest
+    annotations: dict[str, str] = field(default_factory=dict)  # the image manifest's
 
 
 def is_directory_image(image: str) -> bool:
@@ -43,7 +44,8 @@ def resolve(store: Any, cache_root: Path, image: str) -> Image:
     prepared = prepare_image(store, image, cache_root)
     return Image(image, prepared.manifest_digest, list(prepared.lower_dirs),
                  dict(prepared.env), prepared.workdir or "/",
-                 [d for d, _ in prepared.image.layers], True)
+                 [d for d, _ in prepared.image.layers], True,
+                 annotations=dict(prepared.image.manifest.annotations))
 
 
 def fetch_mode(fetch: str, image: str) -> str:
@@ -71,7 +73,7 @@ def lazy(store: Any, cache_root: Path, sandbox_dir: Path, image: str) -> Image:
     return Image(image, img.digest, [mnt / str(n) for n in range(len(img.layers))],
                  dict(img.env), img.workdir or "/", [d for d, _ in img.layers], True,
                  [{"index": m.index or "", "content_digest": cache.verify(store, m, d)[0]}
-                  for d, m in img.layers])
+                  for d, m in img.layers], dict(img.manifest.annotations))
 
 
 def mount_lazy(sandbox_dir: Path, store_url: str, img: Image, fetch: str,

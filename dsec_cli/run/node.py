@@ -12,6 +12,7 @@ other's sandboxes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -33,12 +34,13 @@ from ..backends import (
     SandboxHandle,
     SandboxSpec,
     TreeSink,
+    UserIds,
     _cgroups,
     _rootfs,
     get_backend,
 )
 from ..core.errors import NotFoundError, SandboxError, UsageError
-from . import density, images, pins, reconcile
+from . import density, images, pins, reconcile, runconfig
 from .images import Image
 from .options import BACKEND_CHOICES, CreateOptions
 from .state import NodeDB, SandboxRecord, now
@@ -128,7 +130,8 @@ class Node:
         opts = opts or CreateOptions()
         opts.validate()
         fetch = images.fetch_mode(opts.fetch, image)
-        if fetch == "eager" and from_pool and self.pools.active():
+        # pool members run as their image's user: one asked for by name is made now
+        if fetch == "eager" and from_pool and opts.user is None and self.pools.active():
             img = self.resolve_image(image)
             rec = self.pools.take(image, img, opts)
             if rec is not None:
@@ -139,7 +142,8 @@ class Node:
     def take_pooled(self, image: str, opts: CreateOptions) -> SandboxRecord | None:
         """A warm pool member for this create, or None (no pool, or it is empty)."""
         opts.validate()
-        if images.fetch_mode(opts.fetch, image) != "eager" or not self.pools.active():
+        if images.fetch_mode(opts.fetch, image) != "eager" or opts.user is not None \
+                or not self.pools.active():
             return None
         return self.pools.take(image, self.resolve_image(image), opts)
 
@@ -160,7 +164,8 @@ class Node:
             "limits": {"cpus": opts.cpus, "memory": opts.memory, "pids": opts.pids,
                        "disk": opts.disk, "cpu_class": opts.cpu_class},
             "network": opts.network, "env": env, "workdir": workdir,
-            "layer_digests": img.layer_digests, "from_store": img.from_store, "fetch": fetch}
+            "layer_digests": img.layer_digests, "from_store": img.from_store, "fetch": fetch,
+            **runconfig.image_command(img.annotations)}
         if pool_key is not None:
             spec_row["pool"] = pool_key
         rec = SandboxRecord(
@@ -187,7 +192,14 @@ class Node:
             if fetch != "eager":
                 images.mount_lazy(sdir, self.store_url, img, fetch, self.cache_root,
                                    self.cache_budget, opts.record_seconds)
+            user = self._sandbox_user(img, opts)
+            if user is not None:
+                if user.home and "HOME" not in env:
+                    env = {**env, "HOME": user.home}
+                spec = dataclasses.replace(spec, env=env, user=user.ids)
             handle = backend.create(spec)
+            if user is not None:
+                handle.state["user"] = user.ids.to_json()
             if pool_key is not None:
                 from ..core.config import debug_delay
 
@@ -204,6 +216,24 @@ class Node:
             raise
         rec.status, rec.handle = status, handle.state
         return rec
+
+    @staticmethod
+    def _sandbox_user(img: Image, opts: CreateOptions) -> runconfig.ResolvedUser | None:
+        """The user commands run as by default: ``opts.user``, else the image's, resolved
+        against the image's own files; None for root."""
+        spec = opts.user if opts.user is not None else img.annotations.get("oci.user", "")
+        if not spec:
+            return None
+        return runconfig.resolve_user(spec, list(reversed(img.lower_dirs)))
+
+    def exec_user(self, rec: SandboxRecord, user: str | None) -> UserIds | None:
+        """Who an exec runs as: ``user`` resolved against the sandbox's files (its writes
+        over its image's layers), else the sandbox's user."""
+        if user is None:
+            doc = (rec.handle or {}).get("user")
+            return UserIds.from_json(doc) if doc else None
+        layers = [self.sandboxes_dir / rec.id / "upper", *reversed([Path(p) for p in rec.layers])]
+        return runconfig.resolve_user(user, layers).ids
 
     def _fallback_state(self, sid: str, backend: str) -> dict[str, Any]:
         """What a backend needs to destroy a sandbox whose handle was never saved."""
@@ -299,13 +329,14 @@ class Node:
     def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
              cwd: str | None = None, stdin: bytes | Iterable[bytes] | None = None,
              timeout: float | None = None, on_output: OutputCallback | None = None,
-             capture_limit: int | None = None) -> ExecResult:
+             capture_limit: int | None = None, user: str | None = None) -> ExecResult:
         """Run argv in the sandbox. Output goes to `on_output` as it arrives and is kept in
-        the result up to `capture_limit` bytes per stream (None: all of it)."""
+        the result up to `capture_limit` bytes per stream (None: all of it). ``user``
+        (NAME, UID, NAME:GROUP, UID:GID) overrides the sandbox's user."""
         check_exec(argv, timeout)
         rec, b, h = self.live(sid)
         req = ExecRequest(list(argv), dict(env or {}), cwd, stdin, timeout,  # type: ignore[arg-type]
-                          capture_limit)
+                          capture_limit, self.exec_user(rec, user))
         sdir = self.sandboxes_dir / rec.id
         density.touch(sdir)  # idle time (top, idle reclaim) counts from the last exec
         try:

@@ -33,6 +33,7 @@ class CreateOptions:
     fetch: str = "eager"  # eager | lazy | background (docs/lazy.md)
     record_seconds: float | None = None  # lazy: profile reads this long (default 30 s)
     cpu_class: str | None = None  # latency | batch | idle; None: batch, nothing written
+    user: str | None = None  # who commands run as (NAME, UID, NAME:GROUP...): else the image's
 
     def validate(self) -> None:
         if self.backend not in BACKEND_CHOICES:
@@ -71,6 +72,10 @@ class CreateOptions:
         if self.cpu_class is not None and self.cpu_class not in CPU_CLASS_CHOICES:
             raise UsageError(f"invalid --class {self.cpu_class!r}: choose one of "
                              f"{', '.join(CPU_CLASS_CHOICES)}")
+        if self.user is not None and (not self.user or len(self.user) > 256
+                                      or any(c in self.user for c in "\0\n/")):
+            raise UsageError(f"invalid --user {self.user!r}: expected NAME, UID, NAME:GROUP "
+                             "or UID:GID")
         if self.fetch not in ("eager", "lazy", "background"):
             raise UsageError(f"invalid --fetch {self.fetch!r}: choose eager, lazy or background")
 

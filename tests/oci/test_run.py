@@ -28,6 +28,7 @@ def test_imported_image_runs_in_a_container(node: dict[str, str], tmp_path: Path
                 workdir="/work")
     write_layout(img, tmp_path / "layout")
     run_dsec("import", str(tmp_path / "layout"), "--as", "task@1")
-    p = run_dsec("run", "--backend", "container", "task@1", "--", "sh", "-c",
+    # the image's entrypoint is ["/bin/sh", "-c"]: the command given follows it
+    p = run_dsec("run", "--backend", "container", "task@1", "--",
                  "echo $GREETING; pwd; cat task.txt")
     assert p.stdout == "imported\n/work\nfrom the top layer\n"

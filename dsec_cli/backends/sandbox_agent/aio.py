@@ -21,7 +21,7 @@ from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from pathlib import Path
 
 from ...core.errors import SandboxError, UsageError
-from ..base import ExecResult
+from ..base import ExecResult, UserIds
 from .client import (
     _HDR,
     _PEERCRED,
@@ -180,13 +180,14 @@ class AsyncAgentClient:
     async def exec(self, argv: list[str], env: dict[str, str] | None = None,
                    cwd: str | None = None, stdin: AsyncStdin = None,
                    timeout: float | None = None, on_output: AsyncOutputCallback | None = None,
-                   capture_limit: int | None = None) -> ExecResult:
+                   capture_limit: int | None = None, user: UserIds | None = None
+                   ) -> ExecResult:
         """Run argv in the sandbox; output goes to `on_output` as it arrives. Cancelling the
         awaiting task kills the command (SIGKILL) in the sandbox."""
         if isinstance(stdin, str):
             stdin = stdin.encode()
         payload = _encode_exec(list(argv), dict(env or {}), cwd,
-                               EXEC_F_STDIN if stdin is not None else 0, timeout)
+                               EXEC_F_STDIN if stdin is not None else 0, timeout, user)
         rid, q = self._open()
         started = time.monotonic()
         feeder: asyncio.Task[None] | None = None

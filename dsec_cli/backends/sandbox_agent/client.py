@@ -24,14 +24,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ...core.errors import NotFoundError, SandboxError, UsageError
-from ..base import ExecResult, OutputCallback, TreeSink
+from ..base import ExecResult, OutputCallback, TreeSink, UserIds
 
 # frame types, client -> agent
 T_EXEC, T_STDIN, T_PUT, T_GET, T_PING, T_SIGNAL, T_TREE = 1, 2, 3, 4, 5, 6, 7
 # frame types, agent -> client
 T_STDOUT, T_STDERR, T_EXIT, T_RESULT, T_DATA = 16, 17, 18, 19, 20
 
-EXEC_F_STDIN = 1
+EXEC_F_STDIN, EXEC_F_USER = 1, 2
 PUT_F_APPEND, PUT_F_AT, PUT_F_SIZE = 1, 2, 4
 MAX_FRAME = 16 << 20
 CHUNK = 1 << 20
@@ -56,7 +56,7 @@ def _s(value: str | bytes) -> bytes:
 
 
 def _encode_exec(argv: list[str], env: dict[str, str], cwd: str | None, flags: int,
-                 timeout: float | None) -> bytes:
+                 timeout: float | None, user: UserIds | None = None) -> bytes:
     if not argv:
         raise UsageError("exec needs a command")
     for part in [*argv, *env, *env.values(), cwd or ""]:
@@ -66,6 +66,12 @@ def _encode_exec(argv: list[str], env: dict[str, str], cwd: str | None, flags: i
     out = [struct.pack(">IIII", flags, timeout_ms, len(argv), len(env)), _s(cwd or "")]
     out += [_s(a) for a in argv]
     out += [_s(f"{k}={v}") for k, v in env.items()]
+    if user is not None:
+        out[0] = struct.pack(">IIII", flags | EXEC_F_USER, timeout_ms, len(argv), len(env))
+        ids = [user.uid, user.gid, len(user.groups), *user.groups]
+        if not all(0 <= i < 2**32 - 1 for i in ids):
+            raise UsageError(f"invalid user ids {ids}")
+        out.append(struct.pack(f">{len(ids)}I", *ids))
     return b"".join(out)
 
 
@@ -311,9 +317,10 @@ class AgentClient:
 
     def start_exec(self, argv: list[str], env: dict[str, str] | None = None,
                    cwd: str | None = None, timeout: float | None = None, stdin: bool = False,
-                   on_output: OutputCallback | None = None) -> ExecHandle:
+                   on_output: OutputCallback | None = None,
+                   user: UserIds | None = None) -> ExecHandle:
         payload = _encode_exec(list(argv), dict(env or {}), cwd,
-                               EXEC_F_STDIN if stdin else 0, timeout)
+                               EXEC_F_STDIN if stdin else 0, timeout, user)
         rid, req = self._open()
         handle = ExecHandle(self, rid, req, on_output)
         self._send(T_EXEC, rid, payload)
@@ -322,8 +329,9 @@ class AgentClient:
     def exec(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
              stdin: bytes | Iterable[bytes] | None = None, timeout: float | None = None,
              on_output: OutputCallback | None = None,
-             capture_limit: int | None = None) -> ExecResult:
-        h = self.start_exec(argv, env, cwd, timeout, stdin=stdin is not None, on_output=on_output)
+             capture_limit: int | None = None, user: UserIds | None = None) -> ExecResult:
+        h = self.start_exec(argv, env, cwd, timeout, stdin=stdin is not None, on_output=on_output,
+                            user=user)
         if isinstance(stdin, bytes | bytearray):
             if stdin:
                 h.write_stdin(bytes(stdin))

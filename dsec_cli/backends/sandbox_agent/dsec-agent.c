@@ -12,6 +12,7 @@
  */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <grp.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -40,6 +41,8 @@ enum { T_EXEC = 1, T_STDIN = 2, T_PUT = 3, T_GET = 4, T_PING = 5, T_SIGNAL = 6, 
 enum { T_STDOUT = 16, T_STDERR = 17, T_EXIT = 18, T_RESULT = 19, T_DATA = 20 };
 
 #define EXEC_F_STDIN 1u  /* stdin comes in T_STDIN frames; otherwise /dev/null */
+#define EXEC_F_USER 2u   /* u32 uid, gid, ngroups, groups[] follow the env: run as that user */
+#define MAX_GROUPS 65536
 #define PUT_F_APPEND 1u  /* append to the file instead of creating/truncating it */
 #define PUT_F_AT 2u      /* u64 offset follows the path: write the data there (no create) */
 #define PUT_F_SIZE 4u    /* u64 size follows the path: set the file's size (no create) */
@@ -289,6 +292,16 @@ static void do_exec(int ci, uint32_t id, const uint8_t *p, size_t n) {
     char **env = calloc(envc + 1, sizeof *env);
     for (uint32_t i = 0; i < argc && !r.bad; i++) argv[i] = rdstr(&r);
     for (uint32_t i = 0; i < envc && !r.bad; i++) env[i] = rdstr(&r);
+    uint32_t uid = 0, gid = 0, ngroups = 0;
+    gid_t *groups = NULL;
+    if ((flags & EXEC_F_USER) && !r.bad) {
+        uid = rd32(&r); gid = rd32(&r); ngroups = rd32(&r);
+        if (ngroups > MAX_GROUPS) r.bad = 1;
+        else {
+            groups = calloc(ngroups + 1, sizeof *groups);
+            for (uint32_t i = 0; i < ngroups && !r.bad; i++) groups[i] = rd32(&r);
+        }
+    }
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1};
     if (r.bad) {
         send_result(ci, id, EINVAL, "malformed exec request");
@@ -340,6 +353,12 @@ static void do_exec(int ci, uint32_t id, const uint8_t *p, size_t n) {
         dup2(po[1], 1);
         dup2(pe[1], 2);
         for (uint32_t i = 0; i < envc; i++) putenv(env[i]);
+        /* groups first, then gid, then uid: after setuid the right to change them is gone */
+        if ((flags & EXEC_F_USER) && (setgroups(ngroups, groups) != 0 || setgid(gid) != 0 ||
+                                      setuid(uid) != 0)) {
+            dprintf(2, "dsec-agent: cannot switch to user %u:%u: %s\n", uid, gid, strerror(errno));
+            _exit(126);
+        }
         if (cwd && *cwd && chdir(cwd) != 0) {
             dprintf(2, "dsec-agent: cannot enter working directory %s: %s\n", cwd, strerror(errno));
             _exit(126);
@@ -375,6 +394,7 @@ out:
     for (uint32_t i = 0; i < envc; i++) free(env[i]);
     free(argv);
     free(env);
+    free(groups);
 }
 
 static void do_stdin(int ci, uint32_t id, const uint8_t *p, size_t n) {

@@ -524,7 +524,7 @@ class QemuBackend(AgentBackend):
         env = {**handle.state.get("env", {}), **request.env}
         cwd = request.cwd or handle.state.get("workdir") or "/"
         return self.client(handle).exec(request.argv, env, cwd, request.stdin, request.timeout,
-                                        on_output, request.capture_limit)
+                                        on_output, request.capture_limit, request.user)
 
 
 
