@@ -50,11 +50,16 @@ def test_grade_killed_midway_leaves_nothing_after_reconcile(node: Any) -> None:
             fork = next(iter(forks))
             # wait until the grader's command runs in the fork, then kill the grading
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                r = node.exec(fork, ["/bin/sh", "-c", "ps | grep -c '[p]ytest'"], timeout=30)
-                if r.stdout.strip() not in (b"", b"0"):
-                    break
+            running = False
+            while time.monotonic() < deadline and not running:
+                try:
+                    r = node.exec(fork, ["/bin/sh", "-c", "ps | grep -c '[p]ytest'"],
+                                  timeout=30)
+                except UsageError:  # the fork is still being created
+                    r = None
+                running = r is not None and r.stdout.strip() not in (b"", b"0")
                 time.sleep(0.2)
+            assert running, "the grader's command never started in the fork"
             proc.send_signal(signal.SIGKILL)
         finally:
             proc.kill()
