@@ -12,10 +12,12 @@ import hashlib
 import logging
 import mmap
 import os
+import queue
 import shutil
 import tempfile
+import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,7 +31,7 @@ from ..format.codec import encode
 from ..format.index import ChunkLoc, ChunkParams, Entry, LayerIndex, put_index
 from ..format.manifest import Manifest, put_manifest
 from ..format.pack import FinishedPack, PackWriter
-from ..format.tree import Scanned, ScanReport, parent_of
+from ..format.tree import Scanned, ScanReport, parent_of, read_many
 from ..push.dedup import KnownChunk, KnownChunks
 from ..push.stores.base import Store
 
@@ -161,14 +163,68 @@ class _Writer:
             self.pack.abort()
 
 
-def _read_all(fd: int, size: int) -> bytes:
-    data = os.read(fd, size)
-    if len(data) < size:  # short reads happen on some filesystems; keep reading
-        parts = [data]
-        while piece := os.read(fd, size - sum(map(len, parts))):
-            parts.append(piece)
-        data = b"".join(parts)
-    return data
+#: files per batch read, and the batches read ahead of the chunker
+READ_BATCH_FILES = 256
+READ_BATCH_BYTES = 8 << 20
+READ_AHEAD = 4
+
+
+def _batches(items: list[Scanned]) -> Iterator[list[Scanned]]:
+    batch: list[Scanned] = []
+    nbytes = 0
+    for s in items:
+        if s.entry.type != "reg" or s.source is None:
+            continue
+        batch.append(s)
+        nbytes += s.entry.size
+        if len(batch) >= READ_BATCH_FILES or nbytes >= READ_BATCH_BYTES:
+            yield batch
+            batch, nbytes = [], 0
+    if batch:
+        yield batch
+
+
+class _ReadAhead:
+    """Reads the regular files' bytes in batches on a thread of its own, a few batches ahead
+    of the chunker: the batched reader releases the GIL, so reading overlaps chunking,
+    hashing and compression. Yields (size, bytes or None) per file, in order."""
+
+    def __init__(self, items: list[Scanned], limit: int) -> None:
+        self._q: queue.Queue[tuple[list[tuple[int, bytes | None]] | None,
+                                   BaseException | None]] = queue.Queue(READ_AHEAD)
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(items, limit), daemon=True,
+                                   name="dsec-read-ahead")
+        self._t.start()
+
+    def _run(self, items: list[Scanned], limit: int) -> None:
+        try:
+            for batch in _batches(items):
+                if self._stop.is_set():
+                    return
+                self._q.put((read_many([s.source for s in batch  # type: ignore[misc]
+                                        ], limit), None))
+            self._q.put((None, None))
+        except BaseException as e:  # handed to the chunker, which raises it
+            self._q.put((None, e))
+
+    def __iter__(self) -> Iterator[tuple[int, bytes | None]]:
+        while True:
+            got, err = self._q.get()
+            if err is not None:
+                raise err
+            if got is None:
+                return
+            yield from got
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._t.is_alive():  # unblock a put into a full queue
+            try:
+                self._q.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self._t.join()
 
 
 def canonical_entries(scanned: list[Scanned], mtime: int = 0) -> list[Scanned]:
@@ -210,6 +266,24 @@ def _renamed(e: Entry, path: str) -> Entry:
     return replace(e, path=path)
 
 
+def _cut_large(w: _Writer, e: Entry, source: str, params: ChunkParams) -> int:
+    """Chunk a file larger than one chunk at content-defined boundaries; returns its size."""
+    fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                e.chunks = [(w.chunk(view[o:o + ln]), 0, ln) for o, ln in cut(view, params)]
+            finally:
+                view.release()
+        return size
+    finally:
+        os.close(fd)
+
+
 def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
                 params: ChunkParams | None = None, progress: Progress | None = None,
                 crypto_digests: bool = False) -> tuple[LayerIndex, WriteStats]:
@@ -232,40 +306,33 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
         batch.clear()
         batch_files.clear()
 
+    items = canonical_entries(scanned)
+    reads = _ReadAhead(items, params.max_size)
+    contents = iter(reads)
     try:
-        for s in canonical_entries(scanned):
+        for s in items:
             e = s.entry
             entries.append(e)
             if progress:
                 progress("files", 1)
             if e.type != "reg" or s.source is None:
                 continue
-            fd = os.open(s.source, os.O_RDONLY)
-            try:
-                size = e.size = os.fstat(fd).st_size
-                if size == 0:
-                    continue
-                if size < params.small_file:
-                    data = _read_all(fd, size)
-                    batch_files.append((e, len(batch), len(data)))
-                    batch.extend(data)
-                    # content-defined batch boundaries keep a small change local
-                    cut_here = xxhash.xxh3_64_intdigest(data) & 3 == 0
-                    if len(batch) >= params.avg_size or (len(batch) >= params.min_size
-                                                         and cut_here):
-                        flush_batch()
-                elif size <= params.max_size:
-                    e.chunks = [(w.chunk(_read_all(fd, size)), 0, size)]
-                else:
-                    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
-                        view = memoryview(mm)
-                        try:
-                            e.chunks = [(w.chunk(view[o:o + ln]), 0, ln)
-                                        for o, ln in cut(view, params)]
-                        finally:
-                            view.release()
-            finally:
-                os.close(fd)
+            size, data = next(contents)
+            e.size = size
+            if size == 0:
+                continue
+            if data is None:  # larger than one chunk: cut from a map of the file
+                size = e.size = _cut_large(w, e, s.source, params)
+            elif size < params.small_file:
+                batch_files.append((e, len(batch), len(data)))
+                batch.extend(data)
+                # content-defined batch boundaries keep a small change local
+                cut_here = xxhash.xxh3_64_intdigest(data) & 3 == 0
+                if len(batch) >= params.avg_size or (len(batch) >= params.min_size
+                                                     and cut_here):
+                    flush_batch()
+            else:
+                e.chunks = [(w.chunk(data), 0, len(data))]
             if progress:
                 progress("bytes", size)
         flush_batch()
@@ -274,6 +341,7 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
         w.abort()
         raise
     finally:
+        reads.close()
         shutil.rmtree(staging, ignore_errors=True)
     index = LayerIndex(entries=entries, chunks=locs, packs=w.packs, params=params)
     return index, WriteStats(w.new_chunks, w.result_new_bytes, w.reused, w.written)

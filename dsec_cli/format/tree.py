@@ -221,7 +221,7 @@ Record = tuple[str, int, int, int, int, int, int, int, int, int, int, int, "str 
                "list[tuple[str, bytes]] | None"]
 
 try:  # built by scripts/setup.sh; without it the pure-Python walk below gives the same records
-    from . import _walk as _cwalk
+    from . import _walk as _cwalk  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on the build
     _cwalk = None
 #: cleared by tests to compare both walks, or when the compiled one is not built
@@ -291,6 +291,35 @@ def walk_records(root: str, *, xattrs: bool = True) -> list[Record]:
     if use_compiled and _cwalk is not None:
         return _cwalk.scan(root, xattrs)  # type: ignore[no-any-return]
     return _py_records(root, xattrs)
+
+
+def _py_read_many(paths: list[str], limit: int) -> list[tuple[int, bytes | None]]:
+    out: list[tuple[int, bytes | None]] = []
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            data = None
+            if 0 < size <= limit:
+                parts = [os.read(fd, size)]
+                have = len(parts[0])
+                while have < size and (piece := os.read(fd, size - have)):  # short reads
+                    parts.append(piece)
+                    have += len(piece)
+                data = parts[0] if len(parts) == 1 else b"".join(parts)
+            out.append((size, data))
+        finally:
+            os.close(fd)
+    return out
+
+
+def read_many(paths: list[str], limit: int) -> list[tuple[int, bytes | None]]:
+    """(size, bytes) of each file, opened by path: its size as fstat gives it and, when
+    0 < size <= limit, its bytes (fewer when it shrinks meanwhile; None otherwise). The
+    compiled reader releases the GIL for the whole batch."""
+    if use_compiled and _cwalk is not None:
+        return _cwalk.read_many(paths, limit)  # type: ignore[no-any-return]
+    return _py_read_many(paths, limit)
 
 
 def scan_dir(root: Path, *, overlay_upper: bool = False,
