@@ -195,6 +195,7 @@ ENV_SETTINGS: dict[str, str] = {
     "DSEC_SSH_CONFIG": "an ssh config file used instead of ~/.ssh/config",
     "DSEC_SSH_PERSIST": "how long an idle ssh master connection stays (ssh syntax, 600)",
     "DSEC_VM_VERBOSE": "any value: show the guest kernel's full boot log",
+    "DSEC_PY_WALK": "any value: scan and read build trees in Python, not the compiled walker",
 }
 
 

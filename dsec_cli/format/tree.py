@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.config import env
 from ..core.errors import FormatError
 from .index import Entry
 
@@ -224,8 +225,8 @@ try:  # built by scripts/setup.sh; without it the pure-Python walk below gives t
     from . import _walk as _cwalk  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on the build
     _cwalk = None
-#: cleared by tests to compare both walks, or when the compiled one is not built
-use_compiled = _cwalk is not None
+#: cleared when the compiled walker is not built, by DSEC_PY_WALK, or by tests comparing both
+use_compiled = _cwalk is not None and not env("DSEC_PY_WALK")
 
 
 def _py_xattrs(dfd: int, name: str, fd: int | None) -> list[tuple[str, bytes]]:
