@@ -50,6 +50,19 @@ class WriteStats:
     packs_written: list[str] = field(default_factory=list)
 
 
+#: chunks are handed to the compression pool in groups of up to this many bytes (or
+#: GROUP_CHUNKS chunks): one task per group keeps the pool's per-task cost off the hot path
+GROUP_BYTES = 1 << 20
+GROUP_CHUNKS = 32
+
+#: a chunk waiting for its group to be compressed: (chunk number, id, uncompressed length)
+_Job = tuple[int, bytes, int]
+
+
+def _encode_group(payloads: list[bytes], level: int) -> list[tuple[int, bytes]]:
+    return [encode(p, level) for p in payloads]
+
+
 class _Writer:
     def __init__(self, store: Store, known: KnownChunks, params: ChunkParams,
                  staging: Path, progress: Progress | None, crypto: bool) -> None:
@@ -63,9 +76,12 @@ class _Writer:
         self.pack_no: dict[str, int] = {}
         self.locs: list[ChunkLoc | None] = []
         self.by_id: dict[bytes, int] = {}
-        self.pending: deque[tuple[int, bytes, int, Future[tuple[int, bytes]]]] = deque()
+        self.pending: deque[tuple[list[_Job], Future[list[tuple[int, bytes]]]]] = deque()
         self.pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1)))
-        self.window = 4 * max(1, (os.cpu_count() or 1)) + 8
+        self.window = 2 * max(1, (os.cpu_count() or 1)) + 2  # groups in flight
+        self.group: list[_Job] = []
+        self.group_payloads: list[bytes] = []
+        self.group_bytes = 0
         self.pack: PackWriter | None = None
         self.result_new_bytes = 0
         self.new_chunks = 0
@@ -101,24 +117,37 @@ class _Writer:
         payload = bytes(data)
         if self.crypto:
             self.sha[n] = hashlib.sha256(payload).digest()
-        self.pending.append((n, cid, len(payload),
-                             self.pool.submit(encode, payload, self.params.level)))
-        while len(self.pending) >= self.window:
-            self._drain_one()
+        self.group.append((n, cid, len(payload)))
+        self.group_payloads.append(payload)
+        self.group_bytes += len(payload)
+        if self.group_bytes >= GROUP_BYTES or len(self.group) >= GROUP_CHUNKS:
+            self._submit()
         return n
 
+    def _submit(self) -> None:
+        if not self.group:
+            return
+        self.pending.append((self.group, self.pool.submit(_encode_group, self.group_payloads,
+                                                          self.params.level)))
+        self.group, self.group_payloads, self.group_bytes = [], [], 0
+        while len(self.pending) >= self.window:
+            self._drain_one()
+
     def _drain_one(self) -> None:
-        n, cid, ulen, fut = self.pending.popleft()
-        codec, stored = fut.result()
-        if self.pack is None:
-            self.pack = PackWriter(self.staging)
-        pc = self.pack.add(cid, codec, stored, ulen)
-        self.locs[n] = ChunkLoc(cid, -1, pc.offset, pc.clen, ulen, codec, self.sha.get(n))
-        self.open_chunks.append(n)
-        self.result_new_bytes += len(stored)
-        self.new_chunks += 1
-        if self.pack.size >= PACK_TARGET:
-            self._seal()
+        """Append the oldest group's chunks to packs, in submission order (the output does
+        not depend on how chunks were grouped: a pack is sealed after the chunk that fills
+        it, whichever group that chunk was in)."""
+        jobs, fut = self.pending.popleft()
+        for (n, cid, ulen), (codec, stored) in zip(jobs, fut.result(), strict=True):
+            if self.pack is None:
+                self.pack = PackWriter(self.staging)
+            pc = self.pack.add(cid, codec, stored, ulen)
+            self.locs[n] = ChunkLoc(cid, -1, pc.offset, pc.clen, ulen, codec, self.sha.get(n))
+            self.open_chunks.append(n)
+            self.result_new_bytes += len(stored)
+            self.new_chunks += 1
+            if self.pack.size >= PACK_TARGET:
+                self._seal()
 
     def _seal(self) -> None:
         if self.pack is None or not len(self.pack):
@@ -144,6 +173,7 @@ class _Writer:
             fp.path.unlink(missing_ok=True)
 
     def finish(self) -> list[ChunkLoc]:
+        self._submit()
         while self.pending:
             self._drain_one()
         self._seal()
@@ -155,7 +185,7 @@ class _Writer:
         return self.locs  # type: ignore[return-value]
 
     def abort(self) -> None:
-        for *_, fut in self.pending:
+        for _, fut in self.pending:
             fut.cancel()
         self.pool.shutdown(cancel_futures=True)
         self.upload_pool.shutdown(cancel_futures=True)

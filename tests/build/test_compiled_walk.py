@@ -158,3 +158,19 @@ def test_a_vanished_file_fails_the_layer_cleanly(tmp_path: Path, compiled: Modul
         write_layer(store, scanned, known=KnownChunks.load(store, tmp_path / "t"))
     assert not list((tmp_path / "store").rglob("packs/*/*"))
     shutil.rmtree(root)
+
+
+def test_grouped_compression_does_not_change_layers(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks go to the compression pool in groups; packs (sealed mid-group here) and the
+    index are the same as with one chunk per task."""
+    root = _hostile_tree(tmp_path / "src")
+    params = ChunkParams(min_size=4096, avg_size=16384, max_size=65536, small_file=4096)
+    monkeypatch.setattr(layer, "PACK_TARGET", 100_000)
+    monkeypatch.setattr(layer, "GROUP_CHUNKS", 1)
+    one = _layer(tmp_path, root, "one", params)
+    monkeypatch.setattr(layer, "GROUP_CHUNKS", 32)
+    monkeypatch.setattr(layer, "GROUP_BYTES", 300_000)
+    grouped = _layer(tmp_path, root, "grouped", params)
+    assert one == grouped
+    assert len(one[1]["packs"]) >= 3
