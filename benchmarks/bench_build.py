@@ -3,8 +3,9 @@ against `tar -c | zstd -T0 -3` and `casync make` on the same tree in the same ru
 
     python -m benchmarks build [--tree DIR] [--runs N] [--no-casync] [--python-walk]
 
-Each tool's CPU time (user + system, all its processes) is printed beside its wall time: on a
-loaded machine the CPU ratio is the steadier figure. With --python-walk dsec is also timed with
+The tools take turns run after run (medians are reported). Each tool's CPU time (user + system,
+all its processes) is printed beside its wall time: on a loaded machine the CPU ratio is the
+steadier figure. With --python-walk dsec is also timed with
 DSEC_PY_WALK=1 (the pure-Python walk and reader) in the same run. The no-op rebuild is split
 into interpreter start, `dsec --help` (imports and the command-line framework) and the rest.
 
@@ -21,6 +22,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,18 +35,6 @@ def _child_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def cpu_timed(fn: Callable[[], Any], runs: int, setup: Callable[[], Any] | None = None
-              ) -> tuple[float, float]:
-    """(median wall seconds, median CPU seconds of the child processes) of fn over runs."""
-    cpus: list[float] = []
-
-    def one() -> None:
-        before = _child_cpu()
-        fn()
-        cpus.append(_child_cpu() - before)
-
-    wall, _ = timed(one, runs, setup=setup)
-    return wall, statistics.median(cpus)
 
 DEFAULT_TREES = ["/root/.pyenv/versions/3.11.7", "/usr/lib/python3", "/usr/lib/x86_64-linux-gnu"]
 
@@ -98,21 +88,7 @@ def run(src: Path, runs: int, work: Path, label: str = "", *, casync: bool = Tru
     print(f"tree: {src} ({size / 1e6:.0f} MB in {nfiles} files), {runs} runs each")
 
     tz = work / "t.tar.zst"
-    t_tar, c_tar = cpu_timed(
-        lambda: sh(f"tar -C {tree} -cf - . | zstd -T0 -3 -q -f -o {tz}"), runs)
-    tar_zst = tz.stat().st_size
-    print(f"tar|zstd -T0 -3: {t_tar:.2f}s (cpu {c_tar:.2f}s)  {size / t_tar / 1e6:.0f} MB/s  "
-          f"{tar_zst / 1e6:.1f} MB")
-
     cas = work / "castr"
-    t_cas, cas_bytes = float("nan"), 0
-    if casync:
-        t_cas, _ = timed(lambda: sh(f"casync make --store={cas} {work}/c.caidx {tree}"), runs,
-                         setup=lambda: shutil.rmtree(cas, ignore_errors=True))
-        cas_bytes = du(cas)
-        print(f"casync make:     {t_cas:.2f}s  {size / t_cas / 1e6:.0f} MB/s  "
-              f"{cas_bytes / 1e6:.1f} MB")
-
     store = work / "store"
     n = {"i": 0}
 
@@ -124,15 +100,42 @@ def run(src: Path, runs: int, work: Path, label: str = "", *, casync: bool = Tru
         dsec("build", str(spec), "--store", str(store),
              env={"DSEC_DATA_DIR": str(work / f"data{n['i']}"), **(extra or {})})
 
-    t_py = c_py = float("nan")
+    # the tools take turns, run after run, so that a change in the machine's load falls on
+    # all of them alike
+    tools: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {
+        "tar_zstd": (lambda: sh(f"tar -C {tree} -cf - . | zstd -T0 -3 -q -f -o {tz}"), None)}
+    if casync:
+        tools["casync"] = (lambda: sh(f"casync make --store={cas} {work}/c.caidx {tree}"),
+                           lambda: shutil.rmtree(cas, ignore_errors=True))
     if python_walk:
-        t_py, c_py = cpu_timed(lambda: build({"DSEC_PY_WALK": "1"}), runs, setup=fresh)
-        print(f"dsec build (Python walk): {t_py:.2f}s (cpu {c_py:.2f}s)  "
-              f"{size / t_py / 1e6:.0f} MB/s")
-    t_dsec, c_dsec = cpu_timed(build, runs, setup=fresh)
+        tools["dsec_python_walk"] = (lambda: build({"DSEC_PY_WALK": "1"}), fresh)
+    tools["dsec"] = (build, fresh)  # last: the store it leaves is measured below
+    walls: dict[str, list[float]] = {k: [] for k in tools}
+    cpus: dict[str, list[float]] = {k: [] for k in tools}
+    for _ in range(runs):
+        for name, (fn, setup) in tools.items():
+            if setup:
+                setup()
+            before, t = _child_cpu(), time.perf_counter()
+            fn()
+            walls[name].append(time.perf_counter() - t)
+            cpus[name].append(_child_cpu() - before)
+    wall = {k: statistics.median(v) for k, v in walls.items()}
+    cpu = {k: statistics.median(v) for k, v in cpus.items()}
+    nan = float("nan")
+    t_tar, c_tar = wall["tar_zstd"], cpu["tar_zstd"]
+    t_cas, t_py, c_py = wall.get("casync", nan), wall.get("dsec_python_walk", nan), \
+        cpu.get("dsec_python_walk", nan)
+    t_dsec, c_dsec = wall["dsec"], cpu["dsec"]
+    tar_zst = tz.stat().st_size
+    cas_bytes = du(cas) if casync else 0
     stored = _store_bytes(store)
-    print(f"dsec build:      {t_dsec:.2f}s (cpu {c_dsec:.2f}s)  {size / t_dsec / 1e6:.0f} MB/s  "
-          f"{stored / 1e6:.1f} MB")
+    for name, out_bytes in (("tar_zstd", tar_zst), ("casync", cas_bytes),
+                            ("dsec_python_walk", 0), ("dsec", stored)):
+        if name in wall:
+            print(f"{name:17} {wall[name]:6.2f}s (cpu {cpu[name]:.2f}s)  "
+                  f"{size / wall[name] / 1e6:4.0f} MB/s  {out_bytes / 1e6:.1f} MB  "
+                  f"runs {', '.join(f'{x:.2f}' for x in walls[name])}")
 
     data_dir = {"DSEC_DATA_DIR": str(work / f"data{n['i']}")}
     t_noop, noop_runs = timed(lambda: dsec("build", str(spec), "--store", str(store),
@@ -169,6 +172,7 @@ def run(src: Path, runs: int, work: Path, label: str = "", *, casync: bool = Tru
                     "noop_runs": noop_runs, "dsec_python_walk": t_py, "interpreter": t_start,
                     "dsec_help": t_help},
         "cpu_seconds": {"tar_zstd": c_tar, "dsec": c_dsec, "dsec_python_walk": c_py},
+        "run_seconds": walls, "run_cpu_seconds": cpus,
         "bytes": {"tar_zst": tar_zst, "casync_store": cas_bytes, "dsec_store": stored,
                   "dsec_new_after_1pct": new},
         "changed_files": changed, "ratios": ratios,
