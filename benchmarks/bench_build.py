@@ -56,6 +56,17 @@ def _change_one_percent(tree: Path) -> int:
     return len(changed)
 
 
+def _no_nan(obj: Any) -> Any:
+    """What was not measured is null in the results file (JSON has no NaN)."""
+    if isinstance(obj, float) and obj != obj:
+        return None
+    if isinstance(obj, dict):
+        return {k: _no_nan(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_no_nan(v) for v in obj]
+    return obj
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks build")
     ap.add_argument("--tree", default=next((t for t in DEFAULT_TREES if Path(t).is_dir()), None))
@@ -166,7 +177,7 @@ def run(src: Path, runs: int, work: Path, label: str = "", *, casync: bool = Tru
     }
     for k, v in ratios.items():
         print(f"  {k}: {v:.3f}")
-    out = save(f"build-{label}" if label else "build", {
+    out = save(f"build-{label}" if label else "build", _no_nan({
         "tree": str(src), "tree_bytes": size, "files": nfiles, "runs": runs,
         "seconds": {"tar_zstd": t_tar, "casync": t_cas, "dsec": t_dsec, "noop": t_noop,
                     "noop_runs": noop_runs, "dsec_python_walk": t_py, "interpreter": t_start,
@@ -176,5 +187,5 @@ def run(src: Path, runs: int, work: Path, label: str = "", *, casync: bool = Tru
         "bytes": {"tar_zst": tar_zst, "casync_store": cas_bytes, "dsec_store": stored,
                   "dsec_new_after_1pct": new},
         "changed_files": changed, "ratios": ratios,
-    })
+    }))
     print(f"results: {out}")
