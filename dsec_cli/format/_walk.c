@@ -14,6 +14,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -201,7 +202,7 @@ static int visit(Walk *w, int dfd, PyObject *name, PyObject *rel, const struct s
     struct stat stbuf;
     const struct stat *st = given;
     PyObject *bname = NULL, *target = NULL, *xattrs = NULL, *names = NULL;
-    int sub_fd = given_fd, own_fd = 0, rc = -1;
+    int sub_fd = given_fd, own_fd = 0, rc = -1, entered = 0;
     if (st == NULL) {
         bname = PyUnicode_EncodeFSDefault(name);
         if (bname == NULL)
@@ -222,14 +223,20 @@ static int visit(Walk *w, int dfd, PyObject *name, PyObject *rel, const struct s
         }
     }
     if (S_ISLNK(st->st_mode)) {
-        char buf[4097];
-        ssize_t n = readlinkat(dfd, PyBytes_AS_STRING(bname), buf, sizeof(buf) - 1);
+        /* on the heap: this frame stays on the stack while the walk recurses */
+        char *buf = malloc(PATH_MAX + 1);
+        if (buf == NULL) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        ssize_t n = readlinkat(dfd, PyBytes_AS_STRING(bname), buf, PATH_MAX);
         if (n < 0) {
+            free(buf);
             os_error(errno, name);
             goto out;
         }
-        buf[n] = '\0';
         target = PyUnicode_DecodeFSDefaultAndSize(buf, n);
+        free(buf);
         if (target == NULL)
             goto out;
     } else if (!w->xattrs) {
@@ -237,7 +244,7 @@ static int visit(Walk *w, int dfd, PyObject *name, PyObject *rel, const struct s
     } else if (sub_fd >= 0) {
         xattrs = read_xattrs(sub_fd, NULL);
     } else {
-        char path[64 + 4096];
+        char path[64 + NAME_MAX + 1];
         if (surely_no_xattrs(dfd, PyBytes_AS_STRING(bname))) {
             xattrs = PyList_New(0);
             goto emit;
@@ -254,6 +261,11 @@ emit:
         names = sorted_names(sub_fd);
         if (names == NULL)
             goto out;
+        /* as deep as Python's own recursion limit allows, like the Python walk: a hostile
+         * tree nested without end is a RecursionError, never a stack overflow */
+        if (Py_EnterRecursiveCall(" while walking a tree"))
+            goto out;
+        entered = 1;
         int is_root = PyUnicode_CompareWithASCIIString(rel, ".") == 0;
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(names); i++) {
             PyObject *child = PyList_GET_ITEM(names, i);
@@ -269,6 +281,8 @@ emit:
     }
     rc = 0;
 out:
+    if (entered)
+        Py_LeaveRecursiveCall();
     if (own_fd)
         close(sub_fd);
     Py_XDECREF(bname);

@@ -174,3 +174,27 @@ def test_grouped_compression_does_not_change_layers(tmp_path: Path,
     grouped = _layer(tmp_path, root, "grouped", params)
     assert one == grouped
     assert len(one[1]["packs"]) >= 3
+
+
+def test_a_bottomless_tree_is_a_recursion_error(tmp_path: Path, compiled: ModuleType) -> None:
+    """A tree nested deeper than Python's recursion limit stops both walks with
+    RecursionError (the compiled one counts its levels against the same limit), never with
+    a stack overflow."""
+    root = tmp_path / "deep"
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(1200):  # os.makedirs would itself recurse too deep
+            os.mkdir("d", dir_fd=fd)
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    finally:
+        os.close(fd)
+    try:
+        with pytest.raises(RecursionError):
+            compiled.scan(str(root), True)
+        with pytest.raises(RecursionError):
+            tree._py_records(str(root), True)
+    finally:
+        subprocess.run(["rm", "-rf", str(root)], check=True)
