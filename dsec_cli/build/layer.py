@@ -1,9 +1,10 @@
 """The layer writer: entries -> chunks -> packs + index + manifest, deduplicated against
 the store; the caller writes the ref last.
 
-Chunking and hashing run on the calling thread; zstd compression (which releases the GIL)
-runs on a pool, with a bounded window of chunks in flight, and results are appended to packs
-in submission order so the output is deterministic.
+Files are read in batches on a read-ahead thread (the compiled reader releases the GIL);
+chunking and hashing run on the calling thread; zstd compression (which releases the GIL)
+runs on a pool, one task per group of chunks, with a bounded window of groups in flight, and
+results are appended to packs in submission order so the output is deterministic.
 """
 
 from __future__ import annotations
