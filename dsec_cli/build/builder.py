@@ -29,11 +29,11 @@ from ..push.dedup import KnownChunks
 from ..push.materialize import LayerCache
 from ..push.stores import open_store
 from ..push.stores.base import Store
-from .image import base_warnings, write_image
 from .spec import Spec, find_specs, load_spec
-from .steps import STAGED_STEPS, build_tree, clean_stale_staging, make_staging
 
-if TYPE_CHECKING:  # the writer loads the compiled chunker: only when something is built
+# the steps (and the sandbox runner under them), the image writer and the layer writer (with
+# the compiled chunker) are imported only when something is built: a no-op build skips them
+if TYPE_CHECKING:
     from .layer import Progress, WriteStats
 
 
@@ -298,6 +298,7 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
                  progress: Progress | None, on_log: Callable[[str], None] | None,
                  chunk_sha256: bool) -> tuple[str, Manifest, WriteStats]:
     from .layer import layer_manifest, write_layer
+    from .steps import STAGED_STEPS, build_tree, clean_stale_staging, make_staging
 
     bases = [load_manifest(st, d) for d in deps]
     base_env: dict[str, str] = {}
@@ -324,6 +325,8 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
 
 
 def _build_image(st: Store, spec: Spec, layers: list[str]) -> tuple[str, Manifest, list[str]]:
+    from .image import base_warnings, write_image
+
     ms = [load_manifest(st, d) for d in layers]
     digest, m = write_image(st, spec.name, spec.version, layers, env=spec.env,
                             workdir=spec.workdir, spec_digest=spec.digest(), manifests=ms,

@@ -1,9 +1,10 @@
 """The layer writer: entries -> chunks -> packs + index + manifest, deduplicated against
 the store; the caller writes the ref last.
 
-Chunking and hashing run on the calling thread; zstd compression (which releases the GIL)
-runs on a pool, with a bounded window of chunks in flight, and results are appended to packs
-in submission order so the output is deterministic.
+Files are read in batches on a read-ahead thread (the compiled reader releases the GIL);
+chunking and hashing run on the calling thread; zstd compression (which releases the GIL)
+runs on a pool, one task per group of chunks, with a bounded window of groups in flight, and
+results are appended to packs in submission order so the output is deterministic.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import hashlib
 import logging
 import mmap
 import os
+import queue
 import shutil
 import tempfile
+import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,7 +32,7 @@ from ..format.codec import encode
 from ..format.index import ChunkLoc, ChunkParams, Entry, LayerIndex, put_index
 from ..format.manifest import Manifest, put_manifest
 from ..format.pack import FinishedPack, PackWriter
-from ..format.tree import Scanned, ScanReport, parent_of
+from ..format.tree import Scanned, ScanReport, parent_of, read_many
 from ..push.dedup import KnownChunk, KnownChunks
 from ..push.stores.base import Store
 
@@ -46,6 +49,19 @@ class WriteStats:
     new_bytes: int = 0  # compressed bytes written to new packs
     reused_chunks: int = 0
     packs_written: list[str] = field(default_factory=list)
+
+
+#: chunks are handed to the compression pool in groups of up to this many bytes (or
+#: GROUP_CHUNKS chunks): one task per group keeps the pool's per-task cost off the hot path
+GROUP_BYTES = 1 << 20
+GROUP_CHUNKS = 32
+
+#: a chunk waiting for its group to be compressed: (chunk number, id, uncompressed length)
+_Job = tuple[int, bytes, int]
+
+
+def _encode_group(payloads: list[bytes], level: int) -> list[tuple[int, bytes]]:
+    return [encode(p, level) for p in payloads]
 
 
 class _Writer:
@@ -65,9 +81,12 @@ class _Writer:
         self.pack_no: dict[str, int] = {}
         self.locs: list[ChunkLoc | None] = []
         self.by_id: dict[bytes, int] = {}
-        self.pending: deque[tuple[int, bytes, int, Future[tuple[int, bytes]]]] = deque()
+        self.pending: deque[tuple[list[_Job], Future[list[tuple[int, bytes]]]]] = deque()
         self.pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1)))
-        self.window = 4 * max(1, (os.cpu_count() or 1)) + 8
+        self.window = 2 * max(1, (os.cpu_count() or 1)) + 2  # groups in flight
+        self.group: list[_Job] = []
+        self.group_payloads: list[bytes] = []
+        self.group_bytes = 0
         self.pack: PackWriter | None = None
         self.result_new_bytes = 0
         self.new_chunks = 0
@@ -103,24 +122,37 @@ class _Writer:
         payload = bytes(data)
         if self.crypto:
             self.sha[n] = hashlib.sha256(payload).digest()
-        self.pending.append((n, cid, len(payload),
-                             self.pool.submit(encode, payload, self.params.level)))
-        while len(self.pending) >= self.window:
-            self._drain_one()
+        self.group.append((n, cid, len(payload)))
+        self.group_payloads.append(payload)
+        self.group_bytes += len(payload)
+        if self.group_bytes >= GROUP_BYTES or len(self.group) >= GROUP_CHUNKS:
+            self._submit()
         return n
 
+    def _submit(self) -> None:
+        if not self.group:
+            return
+        self.pending.append((self.group, self.pool.submit(_encode_group, self.group_payloads,
+                                                          self.params.level)))
+        self.group, self.group_payloads, self.group_bytes = [], [], 0
+        while len(self.pending) >= self.window:
+            self._drain_one()
+
     def _drain_one(self) -> None:
-        n, cid, ulen, fut = self.pending.popleft()
-        codec, stored = fut.result()
-        if self.pack is None:
-            self.pack = PackWriter(self.staging)
-        pc = self.pack.add(cid, codec, stored, ulen)
-        self.locs[n] = ChunkLoc(cid, -1, pc.offset, pc.clen, ulen, codec, self.sha.get(n))
-        self.open_chunks.append(n)
-        self.result_new_bytes += len(stored)
-        self.new_chunks += 1
-        if self.pack.size >= PACK_TARGET:
-            self._seal()
+        """Append the oldest group's chunks to packs, in submission order (the output does
+        not depend on how chunks were grouped: a pack is sealed after the chunk that fills
+        it, whichever group that chunk was in)."""
+        jobs, fut = self.pending.popleft()
+        for (n, cid, ulen), (codec, stored) in zip(jobs, fut.result(), strict=True):
+            if self.pack is None:
+                self.pack = PackWriter(self.staging)
+            pc = self.pack.add(cid, codec, stored, ulen)
+            self.locs[n] = ChunkLoc(cid, -1, pc.offset, pc.clen, ulen, codec, self.sha.get(n))
+            self.open_chunks.append(n)
+            self.result_new_bytes += len(stored)
+            self.new_chunks += 1
+            if self.pack.size >= PACK_TARGET:
+                self._seal()
 
     def _seal(self) -> None:
         if self.pack is None or not len(self.pack):
@@ -149,6 +181,7 @@ class _Writer:
             fp.path.unlink(missing_ok=True)
 
     def finish(self) -> list[ChunkLoc]:
+        self._submit()
         while self.pending:
             self._drain_one()
         self._seal()
@@ -172,7 +205,7 @@ class _Writer:
         self.upload_pool.shutdown()
 
     def abort(self) -> None:
-        for *_, fut in self.pending:
+        for _, fut in self.pending:
             fut.cancel()
         self.pool.shutdown(cancel_futures=True)
         self.upload_pool.shutdown(cancel_futures=True)
@@ -180,14 +213,68 @@ class _Writer:
             self.pack.abort()
 
 
-def _read_all(fd: int, size: int) -> bytes:
-    data = os.read(fd, size)
-    if len(data) < size:  # short reads happen on some filesystems; keep reading
-        parts = [data]
-        while piece := os.read(fd, size - sum(map(len, parts))):
-            parts.append(piece)
-        data = b"".join(parts)
-    return data
+#: files per batch read, and the batches read ahead of the chunker
+READ_BATCH_FILES = 256
+READ_BATCH_BYTES = 8 << 20
+READ_AHEAD = 4
+
+
+def _batches(items: list[Scanned]) -> Iterator[list[Scanned]]:
+    batch: list[Scanned] = []
+    nbytes = 0
+    for s in items:
+        if s.entry.type != "reg" or s.source is None:
+            continue
+        batch.append(s)
+        nbytes += s.entry.size
+        if len(batch) >= READ_BATCH_FILES or nbytes >= READ_BATCH_BYTES:
+            yield batch
+            batch, nbytes = [], 0
+    if batch:
+        yield batch
+
+
+class _ReadAhead:
+    """Reads the regular files' bytes in batches on a thread of its own, a few batches ahead
+    of the chunker: the batched reader releases the GIL, so reading overlaps chunking,
+    hashing and compression. Yields (size, bytes or None) per file, in order."""
+
+    def __init__(self, items: list[Scanned], limit: int) -> None:
+        self._q: queue.Queue[tuple[list[tuple[int, bytes | None]] | None,
+                                   BaseException | None]] = queue.Queue(READ_AHEAD)
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(items, limit), daemon=True,
+                                   name="dsec-read-ahead")
+        self._t.start()
+
+    def _run(self, items: list[Scanned], limit: int) -> None:
+        try:
+            for batch in _batches(items):
+                if self._stop.is_set():
+                    return
+                self._q.put((read_many([s.source for s in batch  # type: ignore[misc]
+                                        ], limit), None))
+            self._q.put((None, None))
+        except BaseException as e:  # handed to the chunker, which raises it
+            self._q.put((None, e))
+
+    def __iter__(self) -> Iterator[tuple[int, bytes | None]]:
+        while True:
+            got, err = self._q.get()
+            if err is not None:
+                raise err
+            if got is None:
+                return
+            yield from got
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._t.is_alive():  # unblock a put into a full queue
+            try:
+                self._q.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self._t.join()
 
 
 class _Batcher:
@@ -300,6 +387,24 @@ def _renamed(e: Entry, path: str) -> Entry:
     return replace(e, path=path)
 
 
+def _cut_large(w: _Writer, e: Entry, source: str, params: ChunkParams) -> int:
+    """Chunk a file larger than one chunk at content-defined boundaries; returns its size."""
+    fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                e.chunks = [(w.chunk(view[o:o + ln]), 0, ln) for o, ln in cut(view, params)]
+            finally:
+                view.release()
+        return size
+    finally:
+        os.close(fd)
+
+
 def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
                 params: ChunkParams | None = None, progress: Progress | None = None,
                 crypto_digests: bool = False) -> tuple[LayerIndex, WriteStats]:
@@ -312,33 +417,27 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
     entries: list[Entry] = []
     batcher = _Batcher(w, params)
 
+    items = canonical_entries(scanned)
+    reads = _ReadAhead(items, params.max_size)
+    contents = iter(reads)
     try:
-        for s in canonical_entries(scanned):
+        for s in items:
             e = s.entry
             entries.append(e)
             if progress:
                 progress("files", 1)
             if e.type != "reg" or s.source is None:
                 continue
-            fd = os.open(s.source, os.O_RDONLY)
-            try:
-                size = e.size = os.fstat(fd).st_size
-                if size == 0:
-                    continue
-                if size < params.small_file:
-                    batcher.add(e, _read_all(fd, size))
-                elif size <= params.max_size:
-                    e.chunks = [(w.chunk(_read_all(fd, size)), 0, size)]
-                else:
-                    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
-                        view = memoryview(mm)
-                        try:
-                            e.chunks = [(w.chunk(view[o:o + ln]), 0, ln)
-                                        for o, ln in cut(view, params)]
-                        finally:
-                            view.release()
-            finally:
-                os.close(fd)
+            size, data = next(contents)
+            e.size = size
+            if size == 0:
+                continue
+            if data is None:  # larger than one chunk: cut from a map of the file
+                size = e.size = _cut_large(w, e, s.source, params)
+            elif size < params.small_file:
+                batcher.add(e, data)
+            else:
+                e.chunks = [(w.chunk(data), 0, len(data))]
             if progress:
                 progress("bytes", size)
         batcher.flush()
@@ -347,6 +446,7 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
         w.abort()
         raise
     finally:
+        reads.close()
         shutil.rmtree(staging, ignore_errors=True)
     index = LayerIndex(entries=entries, chunks=locs, packs=w.packs, params=params)
     return index, WriteStats(w.new_chunks, w.result_new_bytes, w.reused, w.written)

@@ -213,6 +213,7 @@ ENV_SETTINGS: dict[str, str] = {
     "DSEC_CLI_SERVER": "seconds a per-user command server that runs plain exec, run -d and ps "
                        "stays idle (unset: commands run in-process)",
     "DSEC_AGENT_IDLE": "seconds a resident node service stays without clients (default 900)",
+    "DSEC_PY_WALK": "any value: scan and read build trees in Python, not the compiled walker",
 }
 
 

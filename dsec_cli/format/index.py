@@ -40,6 +40,9 @@ def _put_name(d: dict[str, Any], key: str, name: str) -> None:
     is not valid UTF-8 is the surrogateescape-decoded str (as os.fsdecode gives); stored, it
     is the base64 of its exact bytes under ``<key>b`` instead of ``<key>``, so entries whose
     names are valid UTF-8 (and the digests of all-UTF-8 trees) are as they always were."""
+    if name.isascii():  # the common case: no surrogate can be in it
+        d[key] = name
+        return
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.config import env
 from ..core.errors import FormatError
 from .index import Entry
 
@@ -214,8 +215,21 @@ class ScanReport:
         return [f"dropped {d}" for d in self.dropped] + [f"changed {c}" for c in self.changed]
 
 
-def _xattrs(dfd: int, name: str, fd: int | None, overlay_upper: bool
-            ) -> tuple[dict[str, bytes], bool]:
+#: one path of a walk, as the compiled walker and its pure-Python twin both give it:
+#: (rel, st_mode, uid, gid, mtime_ns, size, nlink, dev, ino, rdev_major, rdev_minor,
+#:  ctime_ns, symlink target or None, [(xattr name, value)] or None)
+Record = tuple[str, int, int, int, int, int, int, int, int, int, int, int, "str | None",
+               "list[tuple[str, bytes]] | None"]
+
+try:  # built by scripts/setup.sh; without it the pure-Python walk below gives the same records
+    from . import _walk as _cwalk  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _cwalk = None
+#: cleared when the compiled walker is not built, by DSEC_PY_WALK, or by tests comparing both
+use_compiled = _cwalk is not None and not env("DSEC_PY_WALK")
+
+
+def _py_xattrs(dfd: int, name: str, fd: int | None) -> list[tuple[str, bytes]]:
     # an open fd where there is one; else the name through the parent's fd (no symlink:
     # xattrs are never read from symlinks)
     target: int | str = fd if fd is not None else f"/proc/self/fd/{dfd}/{name}"
@@ -223,21 +237,90 @@ def _xattrs(dfd: int, name: str, fd: int | None, overlay_upper: bool
         names = os.listxattr(target, follow_symlinks=False) if fd is None \
             else os.listxattr(target)
     except OSError:
-        return {}, False
-    out: dict[str, bytes] = {}
-    opaque = False
+        return []
+    out: list[tuple[str, bytes]] = []
     for xname in names:
         try:
             value = os.getxattr(target, xname, follow_symlinks=False) if fd is None \
                 else os.getxattr(target, xname)
         except OSError:
             continue
-        if xname.startswith(OVERLAY_XATTR_PREFIX):
-            if overlay_upper and xname == OPAQUE_XATTR and value == b"y":
-                opaque = True
-            continue  # overlayfs bookkeeping is not content
-        out[xname] = value
-    return out, opaque
+        out.append((xname, value))
+    return out
+
+
+def _py_records(root: str, xattrs: bool = True) -> list[Record]:
+    """The records of every path under root in sorted pre-order, never following a symlink
+    below root (each directory is opened with O_NOFOLLOW through its parent's fd)."""
+    out: list[Record] = []
+
+    def emit(dfd: int, name: str, rel: str, st: os.stat_result, sub_fd: int | None) -> None:
+        mode = st.st_mode
+        target = os.readlink(name, dir_fd=dfd) if stat.S_ISLNK(mode) else None
+        xs = None if target is not None or not xattrs else _py_xattrs(dfd, name, sub_fd)
+        out.append((rel, mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_size, st.st_nlink,
+                    st.st_dev, st.st_ino, os.major(st.st_rdev), os.minor(st.st_rdev),
+                    st.st_ctime_ns, target, xs))
+        if sub_fd is not None:
+            for child in sorted(os.listdir(sub_fd)):
+                visit(sub_fd, child, child if rel == "." else f"{rel}/{child}")
+
+    def visit(dfd: int, name: str, rel: str) -> None:
+        st = os.lstat(name, dir_fd=dfd)
+        sub_fd: int | None = None
+        if stat.S_ISDIR(st.st_mode):
+            sub_fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+        try:
+            emit(dfd, name, rel, st, sub_fd)
+        finally:
+            if sub_fd is not None:
+                os.close(sub_fd)
+
+    # the root is the caller's own path (a spec's folder may be a symlink); below it nothing
+    # is followed
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        emit(root_fd, ".", ".", os.fstat(root_fd), root_fd)
+    finally:
+        os.close(root_fd)
+    return out
+
+
+def walk_records(root: str, *, xattrs: bool = True) -> list[Record]:
+    """Every path under root as a `Record`, in sorted pre-order, never following a symlink
+    below root: from the compiled walker where it is built, else from Python."""
+    if use_compiled and _cwalk is not None:
+        return _cwalk.scan(root, xattrs)  # type: ignore[no-any-return]
+    return _py_records(root, xattrs)
+
+
+def _py_read_many(paths: list[str], limit: int) -> list[tuple[int, bytes | None]]:
+    out: list[tuple[int, bytes | None]] = []
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            data = None
+            if 0 < size <= limit:
+                parts = [os.read(fd, size)]
+                have = len(parts[0])
+                while have < size and (piece := os.read(fd, size - have)):  # short reads
+                    parts.append(piece)
+                    have += len(piece)
+                data = parts[0] if len(parts) == 1 else b"".join(parts)
+            out.append((size, data))
+        finally:
+            os.close(fd)
+    return out
+
+
+def read_many(paths: list[str], limit: int) -> list[tuple[int, bytes | None]]:
+    """(size, bytes) of each file, opened by path: its size as fstat gives it and, when
+    0 < size <= limit, its bytes (fewer when it shrinks meanwhile; None otherwise). The
+    compiled reader releases the GIL for the whole batch."""
+    if use_compiled and _cwalk is not None:
+        return _cwalk.read_many(paths, limit)  # type: ignore[no-any-return]
+    return _py_read_many(paths, limit)
 
 
 def scan_dir(root: Path, *, overlay_upper: bool = False,
@@ -250,77 +333,56 @@ def scan_dir(root: Path, *, overlay_upper: bool = False,
     out: list[Scanned] = []
     seen_inodes: dict[tuple[int, int], str] = {}
     root_str = str(root)
-
-    def visit(dfd: int, name: str, host: str, rel: str) -> None:
-        st = os.lstat(name, dir_fd=dfd)
-        mode = st.st_mode
-        sub_fd: int | None = None
-        if stat.S_ISDIR(mode):
-            sub_fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
-        try:
-            _visit(dfd, name, host, rel, st, sub_fd)
-        finally:
-            if sub_fd is not None:
-                os.close(sub_fd)
-
-    def _visit(dfd: int, name: str, host: str, rel: str, st: os.stat_result,
-               sub_fd: int | None) -> None:
-        mode = st.st_mode
-        is_lnk = stat.S_ISLNK(mode)
-        xattrs, opaque = ({}, False) if is_lnk else _xattrs(dfd, name, sub_fd, overlay_upper)
+    for rec in walk_records(root_str):
+        (rel, mode, uid, gid, mtime, size, nlink, dev, ino, rmaj, rmin, ctime, target,
+         raw_xattrs) = rec
+        xattrs: dict[str, bytes] = {}
+        opaque = False
+        for xname, value in raw_xattrs or ():
+            if xname.startswith(OVERLAY_XATTR_PREFIX):
+                if overlay_upper and xname == OPAQUE_XATTR and value == b"y":
+                    opaque = True
+                continue  # overlayfs bookkeeping is not content
+            xattrs[xname] = value
         perm = stat.S_IMODE(mode)
-        if snapshot is not None and perm & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISDIR(
-                mode):
+        is_dir = stat.S_ISDIR(mode)
+        if snapshot is not None and perm & (stat.S_ISUID | stat.S_ISGID) and not is_dir:
             perm &= ~(stat.S_ISUID | stat.S_ISGID)
             snapshot.changed.append(f"{rel}: setuid/setgid bits removed")
         if snapshot is not None and xattrs.pop("security.capability", None) is not None:
             snapshot.changed.append(f"{rel}: file capabilities removed")
-        e = Entry(path=rel, type="reg", mode=perm, uid=st.st_uid, gid=st.st_gid,
-                  mtime=st.st_mtime_ns, xattrs=xattrs)
+        e = Entry(path=rel, type="reg", mode=perm, uid=uid, gid=gid, mtime=mtime,
+                  xattrs=xattrs)
         source = None
-        if stat.S_ISDIR(mode):
+        if is_dir:
             e.type, e.opaque = "dir", opaque
         elif stat.S_ISREG(mode):
-            if st.st_nlink > 1:
-                first = seen_inodes.setdefault((st.st_dev, st.st_ino), rel)
+            if nlink > 1:
+                first = seen_inodes.setdefault((dev, ino), rel)
                 if first != rel:
                     e.type, e.target = "hard", first
             if e.type == "reg":
-                e.size, source = st.st_size, host
-        elif is_lnk:
-            e.type, e.target, e.xattrs = "sym", os.readlink(name, dir_fd=dfd), {}
+                e.size, source = size, root_str if rel == "." else os.path.join(root_str, rel)
+        elif target is not None:
+            e.type, e.target, e.xattrs = "sym", target, {}
         elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-            if overlay_upper and stat.S_ISCHR(mode) and st.st_rdev == 0:
+            if overlay_upper and stat.S_ISCHR(mode) and rmaj == 0 and rmin == 0:
                 e = Entry(path=rel, type="whiteout")
             elif snapshot is not None:
                 snapshot.dropped.append(f"{rel}: device node")
-                return
+                continue
             else:
                 e.type = "chr" if stat.S_ISCHR(mode) else "blk"
-                e.rdev = (os.major(st.st_rdev), os.minor(st.st_rdev))
+                e.rdev = (rmaj, rmin)
         elif stat.S_ISFIFO(mode):
             e.type = "fifo"
         else:
             if snapshot is not None:
                 snapshot.dropped.append(f"{rel}: socket")
-            return  # sockets are not content
-        out.append(Scanned(e, source, st.st_ctime_ns))
+            continue  # sockets are not content
+        out.append(Scanned(e, source, ctime))
         if on_entry:
             on_entry(e)
-        if sub_fd is not None:
-            names = sorted(os.listdir(sub_fd))
-            for child in names:
-                visit(sub_fd, child, os.path.join(host, child),
-                      child if rel == "." else f"{rel}/{child}")
-
-    # the root is the caller's own path (a spec's folder may be a symlink); below it nothing
-    # is followed
-    root_fd = os.open(root_str, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(root_fd)
-        _visit(root_fd, ".", root_str, ".", st, root_fd)
-    finally:
-        os.close(root_fd)
     return out
 
 
