@@ -19,7 +19,7 @@ image), re-executes the committed steps after that snapshot, checking each recor
 digest, and leaves the journal's results as they were.
 
 `sweep` (called by node gc) applies the lease: past ``park_grace`` after the lease expired
-the job's sandboxes are paused; past ``reclaim_grace`` they are removed and the rollouts marked
+the job's sandboxes are parked; past ``reclaim_grace`` they are removed and the rollouts marked
 lost; past ``retain`` more the job's rows and snapshot refs go too. Admission slots cap the
 rollouts a job holds at once; requests past the cap queue in ticket order.
 """
@@ -60,7 +60,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     created REAL NOT NULL,
     ttl REAL NOT NULL,              -- seconds a renewal keeps the lease
     expires REAL NOT NULL,          -- the lease's end
-    park_grace REAL NOT NULL,       -- after expiry: sandboxes paused
+    park_grace REAL NOT NULL,       -- after expiry: sandboxes parked
     reclaim_grace REAL NOT NULL,    -- after expiry: sandboxes removed
     retain REAL NOT NULL,           -- after reclaim: journal and snapshots removed
     max_concurrent INTEGER NOT NULL,  -- 0: no cap
@@ -326,7 +326,8 @@ class NodeJobs:
                            [(horizon, s) for s in sids])
 
     def park(self, name: str, by_lease: bool = False) -> dict[str, Any]:
-        """Pause every live sandbox of the job (backends that cannot pause keep running)."""
+        """Park every live sandbox of the job: stopped, its memory pushed out (density.py);
+        backends that cannot stop keep running."""
         self._job(name)
         with self.db.tx() as db:
             db.execute("UPDATE jobs SET parked=? WHERE name=?", (2 if by_lease else 1, name))
@@ -334,7 +335,10 @@ class NodeJobs:
             try:
                 rec = self.node.lookup(r["sandbox"])
                 if rec.status == "running" and self.node.backend(rec.backend).supports_pause:
-                    self.node.pause(rec.id)
+                    try:
+                        self.node.park(rec.id)
+                    except UsageError:  # nothing to reclaim from (no cgroup): stopped only
+                        self.node.pause(rec.id)
             except Exception as e:  # one sandbox that cannot be paused does not stop the rest
                 log.warning("job %s: cannot park sandbox %s: %s", name, r["sandbox"], e)
         return self.get(name)
@@ -343,7 +347,10 @@ class NodeJobs:
         self._job(name)
         for r in self._live_rollouts(name):
             try:
-                if self.node.lookup(r["sandbox"]).status == "paused":
+                status = self.node.lookup(r["sandbox"]).status
+                if status == "parked":
+                    self.node.thaw(r["sandbox"])
+                elif status == "paused":  # parked by an older dsec, or paused by hand
                     self.node.resume(r["sandbox"])
             except Exception as e:
                 log.warning("job %s: cannot thaw sandbox %s: %s", name, r["sandbox"], e)
@@ -555,7 +562,7 @@ class NodeJobs:
         if r["sandbox"]:
             try:
                 rec = self.node.lookup(r["sandbox"])
-                alive = rec.status in ("running", "paused") and \
+                alive = rec.status in ("running", "paused", "parked") and \
                     self.node.backend(rec.backend).is_alive(self.node.handle_of(rec))
             except NotFoundError:
                 alive = False

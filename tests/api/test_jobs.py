@@ -268,7 +268,7 @@ def test_lease_expiry_parks_then_reclaims_leaving_nothing(node_env: dict[str, st
     info = job.info()
     _poll("the park grace", lambda: time.time() > info["expires"] + 1.2)
     n.gc()
-    assert {r.id: r.status for r in n.db.all() if r.id in sids} == {s: "paused" for s in sids}
+    assert {r.id: r.status for r in n.db.all() if r.id in sids} == {s: "parked" for s in sids}
     assert job.info()["lease"] == "parked"
     _poll("the reclaim grace", lambda: time.time() > info["expires"] + 8.2)
     report = n.gc()
