@@ -37,6 +37,7 @@ _SOURCES: dict[str, dict[str, str]] = {
     "dsec_cli.api.oci": {"import_image": "import_image", "export_oci": "export_oci",
                          "ImportReport": "ImportReport", "ExportReport": "ExportReport"},
     "dsec_cli.api.jobs": {"Job": "Job"},
+    "dsec_cli.api.aio_jobs": {"AsyncJob": "AsyncJob"},
     "dsec_cli.core.errors": {"DsecError": "DsecError", "UsageError": "UsageError"},
 }
 _EXPORTS = {name: (mod, attr) for mod, names in _SOURCES.items() for name, attr in names.items()}

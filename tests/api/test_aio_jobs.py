@@ -199,6 +199,42 @@ def test_async_job_equals_sync(backend: str, node_env: dict[str, str]) -> None:
     assert sync["snapshot"] is (backend == "container")
 
 
+def test_cancelled_journaled_exec_is_no_step(node_env: dict[str, str]) -> None:
+    """Cancelling the task awaiting a journaled exec kills the command and drops its step,
+    so the same key then runs (once)."""
+
+    async def main() -> None:
+        async with await AsyncJob.start("acancel", ttl=60) as job:
+            ro = await job.sandbox(IMAGE, "fncall")
+            t = asyncio.ensure_future(ro.exec("echo x >> /tmp/c; sleep 600", key="k"))
+
+            async def started() -> bool:
+                try:
+                    return await ro.read_file("/tmp/c") == b"x\n"
+                except Exception:
+                    return False
+
+            await _poll("the command to start", started)
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            assert await ro.journal() == []
+            r = await ro.exec("echo y >> /tmp/c; cat /tmp/c", key="k")
+            assert r.stdout == b"x\ny\n"
+            assert (await ro.exec("echo z >> /tmp/c", key="k")).stdout == b"x\ny\n"
+            assert [s["key"] for s in await ro.journal()] == ["k"]
+        await close_sessions()
+
+    asyncio.run(main())
+    _assert_clean(node_env, "acancel")
+
+
+def test_exported_from_the_package_root() -> None:
+    import dsec_cli
+
+    assert dsec_cli.AsyncJob is AsyncJob and "AsyncJob" in dsec_cli.__all__
+
+
 def test_methods_match_the_sync_classes() -> None:
     """Every public method of `Job` and `Rollout` has an awaitable twin."""
     import inspect
