@@ -29,8 +29,8 @@ from typing import Any, Literal
 from ..backends.base import ExecResult
 from ..core import validate
 from ..core.errors import DsecError, UsageError
-from ..run.aio import async_node, blocking
-from ..run.jobs import NodeJobs, Step, check_name, node_jobs
+from ..run.aio import async_node, blocking, executor
+from ..run.jobs import NodeJobs, Step, StepRunning, check_name, node_jobs
 from ..run.node import Node
 from .jobs import _jobs, _secs, settings
 from .sandboxes import create_options
@@ -62,18 +62,12 @@ class LocalJobs:
                    capture_limit: int | None = None) -> tuple[ExecResult, dict[str, Any]]:
         """As `NodeJobs.exec`: the step written, the command awaited, the step committed."""
         env = dict(env or {})
-        loop = asyncio.get_running_loop()
-        from ..run.aio import executor
-
-        begun = loop.run_in_executor(executor(), lambda: self.jobs.begin_step(
-            rid, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout, key=key))
-        try:
-            started = await asyncio.shield(begun)
-        except asyncio.CancelledError:  # the step may be written already: it is no step
-            s = await begun
-            if isinstance(s, Step):
-                self.jobs.abort_step(s)
-            raise
+        while True:
+            try:
+                started = await self._begin(rid, argv, env, cwd, stdin, timeout, key)
+                break
+            except StepRunning:  # the key's step runs now: its result is waited for here,
+                await asyncio.sleep(0.05)  # not in an executor thread
         if isinstance(started, tuple):
             return started  # a keyed step already done: served from the journal
         try:
@@ -84,6 +78,23 @@ class LocalJobs:
             self.jobs.abort_step(started)  # one short write, kept out of a cancellable await
             raise
         return res, await asyncio.shield(blocking(self.jobs.end_step, started, res))
+
+    async def _begin(self, rid: str, argv: list[str], env: dict[str, str], cwd: str | None,
+                     stdin: bytes | None, timeout: float | None,
+                     key: str | None) -> Step | tuple[ExecResult, dict[str, Any]]:
+        begun = asyncio.get_running_loop().run_in_executor(
+            executor(), lambda: self.jobs.begin_step(rid, argv, env=env, cwd=cwd, stdin=stdin,
+                                                     timeout=timeout, key=key, wait=False))
+        try:
+            return await asyncio.shield(begun)
+        except asyncio.CancelledError:  # the step may be written already: it is no step
+            try:
+                s = await begun
+            except Exception:
+                raise asyncio.CancelledError() from None
+            if isinstance(s, Step):
+                self.jobs.abort_step(s)
+            raise
 
     async def read_file(self, sandbox: str, path: str) -> bytes:
         return await async_node(self.node).get_file(sandbox, path)

@@ -183,6 +183,10 @@ def _result_doc(res: ExecResult) -> str:
     return json.dumps(doc)
 
 
+class StepRunning(SandboxError):
+    """A keyed step is being run by a live process (`NodeJobs.begin_step` with ``wait=False``)."""
+
+
 @dataclass(frozen=True)
 class Step:
     """A journaled step whose command is running (from `NodeJobs.begin_step`)."""
@@ -656,17 +660,19 @@ class NodeJobs:
 
     def begin_step(self, rid: str, argv: list[str], *, env: dict[str, str],
                    cwd: str | None = None, stdin: bytes | None = None,
-                   timeout: float | None = None, key: str | None = None
+                   timeout: float | None = None, key: str | None = None, wait: bool = True
                    ) -> Step | tuple[ExecResult, dict[str, Any]]:
         """The journal's half of an exec before its command runs: a keyed step already done
         is served (its result and facts); otherwise the step is written as ``running`` and
-        returned, for the caller to run its command and then `end_step` or `abort_step`."""
+        returned, for the caller to run its command and then `end_step` or `abort_step`.
+        A keyed step running in a live process is waited for, or with ``wait=False``
+        raises `StepRunning` (the caller waits in its own way and asks again)."""
         check_key(key)
         if not argv or not all(isinstance(a, str) for a in argv):
             raise UsageError("exec needs a command (a list of strings)")
         r = self._rollout_row(rid)
         if key is not None:
-            served = self._keyed(r, key)
+            served = self._keyed(r, key, wait)
             if served is not None:
                 return served
             r = self._rollout_row(r["id"])
@@ -681,7 +687,7 @@ class NodeJobs:
             if key is None:
                 raise
             return self.begin_step(rid, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout,
-                                   key=key)
+                                   key=key, wait=wait)
         return Step(r["id"], step, r["sandbox"], t0)
 
     def abort_step(self, s: Step) -> None:
@@ -695,14 +701,18 @@ class NodeJobs:
 
     def end_step(self, s: Step, res: ExecResult) -> dict[str, Any]:
         """Commit a step with its result (and snapshot the rollout when one is due)."""
-        with self._running_lock:
-            self._running.discard((s.rollout, s.step))
-        after = self._digest(self._rollout_row(s.rollout))
-        with self.db.tx() as db:
-            db.execute("UPDATE steps SET state='done', result=?, stdout=?, stderr=?, after=?, "
-                       "duration=? WHERE rollout=? AND step=?",
-                       (_result_doc(res), res.stdout, res.stderr, after, time.time() - s.t0,
-                        s.rollout, s.step))
+        try:
+            after = self._digest(self._rollout_row(s.rollout))
+            with self.db.tx() as db:
+                db.execute("UPDATE steps SET state='done', result=?, stdout=?, stderr=?, "
+                           "after=?, duration=? WHERE rollout=? AND step=?",
+                           (_result_doc(res), res.stdout, res.stderr, after,
+                            time.time() - s.t0, s.rollout, s.step))
+        finally:
+            # only once the step is done: a thread waiting on its key must never see it
+            # ``running`` and no longer run by anyone (it would take it for interrupted)
+            with self._running_lock:
+                self._running.discard((s.rollout, s.step))
         self._maybe_snapshot(s.rollout, s.step)
         return {"step": s.step, "from_journal": False, "rollout": s.rollout,
                 "sandbox": s.sandbox}
@@ -726,7 +736,8 @@ class NodeJobs:
             self._running.add((rid, step))
         return int(step)
 
-    def _keyed(self, r: sqlite3.Row, key: str) -> tuple[ExecResult, dict[str, Any]] | None:
+    def _keyed(self, r: sqlite3.Row, key: str,
+               wait: bool = True) -> tuple[ExecResult, dict[str, Any]] | None:
         """A step with this key: its journaled result, after waiting for a running one; or
         None when it must run (never ran, or was interrupted without changing the state)."""
         deadline = time.monotonic() + 24 * 3600
@@ -740,6 +751,8 @@ class NodeJobs:
                                          "rollout": r["id"],
                                          "sandbox": self._rollout_row(r["id"])["sandbox"]}
             if self._elsewhere(s):
+                if not wait:
+                    raise StepRunning(f"step {s['step']} of rollout {r['id']} is running")
                 if time.monotonic() > deadline:
                     raise SandboxError(f"step {s['step']} of rollout {r['id']} is still running")
                 time.sleep(0.05)  # another process runs it now: serve its result

@@ -229,6 +229,36 @@ def test_cancelled_journaled_exec_is_no_step(node_env: dict[str, str]) -> None:
     _assert_clean(node_env, "acancel")
 
 
+def test_a_key_awaited_many_times_at_once_runs_once(node_env: dict[str, str]) -> None:
+    """More concurrent calls with one key than the executor has threads: one runs, the
+    others wait for its step in the loop (not in threads) and are served its result."""
+    n = EXECUTOR_THREADS + 4
+
+    async def main() -> None:
+        async with await AsyncJob.start("asame", ttl=60) as job:
+            ro = await job.sandbox(IMAGE, "fncall")
+            cmd = "echo x >> /tmp/d; while [ ! -e /tmp/go ]; do sleep 0.1; done; cat /tmp/d"
+            calls = [asyncio.ensure_future(ro.exec(cmd, key="same")) for _ in range(n)]
+
+            async def started() -> bool:
+                try:
+                    return await ro.read_file("/tmp/d") == b"x\n"
+                except Exception:
+                    return False
+
+            await _poll("the keyed command to start", started)
+            await asyncio.sleep(0.5)  # the others are in the journal or on their way
+            sb = await AsyncSandbox.attach(ro.sandbox_id or "")
+            await sb.write_file("/tmp/go", b"")
+            results = await asyncio.wait_for(asyncio.gather(*calls), 120)
+            assert [r.stdout for r in results] == [b"x\n"] * n
+            assert [s["key"] for s in await ro.journal()] == ["same"]
+        await close_sessions()
+
+    asyncio.run(main())
+    _assert_clean(node_env, "asame")
+
+
 def test_exported_from_the_package_root() -> None:
     import dsec_cli
 
