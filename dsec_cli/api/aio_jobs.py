@@ -24,7 +24,7 @@ import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from ..backends.base import ExecResult
 from ..core import validate
@@ -40,16 +40,45 @@ __all__ = ["AsyncJob", "AsyncRollout", "AsyncGroup", "AsyncMember", "journaled_e
 log = logging.getLogger(__name__)
 
 
+class AsyncJobs(Protocol):
+    """A node's jobs as `AsyncJob` and `AsyncRollout` use them: `LocalJobs` (this node) and
+    `RemoteJobs` (a cluster node), the methods of `NodeJobs` as coroutines, by keyword."""
+
+    name: Any
+
+    async def start(self, *, name: str, settings: dict[str, Any] | None = None,
+                    exist_ok: bool = True) -> dict[str, Any]: ...
+    async def reattach(self, *, name: str) -> dict[str, Any]: ...
+    async def renew(self, *, name: str, ttl: float | None = None) -> dict[str, Any]: ...
+    async def park(self, *, name: str) -> dict[str, Any]: ...
+    async def thaw(self, *, name: str) -> dict[str, Any]: ...
+    async def remove(self, *, name: str) -> dict[str, Any]: ...
+    async def rollout(self, *, rid: str) -> dict[str, Any]: ...
+    async def rollouts(self, *, name: str) -> list[dict[str, Any]]: ...
+    async def release(self, *, rid: str) -> dict[str, Any]: ...
+    async def replay(self, *, rid: str) -> dict[str, Any]: ...
+    async def snapshot(self, *, rid: str) -> dict[str, Any] | None: ...
+    async def journal(self, rid: str, output: bool = True) -> list[dict[str, Any]]: ...
+    async def read_file(self, sandbox: str, path: str) -> bytes: ...
+    async def exec(self, rid: str, argv: list[str], *, env: dict[str, str] | None = None,
+                   cwd: str | None = None, stdin: bytes | None = None,
+                   timeout: float | None = None, key: str | None = None,
+                   capture_limit: int | None = None
+                   ) -> tuple[ExecResult, dict[str, Any]]: ...
+
+
 class LocalJobs:
     """This node's `NodeJobs` awaited: every method of `NodeJobs` as a coroutine run on the
     shared executor, except `exec`, whose command goes over the loop's agent connection."""
+
+    name = None  # this node
 
     def __init__(self, jobs: NodeJobs) -> None:
         self.jobs = jobs
         self.node = jobs.node
 
-    def __getattr__(self, name: str) -> Any:
-        fn = getattr(self.jobs, name)
+    def __getattr__(self, method: str) -> Any:
+        fn = getattr(self.jobs, method)  # the journal's sqlite work: on the executor
 
         async def call(*args: Any, **kw: Any) -> Any:
             return await blocking(fn, *args, **kw)
@@ -186,7 +215,7 @@ class AsyncRollout:
                  node: str | None = None, ticket: str | None = None) -> None:
         self.job = job
         self._doc = doc
-        self._jobs = jobs if jobs is not None else job._jobs  # LocalJobs or RemoteJobs
+        self._jobs: AsyncJobs = jobs if jobs is not None else job._jobs
         self.node = node
         self._ticket = ticket
 
