@@ -26,7 +26,8 @@ from typing import Any, Literal
 from ..backends.base import ExecResult
 from ..backends.sandbox_agent.aio import AsyncOutputCallback, AsyncStdin
 from ..core import validate
-from ..run.aio import async_node, blocking
+from ..core.errors import UsageError
+from ..run.aio import AsyncNode, async_node, blocking
 from ..run.contract import NodeAPI
 from ..run.node import local_node
 from .sandboxes import create as create_sync
@@ -56,6 +57,7 @@ class AsyncSandbox:
 
     def __init__(self, record: Any, node: Any) -> None:
         self._rec, self.node = record, node
+        self._job: bool | None = None  # whether it is a job's sandbox (None: not known yet)
 
     @property
     def id(self) -> str:
@@ -108,15 +110,43 @@ class AsyncSandbox:
     async def exec(self, cmd: str | list[str], *, stdin: AsyncStdin = None,
                    env: dict[str, str] | None = None, cwd: str | None = None,
                    timeout: float | None = None, on_output: AsyncOutputCallback | None = None,
-                   capture_limit: int | None = None) -> ExecResult:
+                   capture_limit: int | None = None, key: str | None = None) -> ExecResult:
         """Run a command (a list, or a string for `sh -c`). ``stdin``: bytes, str, or an
         (async) iterable of bytes; ``on_output(stream, data)`` (a function or a coroutine
         function) gets output as it arrives. A failing command is a result, not an
-        exception; cancelling the awaiting task kills the command."""
+        exception; cancelling the awaiting task kills the command.
+
+        In a job's sandbox on this node the exec is a journaled step, as with `Sandbox`
+        (its output comes once the step is committed); ``key`` then makes it run at most
+        once (a retry is served from the journal)."""
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if isinstance(self.node, AsyncNode) and \
+                (self._job is not False or key is not None):
+            res = await self._journaled(argv, key, stdin=stdin, env=env, cwd=cwd,
+                                        timeout=timeout, on_output=on_output,
+                                        capture_limit=capture_limit)
+            if res is not None:
+                return res
+        if key is not None:
+            raise UsageError("exec key= needs a sandbox owned by a job on this node",
+                             hint="make it with `AsyncJob.sandbox` or `dsec run --job`")
         return await self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=stdin,
                                     timeout=timeout, on_output=on_output,
                                     capture_limit=capture_limit)
+
+    async def _journaled(self, argv: list[str], key: str | None,
+                         **kw: Any) -> ExecResult | None:
+        """The exec as a journaled step if the sandbox is a job's (learnt once: a sandbox
+        is a job's from its creation on)."""
+        from .aio_jobs import journaled_exec
+
+        node = self.node.node
+        if not (node.root / "jobs.db").exists():
+            self._job = False
+            return None
+        res = await journaled_exec(node, self.id, argv, key=key, **kw)
+        self._job = res is not None
+        return res
 
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         await self.node.put_file(self.id, path,

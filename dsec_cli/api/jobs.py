@@ -558,7 +558,7 @@ def journaled_exec(node: Any, sandbox_id: str, argv: list[str], **kw: Any
     # the journal keeps the whole output (a result served again must be the same), and the
     # caller gets it once the step is committed
     res, _ = jobs.exec(sid, argv, env=kw.get("env"), cwd=kw.get("cwd"), stdin=stdin,
-                       timeout=kw.get("timeout"))
+                       timeout=kw.get("timeout"), key=kw.get("key"))
     on_output = kw.get("on_output")
     if on_output is not None:
         for kind, data in (("stdout", res.stdout), ("stderr", res.stderr)):

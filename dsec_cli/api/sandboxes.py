@@ -123,14 +123,28 @@ class Sandbox:
              stdin: bytes | str | Iterable[bytes] | None = None,
              env: dict[str, str] | None = None, cwd: str | None = None,
              timeout: float | None = None, on_output: OutputCallback | None = None,
-             capture_limit: int | None = None, user: str | None = None) -> ExecResult:
+             capture_limit: int | None = None, user: str | None = None,
+             key: str | None = None) -> ExecResult:
         """Run a command (a list, or a string for `sh -c`); returns stdout, stderr, the exit
         code and the duration. A failing command is a result, not an exception. Output is
         kept in the result up to ``capture_limit`` bytes per stream (None: all of it).
-        ``user`` overrides the sandbox's user for this command."""
+        ``user`` overrides the sandbox's user for this command. In a job's sandbox on this
+        node the exec is a journaled step (as `dsec exec`), and ``key`` makes it run at most
+        once."""
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         extra = _user_kw(self.node, user)
+        if isinstance(self.node, Node) and (self.node.root / "jobs.db").exists():
+            from .jobs import journaled_exec
+
+            res = journaled_exec(self.node, self.id, argv, key=key, stdin=data, env=env,
+                                 cwd=cwd, timeout=timeout, on_output=on_output,
+                                 capture_limit=capture_limit, **extra)
+            if res is not None:
+                return res
+        if key is not None:
+            raise UsageError("exec key= needs a sandbox owned by a job on this node",
+                             hint="make it with `Job.sandbox` or `dsec run --job`")
         return self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=data, timeout=timeout,
                               on_output=on_output, capture_limit=capture_limit, **extra)
 

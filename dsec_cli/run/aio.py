@@ -204,6 +204,13 @@ class AsyncNode:
     async def get_file(self, sid: str, path: str) -> bytes:
         return (await self.get_file_with_mode(sid, path))[0]
 
+    async def forget(self, sid: str) -> None:
+        """Close the loop's connection to a sandbox removed by other means (a job's)."""
+        self._connecting.pop(sid, None)
+        client = self._clients.pop(sid, None)
+        if client is not None:
+            await client.close()
+
     async def aclose(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
         for c in clients:

@@ -183,6 +183,20 @@ def _result_doc(res: ExecResult) -> str:
     return json.dumps(doc)
 
 
+class StepRunning(SandboxError):
+    """A keyed step is being run by a live process (`NodeJobs.begin_step` with ``wait=False``)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """A journaled step whose command is running (from `NodeJobs.begin_step`)."""
+
+    rollout: str
+    step: int
+    sandbox: str
+    t0: float
+
+
 class JobStore:
     """The rows of ``jobs.db``; one short transaction per change."""
 
@@ -638,12 +652,34 @@ class NodeJobs:
              ) -> tuple[ExecResult, dict[str, Any]]:
         """Run one journaled step; with ``key``, at most once. Returns the result and the
         step's facts (``step``, ``from_journal``)."""
+        env = dict(env or {})
+        started = self.begin_step(rid, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout,
+                                  key=key)
+        if isinstance(started, tuple):
+            return started
+        try:
+            res = self.node.exec(started.sandbox, argv, env=env, cwd=cwd, stdin=stdin,
+                                 timeout=timeout, capture_limit=capture_limit)
+        except BaseException:
+            self.abort_step(started)
+            raise
+        return res, self.end_step(started, res)
+
+    def begin_step(self, rid: str, argv: list[str], *, env: dict[str, str],
+                   cwd: str | None = None, stdin: bytes | None = None,
+                   timeout: float | None = None, key: str | None = None, wait: bool = True
+                   ) -> Step | tuple[ExecResult, dict[str, Any]]:
+        """The journal's half of an exec before its command runs: a keyed step already done
+        is served (its result and facts); otherwise the step is written as ``running`` and
+        returned, for the caller to run its command and then `end_step` or `abort_step`.
+        A keyed step running in a live process is waited for, or with ``wait=False``
+        raises `StepRunning` (the caller waits in its own way and asks again)."""
         check_key(key)
         if not argv or not all(isinstance(a, str) for a in argv):
             raise UsageError("exec needs a command (a list of strings)")
         r = self._rollout_row(rid)
         if key is not None:
-            served = self._keyed(r, key)
+            served = self._keyed(r, key, wait)
             if served is not None:
                 return served
             r = self._rollout_row(r["id"])
@@ -651,34 +687,42 @@ class NodeJobs:
             raise SandboxError(f"rollout {r['id']} has no live sandbox ({r['status']})",
                                hint=f"rebuild it with `dsec replay {r['id']}`")
         before = self._digest(r)
-        env = dict(env or {})
         t0 = time.time()
         try:
             step = self._begin(r["id"], key, argv, cwd, env, stdin, timeout, before, t0)
         except sqlite3.IntegrityError:  # another thread took this key first: its result
             if key is None:
                 raise
-            return self.exec(rid, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout,
-                             key=key, capture_limit=capture_limit)
+            return self.begin_step(rid, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout,
+                                   key=key, wait=wait)
+        return Step(r["id"], step, r["sandbox"], t0)
+
+    def abort_step(self, s: Step) -> None:
+        """The step's command did not run to completion: it is not a step."""
         try:
-            res = self.node.exec(r["sandbox"], argv, env=env, cwd=cwd, stdin=stdin,
-                                 timeout=timeout, capture_limit=capture_limit)
-        except BaseException:
-            with self.db.tx() as db:  # nothing ran to completion: the step is not a step
-                db.execute("DELETE FROM steps WHERE rollout=? AND step=?", (r["id"], step))
-            raise
+            with self.db.tx() as db:
+                db.execute("DELETE FROM steps WHERE rollout=? AND step=?", (s.rollout, s.step))
         finally:
             with self._running_lock:
-                self._running.discard((r["id"], step))
-        after = self._digest(r)
-        with self.db.tx() as db:
-            db.execute("UPDATE steps SET state='done', result=?, stdout=?, stderr=?, after=?, "
-                       "duration=? WHERE rollout=? AND step=?",
-                       (_result_doc(res), res.stdout, res.stderr, after, time.time() - t0,
-                        r["id"], step))
-        self._maybe_snapshot(r["id"], step)
-        return res, {"step": step, "from_journal": False, "rollout": r["id"],
-                     "sandbox": r["sandbox"]}
+                self._running.discard((s.rollout, s.step))
+
+    def end_step(self, s: Step, res: ExecResult) -> dict[str, Any]:
+        """Commit a step with its result (and snapshot the rollout when one is due)."""
+        try:
+            after = self._digest(self._rollout_row(s.rollout))
+            with self.db.tx() as db:
+                db.execute("UPDATE steps SET state='done', result=?, stdout=?, stderr=?, "
+                           "after=?, duration=? WHERE rollout=? AND step=?",
+                           (_result_doc(res), res.stdout, res.stderr, after,
+                            time.time() - s.t0, s.rollout, s.step))
+        finally:
+            # only once the step is done: a thread waiting on its key must never see it
+            # ``running`` and no longer run by anyone (it would take it for interrupted)
+            with self._running_lock:
+                self._running.discard((s.rollout, s.step))
+        self._maybe_snapshot(s.rollout, s.step)
+        return {"step": s.step, "from_journal": False, "rollout": s.rollout,
+                "sandbox": s.sandbox}
 
     def _begin(self, rid: str, key: str | None, argv: list[str], cwd: str | None,
                env: dict[str, str], stdin: bytes | None, timeout: float | None,
@@ -699,7 +743,8 @@ class NodeJobs:
             self._running.add((rid, step))
         return int(step)
 
-    def _keyed(self, r: sqlite3.Row, key: str) -> tuple[ExecResult, dict[str, Any]] | None:
+    def _keyed(self, r: sqlite3.Row, key: str,
+               wait: bool = True) -> tuple[ExecResult, dict[str, Any]] | None:
         """A step with this key: its journaled result, after waiting for a running one; or
         None when it must run (never ran, or was interrupted without changing the state)."""
         deadline = time.monotonic() + 24 * 3600
@@ -713,6 +758,8 @@ class NodeJobs:
                                          "rollout": r["id"],
                                          "sandbox": self._rollout_row(r["id"])["sandbox"]}
             if self._elsewhere(s):
+                if not wait:
+                    raise StepRunning(f"step {s['step']} of rollout {r['id']} is running")
                 if time.monotonic() > deadline:
                     raise SandboxError(f"step {s['step']} of rollout {r['id']} is still running")
                 time.sleep(0.05)  # another process runs it now: serve its result
