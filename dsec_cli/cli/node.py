@@ -54,13 +54,15 @@ def _rows(results: list[Any]) -> list[tuple[Any, ...]]:
     for r in results:
         if not r.ok:
             state = "unreachable" if r.to_dict()["unreachable"] else "error"
-            rows.append((r.node, state, "", "", "", "", str(r.error)))
+            rows.append((r.node, state, "", "", "", "", "", str(r.error)))
             continue
         i = r.value
         cap, use = i["capacity"], i["usage"]
+        f = i.get("fetch") or {}
+        fetch = f"{f['auto']} (lazy: {f['lazy']})" if f else ""
         rows.append((r.node, "ok", i["dsec"], f"{cap['cpus']:g} cpu, {human_bytes(cap['memory'])}",
                      f"{use['sandboxes']}/{cap['sandboxes']}", human_bytes(i["cache_bytes"]),
-                     i.get("hostname", "")))
+                     fetch, i.get("hostname", "")))
     return rows
 
 
@@ -71,7 +73,8 @@ def _status(names: list[str] | None, json_out: bool, timeout: float | None) -> N
     if json_out:
         print_json([r.to_dict() for r in results])
     else:
-        table(None, ["NODE", "STATE", "VERSION", "CAPACITY", "SANDBOXES", "CACHED", "HOST / ERROR"],
+        table(None, ["NODE", "STATE", "VERSION", "CAPACITY", "SANDBOXES", "CACHED",
+                     "FETCH AUTO", "HOST / ERROR"],
               _rows(results))
     if names and any(not r.ok for r in results):
         raise typer.Exit(1)

@@ -113,9 +113,10 @@ def register(app: typer.Typer) -> None:
                                              help="print the id and leave it running")
                           ] = False,
         fetch: Annotated[str, typer.Option(
-            "--fetch", help="eager (fetch every layer first) | lazy (mount now, fetch files on "
-                            "first read) | background (lazy, plus a full fetch behind it)")
-                         ] = "eager",
+            "--fetch", help="auto (the fastest start here: see `dsec node check`) | eager "
+                            "(fetch every layer first) | lazy (mount now, fetch files on first "
+                            "read) | background (lazy, plus a full fetch behind it)")
+                         ] = "auto",
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
         node_name: Annotated[str | None, typer.Option(  # noqa: UP007

@@ -114,7 +114,7 @@ class Node:
         opts.validate()
         backend = self.backend(opts.backend)
         sid = secrets.token_hex(6)
-        fetch = images.fetch_mode(opts.fetch, image)
+        fetch = images.fetch_mode(opts.fetch, image, self.store(), self.cache_root)
         img = self.resolve_image(image) if fetch == "eager" else \
             images.lazy(self.store(), self.cache_root, self.sandboxes_dir / sid, image)
         limits = Limits(cpus=opts.cpus, memory=opts.memory, pids=opts.pids, disk=opts.disk)
@@ -184,7 +184,8 @@ class Node:
 
         out: dict[str, Any] = {"dsec": __version__, "hostname": socket.gethostname(),
                                "store": self.store_url, "state_dir": str(self.root),
-                               "cache_bytes": self._cached_total()}
+                               "cache_bytes": self._cached_total(),
+                               "fetch": images.fetch_report(self.store_url)}
         if image:
             try:
                 out["image"] = self.image_cache(image)

@@ -28,7 +28,7 @@ class CreateOptions:
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
     disk: int | None = None  # bytes the sandbox may write (its upper dir, or /tmp for fncall)
-    fetch: str = "eager"  # eager | lazy | background (docs/lazy.md)
+    fetch: str = "auto"  # auto | eager | lazy | background (docs/lazy.md)
     record_seconds: float | None = None  # lazy: profile reads this long (default 30 s)
 
     def validate(self) -> None:
@@ -54,6 +54,7 @@ class CreateOptions:
             raise UsageError(f"invalid --network {self.network!r}: choose none or host")
         if self.workdir is not None and not self.workdir.startswith("/"):
             raise UsageError(f"invalid workdir {self.workdir!r}: must be an absolute path")
-        if self.fetch not in ("eager", "lazy", "background"):
-            raise UsageError(f"invalid --fetch {self.fetch!r}: choose eager, lazy or background")
+        if self.fetch not in ("auto", "eager", "lazy", "background"):
+            raise UsageError(f"invalid --fetch {self.fetch!r}: choose auto, eager, lazy or "
+                             "background")
 

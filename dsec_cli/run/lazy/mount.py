@@ -47,6 +47,11 @@ def available() -> str | None:
     return None
 
 
+def served_by() -> str:
+    """How this host serves lazy reads (``dsec node check``)."""
+    return "fuse daemon"
+
+
 @dataclass
 class LazyMount:
     state: Path  # <sandbox dir>/lazy
