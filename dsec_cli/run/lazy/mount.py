@@ -48,8 +48,16 @@ def available() -> str | None:
 
 
 def served_by() -> str:
-    """How this host serves lazy reads (``dsec node check``)."""
-    return "fuse daemon"
+    """How lazy reads are served here (``dsec node check``): ``kernel passthrough`` (opened
+    files are read by the kernel from backing files; kernelfs.py) or ``fuse daemon`` (every
+    read goes through the libfuse daemon; fs.py), the fallback where the kernel lacks FUSE
+    passthrough or ``DSEC_LAZY_SERVER=daemon``."""
+    from .kernelfs import supported
+
+    want = (env("DSEC_LAZY_SERVER") or "kernel").lower()
+    if want == "daemon" or supported() is not None:
+        return "fuse daemon"
+    return "kernel passthrough"
 
 
 @dataclass
@@ -71,7 +79,8 @@ def mount_layers(state: Path, store_url: str, layers: list[dict[str, str]], *, c
     cfg = {"store": store_url, "layers": layers, "mountpoint": str(mnt), "cache": str(cache),
            "budget": budget, "mode": mode, "record_seconds": record_seconds,
            "max_read": max_read, "inflight": inflight, "ready_fd": w,
-           "log": (env("DSEC_LOG") or "INFO").upper()}
+           "log": (env("DSEC_LOG") or "INFO").upper(),
+           "server": "kernel" if served_by() == "kernel passthrough" else "daemon"}
     (state / "config.json").write_text(json.dumps(cfg))
     try:
         proc = subprocess.Popen(

@@ -108,7 +108,11 @@ def main(config_path: str) -> int:
     # no Python SIGTERM handler: the main thread sits in libfuse's loop and would never run
     # it; libfuse's own handler ends the loop, unmounts, and the finally below flushes
     threading.Thread(target=flusher, name="flush", daemon=True).start()
-    kind = LazyFS if needs_xattrs(indexes) else LazyFSNoXattrs
+    xattrs = needs_xattrs(indexes)
+    kind = LazyFS if xattrs else LazyFSNoXattrs
+    if cfg.get("server") == "kernel":
+        return _serve_kernel(LazyFS(indexes, sources, recorder), cfg, state, xattrs, on_init,
+                             stop, flush)
     fs = kind(indexes, sources, recorder, on_init)
     flush()
     try:
@@ -118,6 +122,35 @@ def main(config_path: str) -> int:
         stop.set()
         flush()
         log.info("unmounted after %.1fs", time.monotonic() - recorder.started)
+    return 0
+
+
+def _serve_kernel(fs: Any, cfg: dict[str, Any], state: Path, xattrs: bool, on_init: Any,
+                  stop: threading.Event, flush: Any) -> int:
+    """Serve the mount with FUSE passthrough (kernelfs.py): opened files are read by the
+    kernel from backing files under ``state/files``."""
+    import ctypes
+    import signal
+
+    from .kernelfs import PassthroughServer
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(0)  # the main thread sits in read(/dev/fuse): this ends it
+
+    signal.signal(signal.SIGTERM, on_term)
+    server = PassthroughServer(fs, cfg["mountpoint"], state / "files", xattrs=xattrs,
+                               on_init=on_init, workers=max(2, int(cfg.get("inflight", 4))))
+    flush()
+    try:
+        server.mount()
+        server.serve()
+    finally:
+        stop.set()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.umount2(cfg["mountpoint"].encode(), 2)  # MNT_DETACH; gone already is fine
+        server.close()
+        flush()
+        log.info("unmounted")
     return 0
 
 

@@ -1,0 +1,319 @@
+"""Lazy layers served by the kernel: a FUSE server speaking the protocol on ``/dev/fuse``
+itself, with FUSE passthrough (kernel ≥ 6.9, ``CONFIG_FUSE_PASSTHROUGH``).
+
+Metadata (lookup, getattr, readdir, readlink, xattrs) is answered from the same in-memory
+tree as `LazyFS`. On the first open of a regular file its bytes are assembled — chunk by
+chunk through the layer's `LayerSource`, so verified and fetched in coalesced ranged reads —
+into a backing file under the mount's state dir; the backing file is registered with the
+kernel (``FUSE_DEV_IOC_BACKING_OPEN``) and the open is answered with its id, after which
+reads and mmaps of that file go to the backing file inside the kernel and never reach this
+process. Debian's libfuse (3.14) predates passthrough, hence the protocol spoken directly;
+the structures below are those of ``include/uapi/linux/fuse.h`` (protocol 7.40+).
+
+A killed server closes ``/dev/fuse``: the kernel aborts the connection (readers get
+``ENOTCONN``) and drops every backing id; cleanup detaches the mount as for the libfuse
+daemon. Backing files live in the sandbox's state dir and go with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import stat
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .fs import OPAQUE_XATTR, LazyFS, Node
+
+log = logging.getLogger(__name__)
+
+KERNEL_MIN = (6, 9)
+_IN = struct.Struct("<IIQQIIIHH")  # fuse_in_header
+_OUT = struct.Struct("<IiQ")  # fuse_out_header
+_ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr
+_ENTRY = struct.Struct("<QQQQII")  # fuse_entry_out, before its fuse_attr
+_ATTR_OUT = struct.Struct("<QII")  # fuse_attr_out, before its fuse_attr
+_OPEN_OUT = struct.Struct("<QIi")
+_READ_IN = struct.Struct("<QQII")
+_INIT_IN = struct.Struct("<IIIII")
+_INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")
+_DIRENT = struct.Struct("<QQII")
+_BACKING_MAP = struct.Struct("<iIQ")
+BACKING_OPEN = 0x4010E501  # _IOW(229, 1, struct fuse_backing_map)
+
+LOOKUP, FORGET, GETATTR, READLINK, OPEN, READ, STATFS, RELEASE = 1, 2, 3, 5, 14, 15, 17, 18
+GETXATTR, LISTXATTR, FLUSH, INIT, OPENDIR, READDIR, RELEASEDIR = 22, 23, 25, 26, 27, 28, 29
+INTERRUPT, DESTROY, BATCH_FORGET = 36, 38, 42
+_NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
+
+F_ASYNC_READ, F_BIG_WRITES, F_MAX_PAGES, F_INIT_EXT = 1 << 0, 1 << 5, 1 << 22, 1 << 30
+F2_PASSTHROUGH = 1 << (37 - 32)
+FOPEN_KEEP_CACHE, FOPEN_PASSTHROUGH = 1 << 1, 1 << 7
+TIMEOUT = 86400  # a layer never changes: entries and attributes are cached for a day
+MAX_READ = 1 << 20
+
+
+def supported() -> str | None:
+    """None when this kernel serves lazy reads by passthrough, else why not."""
+    try:
+        rel = tuple(int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return "kernel version not understood"
+    if rel < KERNEL_MIN:
+        return f"kernel {os.uname().release} predates FUSE passthrough (6.9)"
+    return None
+
+
+def _libc_mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(source.encode(), target.encode(), fstype.encode(), ctypes.c_ulong(flags),
+                  data.encode()) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mount {target}: {os.strerror(e)}")
+
+
+class PassthroughServer:
+    """One mount, served from ``fs``'s tree; files opened through backing files in ``files``."""
+
+    def __init__(self, fs: LazyFS, mountpoint: str, files: Path, *, xattrs: bool,
+                 on_init: Any = None, workers: int = 4) -> None:
+        self.fs = fs
+        self.mountpoint = mountpoint
+        self.files = files
+        self.xattrs = xattrs
+        self.on_init = on_init
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="open")
+        self.inodes: dict[int, tuple[str, Node]] = {}
+        for path, node in fs.nodes.items():
+            self.inodes.setdefault(node.ino, (path, node))
+        self.backing: dict[int, int] = {}  # inode -> backing id, registered once per mount
+        self.locks: dict[int, threading.Lock] = {}
+        self.lock = threading.Lock()
+        self.wlock = threading.Lock()
+        self.fd = -1
+        self.passthrough = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def mount(self) -> None:
+        self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+        _libc_mount("dsec-lazy", self.mountpoint, "fuse.dsec",
+                    os.ST_RDONLY | os.ST_NOSUID | os.ST_NODEV,
+                    f"fd={self.fd},rootmode=40000,user_id=0,group_id=0,allow_other,"
+                    "default_permissions")
+
+    def serve(self) -> None:
+        """Answer requests until the mount goes (ENODEV) or DESTROY."""
+        files = self.files
+        files.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                buf = os.read(self.fd, MAX_READ + 4096)
+            except OSError as e:
+                if e.errno in (errno.ENOENT, errno.EINTR, errno.EAGAIN):
+                    continue  # an interrupted request; the kernel has forgotten it
+                if e.errno == errno.ENODEV:
+                    return  # unmounted
+                raise
+            ln, op, unique, nodeid, _, _, _, _, _ = _IN.unpack_from(buf)
+            body = memoryview(buf)[_IN.size:ln]
+            if op in (OPEN, READ):
+                self.pool.submit(self._handle, op, unique, nodeid, body)
+                continue
+            self._handle(op, unique, nodeid, body)
+            if op == DESTROY:
+                return
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    # -- replies ------------------------------------------------------------------------------
+    def _reply(self, unique: int, data: bytes = b"", err: int = 0) -> None:
+        msg = _OUT.pack(_OUT.size + len(data), -err, unique) + data
+        try:
+            with self.wlock:
+                os.write(self.fd, msg)
+        except OSError as e:  # ENOENT: the request was interrupted meanwhile
+            if e.errno not in (errno.ENOENT, errno.ENODEV):
+                raise
+
+    def _handle(self, op: int, unique: int, nodeid: int, body: memoryview) -> None:
+        try:
+            h = self._ops.get(op)
+            if h is None:
+                if op not in _NO_REPLY:
+                    self._reply(unique, err=errno.ENOSYS)
+                return
+            out = h(self, nodeid, body)
+            if op not in _NO_REPLY:
+                self._reply(unique, out)
+        except OSError as e:
+            self._reply(unique, err=e.errno or errno.EIO)
+        except Exception:
+            log.exception("lazy mount: request %d failed", op)
+            self._reply(unique, err=errno.EIO)
+
+    def _node(self, nodeid: int) -> tuple[str, Node]:
+        got = self.inodes.get(nodeid)
+        if got is None:
+            raise OSError(errno.ENOENT, "no such inode")
+        return got
+
+    def _attr(self, node: Node) -> bytes:
+        a = node.attrs
+        sec, ns = divmod(int(a["st_mtime"]), 10**9)  # LazyFS keeps times in ns (use_ns)
+        return _ATTR.pack(node.ino, a["st_size"], a["st_blocks"], sec, sec, sec, ns, ns, ns,
+                          a["st_mode"], a["st_nlink"], a["st_uid"], a["st_gid"],
+                          a.get("st_rdev", 0), 4096, 0)
+
+    def _entry(self, node: Node | None) -> bytes:
+        if node is None:  # negative entry, cached as long as a positive one
+            return _ENTRY.pack(0, 0, TIMEOUT, TIMEOUT, 0, 0) + bytes(_ATTR.size)
+        return _ENTRY.pack(node.ino, 0, TIMEOUT, TIMEOUT, 0, 0) + self._attr(node)
+
+    # -- operations ---------------------------------------------------------------------------
+    def _init(self, nodeid: int, body: memoryview) -> bytes:
+        major, minor, readahead, flags, flags2 = _INIT_IN.unpack_from(
+            bytes(body).ljust(_INIT_IN.size, b"\0"))
+        if major != 7:
+            raise OSError(errno.EPROTO, f"FUSE protocol {major}")
+        full = flags & F_INIT_EXT and minor >= 40 and flags2 & F2_PASSTHROUGH
+        self.passthrough = bool(full)
+        out_flags = F_ASYNC_READ | F_BIG_WRITES | F_MAX_PAGES | (F_INIT_EXT if full else 0)
+        out = _INIT_OUT.pack(7, min(minor, 40), readahead, out_flags, 16, 12, MAX_READ, 1,
+                             MAX_READ // 4096, 0, F2_PASSTHROUGH if full else 0, 1)
+        if not full:
+            log.warning("lazy mount: the kernel did not offer FUSE passthrough")
+        if self.on_init is not None:
+            threading.Timer(0, self.on_init).start()  # after the reply is written
+        return out
+
+    def _lookup(self, nodeid: int, body: memoryview) -> bytes:
+        path, node = self._node(nodeid)
+        name = bytes(body).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        base = "" if path == "/" else path
+        return self._entry(self.fs.nodes.get(f"{base}/{name}"))
+
+    def _getattr(self, nodeid: int, body: memoryview) -> bytes:
+        return _ATTR_OUT.pack(TIMEOUT, 0, 0) + self._attr(self._node(nodeid)[1])
+
+    def _readlink(self, nodeid: int, body: memoryview) -> bytes:
+        node = self._node(nodeid)[1]
+        if node.entry.type != "sym":
+            raise OSError(errno.EINVAL, "not a link")
+        return os.fsencode(node.entry.target)
+
+    def _open(self, nodeid: int, body: memoryview) -> bytes:
+        path, node = self._node(nodeid)
+        if self.fs.recorder is not None:
+            self.fs.recorder.touch(node.layer, node.entry.path)
+        if not self.passthrough or node.entry.size == 0:
+            return _OPEN_OUT.pack(0, FOPEN_KEEP_CACHE, 0)
+        with self.lock:
+            lock = self.locks.setdefault(node.ino, threading.Lock())
+        with lock:  # two openers of one file assemble it once
+            bid = self.backing.get(node.ino)
+            if bid is None:
+                bid = self.backing[node.ino] = self._register(node, path)
+        return _OPEN_OUT.pack(0, FOPEN_PASSTHROUGH, bid)
+
+    def _register(self, node: Node, path: str) -> int:
+        dest = self.files / str(node.ino)
+        tmp = dest.with_name(dest.name + ".part")
+        src = self.fs.sources[node.layer]
+        try:
+            with open(tmp, "wb") as f:
+                off, size = 0, node.entry.size
+                while off < size:
+                    data = src.read(node.entry, off, 8 << 20)
+                    if not data:
+                        raise OSError(errno.EIO, "short read")
+                    f.write(data)
+                    off += len(data)
+        except Exception as e:
+            log.error("lazy mount: reading %s (layer %d, %d bytes at 0) failed: %s",
+                      node.entry.path, node.layer, node.entry.size, e)
+            tmp.unlink(missing_ok=True)
+            raise OSError(errno.EIO, str(e)) from e
+        os.replace(tmp, dest)
+        bfd = os.open(dest, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            arg = bytearray(_BACKING_MAP.pack(bfd, 0, 0))
+            bid = fcntl.ioctl(self.fd, BACKING_OPEN, arg, True)  # True: returns the id
+        finally:
+            os.close(bfd)  # the kernel holds its own reference
+        return int(bid)
+
+    def _read(self, nodeid: int, body: memoryview) -> bytes:
+        _, offset, size, _ = _READ_IN.unpack_from(body)
+        return self.fs.read(self._node(nodeid)[0], size, offset, 0)
+
+    def _opendir(self, nodeid: int, body: memoryview) -> bytes:
+        return _OPEN_OUT.pack(0, FOPEN_KEEP_CACHE, 0)
+
+    def _readdir(self, nodeid: int, body: memoryview) -> bytes:
+        _, offset, size, _ = _READ_IN.unpack_from(body)
+        path, node = self._node(nodeid)
+        if node.children is None:
+            raise OSError(errno.ENOTDIR, "not a directory")
+        base = "" if path == "/" else path
+        names = [(".", node), ("..", node)] + [(n, self.fs.nodes[f"{base}/{n}"])
+                                               for n in node.children]
+        out = bytearray()
+        for i in range(offset, len(names)):
+            name, child = names[i]
+            raw = os.fsencode(name)
+            rec = _DIRENT.pack(child.ino, i + 1, len(raw),
+                               stat.S_IFMT(child.attrs["st_mode"]) >> 12) + raw
+            rec += bytes(-len(rec) % 8)
+            if len(out) + len(rec) > size:
+                break
+            out += rec
+        return bytes(out)
+
+    def _getxattr(self, nodeid: int, body: memoryview) -> bytes:
+        if not self.xattrs:
+            raise OSError(errno.ENOSYS, "no xattrs")  # the kernel stops asking
+        size = struct.unpack_from("<I", body)[0]
+        name = bytes(body[8:]).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        e = self._node(nodeid)[1].entry
+        val = b"y" if name == OPAQUE_XATTR and e.opaque else e.xattrs.get(name)
+        if val is None:
+            raise OSError(errno.ENODATA, "no such attribute")
+        return _xattr_reply(val, size)
+
+    def _listxattr(self, nodeid: int, body: memoryview) -> bytes:
+        if not self.xattrs:
+            raise OSError(errno.ENOSYS, "no xattrs")
+        size = struct.unpack_from("<I", body)[0]
+        e = self._node(nodeid)[1].entry
+        names = list(e.xattrs) + ([OPAQUE_XATTR] if e.opaque else [])
+        return _xattr_reply(b"".join(os.fsencode(n) + b"\0" for n in names), size)
+
+    def _statfs(self, nodeid: int, body: memoryview) -> bytes:
+        return struct.pack("<QQQQQIIII24x", 0, 0, 0, len(self.fs.nodes), 0, 4096, 255, 4096, 0)
+
+    def _empty(self, nodeid: int, body: memoryview) -> bytes:
+        return b""
+
+    _ops = {INIT: _init, LOOKUP: _lookup, GETATTR: _getattr, READLINK: _readlink,
+            OPEN: _open, READ: _read, OPENDIR: _opendir, READDIR: _readdir,
+            GETXATTR: _getxattr, LISTXATTR: _listxattr, STATFS: _statfs,
+            RELEASE: _empty, RELEASEDIR: _empty, FLUSH: _empty, DESTROY: _empty,
+            FORGET: _empty, BATCH_FORGET: _empty}
+
+
+def _xattr_reply(val: bytes, size: int) -> bytes:
+    if size == 0:
+        return struct.pack("<II", len(val), 0)
+    if len(val) > size:
+        raise OSError(errno.ERANGE, "buffer too small")
+    return val
