@@ -1,0 +1,75 @@
+"""Lazy reads served by the kernel (FUSE passthrough, kernelfs.py) on this kernel, and the
+libfuse daemon kept as the fallback (``DSEC_LAZY_SERVER=daemon``): both serve the same tree;
+with passthrough an opened file is read from a backing file the daemon never sees again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsec_cli.run.lazy import served_by
+
+from .conftest import Published, read_all, stats
+from .test_mount import assert_same_layer
+
+
+def _server(m: Any) -> str:
+    return json.loads((m.state / "config.json").read_text())["server"]  # type: ignore[no-any-return]
+
+
+def test_this_kernel_serves_lazy_reads_by_passthrough(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
+    assert served_by() == "kernel passthrough"  # kernel >= 6.9 with CONFIG_FUSE_PASSTHROUGH
+    monkeypatch.setenv("DSEC_LAZY_SERVER", "daemon")
+    assert served_by() == "fuse daemon"
+
+
+@pytest.mark.parametrize("server", ["kernel", "daemon"])
+def test_both_servers_show_the_source_tree(server: str, s3_image: Published, mounter: Any,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSEC_LAZY_SERVER", server)
+    m = mounter(s3_image.url, s3_image.layer)
+    assert _server(m) == server
+    assert_same_layer(s3_image.tree, m.lower_dirs[0])
+    assert (m.state / "files").is_dir() == (server == "kernel")
+
+
+def test_opened_file_is_read_from_its_backing_file(s3_image: Published, mounter: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
+    m = mounter(s3_image.url, s3_image.layer)
+    assert _server(m) == "kernel"
+    path = m.lower_dirs[0] / "big/blob1.bin"
+    want = (s3_image.tree / "big/blob1.bin").read_bytes()
+    assert read_all(path) == want
+    backing = [p for p in (m.state / "files").iterdir() if p.stat().st_size == len(want)]
+    assert [p.read_bytes() == want for p in backing] == [True]
+    first = stats(m)
+    for _ in range(3):  # new opens, reads and an mmap: none reaches the daemon
+        assert read_all(path) == want
+        import mmap
+
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+            assert mm[:4096] == want[:4096] and mm[-10:] == want[-10:]
+    assert stats(m) == first
+
+
+def test_kill9_of_kernel_server_leaves_nothing(s3_image: Published, mounter: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsec_cli.run.lazy import cleanup
+
+    monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
+    m = mounter(s3_image.url, s3_image.layer)
+    assert read_all(m.lower_dirs[0] / "etc/small.conf")
+    os.kill(m.pid, signal.SIGKILL)
+    os.waitpid(m.pid, 0)  # the daemon is this process's child here: reap it
+    with pytest.raises(OSError):  # the connection is gone: ENOTCONN, never a hang
+        read_all(m.lower_dirs[0] / "big/blob0.bin")
+    cleanup(m.state)
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert str(m.mountpoint) not in mounts and not Path(f"/proc/{m.pid}").exists()
