@@ -31,23 +31,31 @@ def test_this_kernel_serves_lazy_reads_by_passthrough(monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("server", ["kernel", "daemon"])
 def test_both_servers_show_the_source_tree(server: str, s3_image: Published, mounter: Any,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                           monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
     monkeypatch.setenv("DSEC_LAZY_SERVER", server)
     m = mounter(s3_image.url, s3_image.layer)
     assert _server(m) == server
     assert_same_layer(s3_image.tree, m.lower_dirs[0])
-    assert (m.state / "files").is_dir() == (server == "kernel")
+    assert bool(_backing(tmp_path)) == (server == "kernel")
+
+
+def _backing(tmp_path: Path) -> list[Path]:
+    """Backing files in the node's file cache beside the mounter's chunk cache."""
+    root = tmp_path / "files"
+    return [p for p in root.glob("??/*")] if root.is_dir() else []
 
 
 def test_opened_file_is_read_from_its_backing_file(s3_image: Published, mounter: Any,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
     monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
     m = mounter(s3_image.url, s3_image.layer)
     assert _server(m) == "kernel"
     path = m.lower_dirs[0] / "big/blob1.bin"
     want = (s3_image.tree / "big/blob1.bin").read_bytes()
     assert read_all(path) == want
-    backing = [p for p in (m.state / "files").iterdir() if p.stat().st_size == len(want)]
+    backing = [p for p in _backing(tmp_path) if p.stat().st_size == len(want)]
     assert [p.read_bytes() == want for p in backing] == [True]
     first = stats(m)
     for _ in range(3):  # new opens, reads and an mmap: none reaches the daemon
@@ -57,6 +65,26 @@ def test_opened_file_is_read_from_its_backing_file(s3_image: Published, mounter:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
             assert mm[:4096] == want[:4096] and mm[-10:] == want[-10:]
     assert stats(m) == first
+
+
+def test_backing_files_are_shared_and_checked(s3_image: Published, mounter: Any,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
+    want = (s3_image.tree / "big/blob2.bin").read_bytes()
+    m1 = mounter(s3_image.url, s3_image.layer)
+    assert read_all(m1.lower_dirs[0] / "big/blob2.bin") == want
+    [backing] = [p for p in _backing(tmp_path) if p.stat().st_size == len(want)]
+    m2 = mounter(s3_image.url, s3_image.layer)  # a second mount on the node: nothing to fetch
+    assert read_all(m2.lower_dirs[0] / "big/blob2.bin") == want
+    s2 = stats(m2)
+    assert s2["requests"] == 0 and s2["bytes_from_cache"] == 0 and s2["bytes_served"] == 0
+    with open(backing, "r+b") as f:  # damage the cached file: it is not served again
+        f.seek(100)
+        f.write(b"\xff" * 64)
+    m3 = mounter(s3_image.url, s3_image.layer)
+    assert read_all(m3.lower_dirs[0] / "big/blob2.bin") == want
+    assert stats(m3)["bytes_served"] == len(want)
 
 
 def test_kill9_of_kernel_server_leaves_nothing(s3_image: Published, mounter: Any,

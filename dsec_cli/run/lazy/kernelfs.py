@@ -4,7 +4,8 @@ itself, with FUSE passthrough (kernel ≥ 6.9, ``CONFIG_FUSE_PASSTHROUGH``).
 Metadata (lookup, getattr, readdir, readlink, xattrs) is answered from the same in-memory
 tree as `LazyFS`. On the first open of a regular file its bytes are assembled — chunk by
 chunk through the layer's `LayerSource`, so verified and fetched in coalesced ranged reads —
-into a backing file under the mount's state dir; the backing file is registered with the
+into a backing file in the node's file cache (``<cache>/files``, shared by every mount and
+bounded by the node's cache budget like the chunk cache); the backing file is registered with the
 kernel (``FUSE_DEV_IOC_BACKING_OPEN``) and the open is answered with its id, after which
 reads and mmaps of that file go to the backing file inside the kernel and never reach this
 process. Debian's libfuse (3.14) predates passthrough, hence the protocol spoken directly;
@@ -12,7 +13,7 @@ the structures below are those of ``include/uapi/linux/fuse.h`` (protocol 7.40+)
 
 A killed server closes ``/dev/fuse``: the kernel aborts the connection (readers get
 ``ENOTCONN``) and drops every backing id; cleanup detaches the mount as for the libfuse
-daemon. Backing files live in the sandbox's state dir and go with it.
+daemon.
 """
 
 from __future__ import annotations
@@ -20,15 +21,18 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import stat
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
+import xxhash
+
+from .cache import ChunkCache
 from .fs import OPAQUE_XATTR, LazyFS, Node
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,7 @@ F2_PASSTHROUGH = 1 << (37 - 32)
 FOPEN_KEEP_CACHE, FOPEN_PASSTHROUGH = 1 << 1, 1 << 7
 TIMEOUT = 86400  # a layer never changes: entries and attributes are cached for a day
 MAX_READ = 1 << 20
+CONTENT_XATTR = "user.dsec.xxh3"  # a backing file's content hash, checked on reuse
 
 
 def supported() -> str | None:
@@ -81,7 +86,7 @@ def _libc_mount(source: str, target: str, fstype: str, flags: int, data: str) ->
 class PassthroughServer:
     """One mount, served from ``fs``'s tree; files opened through backing files in ``files``."""
 
-    def __init__(self, fs: LazyFS, mountpoint: str, files: Path, *, xattrs: bool,
+    def __init__(self, fs: LazyFS, mountpoint: str, files: ChunkCache, *, xattrs: bool,
                  on_init: Any = None, workers: int = 4) -> None:
         self.fs = fs
         self.mountpoint = mountpoint
@@ -109,8 +114,6 @@ class PassthroughServer:
 
     def serve(self) -> None:
         """Answer requests until the mount goes (ENODEV) or DESTROY."""
-        files = self.files
-        files.mkdir(parents=True, exist_ok=True)
         while True:
             try:
                 buf = os.read(self.fd, MAX_READ + 4096)
@@ -226,31 +229,60 @@ class PassthroughServer:
         return _OPEN_OUT.pack(0, FOPEN_PASSTHROUGH, bid)
 
     def _register(self, node: Node, path: str) -> int:
-        dest = self.files / str(node.ino)
-        tmp = dest.with_name(dest.name + ".part")
+        """The file's backing file in the node's file cache (assembled if missing or not
+        matching the content hash it was stored with), registered with the kernel."""
         src = self.fs.sources[node.layer]
-        try:
-            with open(tmp, "wb") as f:
-                off, size = 0, node.entry.size
-                while off < size:
-                    data = src.read(node.entry, off, 8 << 20)
-                    if not data:
-                        raise OSError(errno.EIO, "short read")
-                    f.write(data)
-                    off += len(data)
-        except Exception as e:
-            log.error("lazy mount: reading %s (layer %d, %d bytes at 0) failed: %s",
-                      node.entry.path, node.layer, node.entry.size, e)
-            tmp.unlink(missing_ok=True)
-            raise OSError(errno.EIO, str(e)) from e
-        os.replace(tmp, dest)
-        bfd = os.open(dest, os.O_RDONLY | os.O_CLOEXEC)
+        key = file_key(src.index, node.entry)
+        bfd = self._cached(key)
+        if bfd is None:
+            tmp = self.files.tmp / f"{key.hex()}.{os.getpid()}.{threading.get_ident()}"
+            try:
+                h = xxhash.xxh3_128()
+                with open(tmp, "wb") as f:
+                    off, size = 0, node.entry.size
+                    while off < size:
+                        data = src.read(node.entry, off, 8 << 20)
+                        if not data:
+                            raise OSError(errno.EIO, "short read")
+                        f.write(data)
+                        h.update(data)
+                        off += len(data)
+                os.setxattr(tmp, CONTENT_XATTR, h.digest())
+            except Exception as e:
+                log.error("lazy mount: reading %s (layer %d, %d bytes at 0) failed: %s",
+                          node.entry.path, node.layer, node.entry.size, e)
+                tmp.unlink(missing_ok=True)
+                raise OSError(errno.EIO, str(e)) from e
+            bfd = os.open(self.files.adopt(key, tmp), os.O_RDONLY | os.O_CLOEXEC)
         try:
             arg = bytearray(_BACKING_MAP.pack(bfd, 0, 0))
             bid = fcntl.ioctl(self.fd, BACKING_OPEN, arg, True)  # True: returns the id
         finally:
             os.close(bfd)  # the kernel holds its own reference
         return int(bid)
+
+    def _cached(self, key: bytes) -> int | None:
+        """An open fd of the cached backing file, if it is there and its bytes still hash to
+        what was stored with them (a damaged file is removed and assembled again)."""
+        p = self.files.path_of(key)
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            want = os.getxattr(fd, CONTENT_XATTR)
+            h = xxhash.xxh3_128()
+            while chunk := os.read(fd, 4 << 20):
+                h.update(chunk)
+            if h.digest() == want:
+                os.utime(fd)  # its last use, for the cache's eviction order
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+        log.warning("lazy mount: backing file %s is damaged; assembling it again", p)
+        p.unlink(missing_ok=True)
+        return None
 
     def _read(self, nodeid: int, body: memoryview) -> bytes:
         _, offset, size, _ = _READ_IN.unpack_from(body)
@@ -309,6 +341,15 @@ class PassthroughServer:
             GETXATTR: _getxattr, LISTXATTR: _listxattr, STATFS: _statfs,
             RELEASE: _empty, RELEASEDIR: _empty, FLUSH: _empty, DESTROY: _empty,
             FORGET: _empty, BATCH_FORGET: _empty}
+
+
+def file_key(index: Any, entry: Any) -> bytes:
+    """A regular file's name in the node's file cache: a hash of its size and its chunk
+    extents by chunk id, so identical files of any layer share one backing file."""
+    h = hashlib.sha256(struct.pack("<Q", entry.size))
+    for ci, off, ln in entry.chunks:
+        h.update(index.chunks[ci].chunk_id + struct.pack("<QQ", off, ln))
+    return h.digest()[:16]
 
 
 def _xattr_reply(val: bytes, size: int) -> bytes:

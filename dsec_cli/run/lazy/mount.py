@@ -38,6 +38,8 @@ def available() -> str | None:
         return "/dev/fuse does not exist"
     if os.geteuid() != 0:
         return "lazy mounts as overlay lower dirs need root"
+    if served_by() == "kernel passthrough":
+        return None  # speaks /dev/fuse itself: neither libfuse nor mfusepy is needed
     if not ctypes.util.find_library("fuse3"):
         return "libfuse3 is not installed (apt-get install fuse3)"
     import importlib.util

@@ -128,7 +128,7 @@ def main(config_path: str) -> int:
 def _serve_kernel(fs: Any, cfg: dict[str, Any], state: Path, xattrs: bool, on_init: Any,
                   stop: threading.Event, flush: Any) -> int:
     """Serve the mount with FUSE passthrough (kernelfs.py): opened files are read by the
-    kernel from backing files under ``state/files``."""
+    kernel from backing files in the node's file cache, beside its chunk cache."""
     import ctypes
     import signal
 
@@ -138,7 +138,10 @@ def _serve_kernel(fs: Any, cfg: dict[str, Any], state: Path, xattrs: bool, on_in
         raise SystemExit(0)  # the main thread sits in read(/dev/fuse): this ends it
 
     signal.signal(signal.SIGTERM, on_term)
-    server = PassthroughServer(fs, cfg["mountpoint"], state / "files", xattrs=xattrs,
+    from .cache import ChunkCache
+
+    files = ChunkCache(Path(cfg["cache"]).parent / "files", int(cfg["budget"]))
+    server = PassthroughServer(fs, cfg["mountpoint"], files, xattrs=xattrs,
                                on_init=on_init, workers=max(2, int(cfg.get("inflight", 4))))
     flush()
     try:
