@@ -87,6 +87,21 @@ def test_backing_files_are_shared_and_checked(s3_image: Published, mounter: Any,
     assert stats(m3)["bytes_served"] == len(want)
 
 
+def test_small_files_bring_their_pack_neighbours(s3_image: Published, mounter: Any,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
+    m = mounter(s3_image.url, s3_image.layer)
+    data = m.lower_dirs[0] / "data"
+    names = sorted(p.name for p in (s3_image.tree / "data").glob("file*.txt"))
+    assert len(names) > 10
+    assert read_all(data / names[0]) == (s3_image.tree / "data" / names[0]).read_bytes()
+    first = stats(m)["requests"]
+    assert first >= 1
+    for n in names[1:]:  # stored after the first: they came with it
+        assert read_all(data / n) == (s3_image.tree / "data" / n).read_bytes()
+    assert stats(m)["requests"] == first
+
+
 def test_kill9_of_kernel_server_leaves_nothing(s3_image: Published, mounter: Any,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from dsec_cli.run.lazy import cleanup

@@ -61,6 +61,7 @@ F2_PASSTHROUGH = 1 << (37 - 32)
 FOPEN_KEEP_CACHE, FOPEN_PASSTHROUGH = 1 << 1, 1 << 7
 TIMEOUT = 86400  # a layer never changes: entries and attributes are cached for a day
 MAX_READ = 1 << 20
+SMALL_FILE = 256 << 10  # files up to this size bring their pack neighbours along
 CONTENT_XATTR = "user.dsec.xxh3"  # a backing file's content hash, checked on reuse
 
 
@@ -99,6 +100,7 @@ class PassthroughServer:
             self.inodes.setdefault(node.ino, (path, node))
         self.backing: dict[int, int] = {}  # inode -> backing id, registered once per mount
         self.locks: dict[int, threading.Lock] = {}
+        self._order: dict[int, tuple[list[int], dict[int, int]]] = {}
         self.lock = threading.Lock()
         self.wlock = threading.Lock()
         self.fd = -1
@@ -235,6 +237,12 @@ class PassthroughServer:
         key = file_key(src.index, node.entry)
         bfd = self._cached(key)
         if bfd is None:
+            if node.entry.size <= SMALL_FILE:
+                # a small file: fetch it with the chunks that follow it in its pack, in the
+                # same ranged read; the next files of a walk then come from the chunk cache
+                # (a larger file is fetched alone: one request is already worth its bytes)
+                own = [ci for ci, _, _ in node.entry.chunks]
+                src.fetcher.chunks(src.index, own, readahead=self._following(node.layer, own))
             tmp = self.files.tmp / f"{key.hex()}.{os.getpid()}.{threading.get_ident()}"
             try:
                 h = xxhash.xxh3_128()
@@ -253,13 +261,35 @@ class PassthroughServer:
                           node.entry.path, node.layer, node.entry.size, e)
                 tmp.unlink(missing_ok=True)
                 raise OSError(errno.EIO, str(e)) from e
-            bfd = os.open(self.files.adopt(key, tmp), os.O_RDONLY | os.O_CLOEXEC)
+            # opened before it moves in: eviction may unlink it at once under a small budget
+            bfd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+            self.files.adopt(key, tmp)
         try:
             arg = bytearray(_BACKING_MAP.pack(bfd, 0, 0))
             bid = fcntl.ioctl(self.fd, BACKING_OPEN, arg, True)  # True: returns the id
         finally:
             os.close(bfd)  # the kernel holds its own reference
         return int(bid)
+
+    def _following(self, layer: int, own: list[int]) -> list[int]:
+        """Chunk numbers stored right after ``own`` in their pack, up to one preferred read."""
+        with self.lock:
+            order = self._order.get(layer)
+            if order is None:
+                ix = self.fs.sources[layer].index
+                seq = sorted(range(len(ix.chunks)),
+                             key=lambda i: (ix.chunks[i].pack, ix.chunks[i].offset))
+                order = self._order[layer] = (seq, {c: n for n, c in enumerate(seq)})
+        seq, pos = order
+        src = self.fs.sources[layer]
+        budget = src.fetcher.max_read
+        out: list[int] = []
+        for ci in seq[max(pos[c] for c in own) + 1:] if own else ():
+            budget -= src.index.chunks[ci].clen
+            if budget < 0:
+                break
+            out.append(ci)
+        return out
 
     def _cached(self, key: bytes) -> int | None:
         """An open fd of the cached backing file, if it is there and its bytes still hash to
