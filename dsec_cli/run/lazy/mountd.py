@@ -38,10 +38,6 @@ def main(config_path: str) -> int:
     state = Path(config_path).parent
     logging.basicConfig(filename=str(state / "mountd.log"), level=cfg.get("log", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # mfusepy takes libfuse 2 when both are installed; the options below are libfuse 3's
-    os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
-    import mfusepy
-
     from ...core.errors import CorruptObjectError
     from ...push.dedup import load_index
     from ...push.materialize import store_fetch
@@ -113,6 +109,10 @@ def main(config_path: str) -> int:
     if cfg.get("server") == "kernel":
         return _serve_kernel(LazyFS(indexes, sources, recorder), cfg, state, xattrs, on_init,
                              stop, flush)
+    # mfusepy takes libfuse 2 when both are installed; the options below are libfuse 3's
+    os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
+    import mfusepy
+
     fs = kind(indexes, sources, recorder, on_init)
     flush()
     try:
