@@ -127,7 +127,9 @@ class PassthroughServer:
                 raise
             ln, op, unique, nodeid, _, _, _, _, _ = _IN.unpack_from(buf)
             body = memoryview(buf)[_IN.size:ln]
-            if op in (OPEN, READ):
+            # opens that may fetch or assemble go to the pool; a re-open of a file this mount
+            # registered already is answered here at once
+            if op == READ or (op == OPEN and nodeid not in self.backing):
                 self.pool.submit(self._handle, op, unique, nodeid, body)
                 continue
             self._handle(op, unique, nodeid, body)
