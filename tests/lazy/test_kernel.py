@@ -116,3 +116,22 @@ def test_kill9_of_kernel_server_leaves_nothing(s3_image: Published, mounter: Any
     cleanup(m.state)
     mounts = Path("/proc/self/mountinfo").read_text()
     assert str(m.mountpoint) not in mounts and not Path(f"/proc/{m.pid}").exists()
+
+
+def test_partial_backing_files_of_a_dead_server_are_swept(
+        s3_image: Published, mounter: Any, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
+    m = mounter(s3_image.url, s3_image.layer)
+    assert read_all(m.lower_dirs[0] / "etc/small.conf")
+    tmp = tmp_path / "files" / "tmp"
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)  # a pid that no longer runs
+    stale = tmp / f"{'ab' * 16}.{dead}.1"
+    stale.write_bytes(b"half a file")
+    mine = tmp / f"{'cd' * 16}.{os.getpid()}.1"  # a live process's file is kept
+    mine.write_bytes(b"in progress")
+    mounter(s3_image.url, s3_image.layer)  # a new server on the node sweeps at start
+    assert not stale.exists() and mine.exists()

@@ -107,6 +107,14 @@ class PassthroughServer:
         self.passthrough = False
 
     # -- lifecycle ----------------------------------------------------------------------------
+    def sweep(self) -> None:
+        """Remove partial backing files of servers that died while assembling them (named
+        ``<key>.<pid>.<thread>``; a live server's are kept)."""
+        for p in self.files.tmp.glob("*.*.*"):
+            pid = p.name.split(".")[1]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                p.unlink(missing_ok=True)
+
     def mount(self) -> None:
         self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
         _libc_mount("dsec-lazy", self.mountpoint, "fuse.dsec",

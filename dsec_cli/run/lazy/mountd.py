@@ -143,6 +143,7 @@ def _serve_kernel(fs: Any, cfg: dict[str, Any], state: Path, xattrs: bool, on_in
     files = ChunkCache(Path(cfg["cache"]).parent / "files", int(cfg["budget"]))
     server = PassthroughServer(fs, cfg["mountpoint"], files, xattrs=xattrs,
                                on_init=on_init, workers=max(2, int(cfg.get("inflight", 4))))
+    server.sweep()
     flush()
     try:
         server.mount()
