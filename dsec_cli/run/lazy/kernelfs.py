@@ -61,6 +61,8 @@ F2_PASSTHROUGH = 1 << (37 - 32)
 FOPEN_KEEP_CACHE, FOPEN_PASSTHROUGH = 1 << 1, 1 << 7
 TIMEOUT = 86400  # a layer never changes: entries and attributes are cached for a day
 MAX_READ = 1 << 20
+MAX_WRITE = 4096  # nothing is written to a read-only mount: the smallest the kernel takes
+REQUEST_BUFFER = 64 << 10  # >= the kernel's minimum (8 KiB) and any lookup or xattr name
 SMALL_FILE = 256 << 10  # files up to this size bring their pack neighbours along
 CONTENT_XATTR = "user.dsec.xxh3"  # a backing file's content hash, checked on reuse
 
@@ -124,9 +126,13 @@ class PassthroughServer:
 
     def serve(self) -> None:
         """Answer requests until the mount goes (ENODEV) or DESTROY."""
+        # requests of a read-only mount are small (no WRITE; max_write is the minimum), so
+        # one buffer is reused and each request's body copied out
+        buf = bytearray(REQUEST_BUFFER)
+        view = memoryview(buf)
         while True:
             try:
-                buf = os.read(self.fd, MAX_READ + 4096)
+                n = os.readv(self.fd, [buf])
             except OSError as e:
                 if e.errno in (errno.ENOENT, errno.EINTR, errno.EAGAIN):
                     continue  # an interrupted request; the kernel has forgotten it
@@ -134,7 +140,7 @@ class PassthroughServer:
                     return  # unmounted
                 raise
             ln, op, unique, nodeid, _, _, _, _, _ = _IN.unpack_from(buf)
-            body = memoryview(buf)[_IN.size:ln]
+            body = memoryview(bytes(view[_IN.size:min(ln, n)]))
             # opens that may fetch or assemble go to the pool; a re-open of a file this mount
             # registered already is answered here at once
             if op == READ or (op == OPEN and nodeid not in self.backing):
@@ -203,7 +209,7 @@ class PassthroughServer:
         full = flags & F_INIT_EXT and minor >= 40 and flags2 & F2_PASSTHROUGH
         self.passthrough = bool(full)
         out_flags = F_ASYNC_READ | F_BIG_WRITES | F_MAX_PAGES | (F_INIT_EXT if full else 0)
-        out = _INIT_OUT.pack(7, min(minor, 40), readahead, out_flags, 16, 12, MAX_READ, 1,
+        out = _INIT_OUT.pack(7, min(minor, 40), readahead, out_flags, 16, 12, MAX_WRITE, 1,
                              MAX_READ // 4096, 0, F2_PASSTHROUGH if full else 0, 1)
         if not full:
             log.warning("lazy mount: the kernel did not offer FUSE passthrough")
