@@ -59,7 +59,7 @@ def _rows(results: list[Any]) -> list[tuple[Any, ...]]:
         i = r.value
         cap, use = i["capacity"], i["usage"]
         f = i.get("fetch") or {}
-        fetch = f"{f['auto']} (lazy: {f['lazy']})" if f else ""
+        fetch = f"{f['auto']} (lazy reads: {f['lazy']})" if f else ""
         rows.append((r.node, "ok", i["dsec"], f"{cap['cpus']:g} cpu, {human_bytes(cap['memory'])}",
                      f"{use['sandboxes']}/{cap['sandboxes']}", human_bytes(i["cache_bytes"]),
                      fetch, i.get("hostname", "")))
