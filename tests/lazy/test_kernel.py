@@ -27,6 +27,11 @@ def test_this_kernel_serves_lazy_reads_by_passthrough(monkeypatch: pytest.Monkey
     assert served_by() == "kernel passthrough"  # kernel >= 6.9 with CONFIG_FUSE_PASSTHROUGH
     monkeypatch.setenv("DSEC_LAZY_SERVER", "daemon")
     assert served_by() == "fuse daemon"
+    from dsec_cli.core.errors import UsageError
+
+    monkeypatch.setenv("DSEC_LAZY_SERVER", "sometimes")
+    with pytest.raises(UsageError, match="DSEC_LAZY_SERVER"):
+        served_by()
 
 
 @pytest.mark.parametrize("server", ["kernel", "daemon"])

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ...core.config import env
-from ...core.errors import BackendError
+from ...core.errors import BackendError, UsageError
 from ...format.validate import is_digest
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ def served_by() -> str:
     from .kernelfs import supported
 
     want = (env("DSEC_LAZY_SERVER") or "kernel").lower()
+    if want not in ("kernel", "daemon"):
+        raise UsageError(f"invalid DSEC_LAZY_SERVER {want!r}: choose kernel or daemon")
     if want == "daemon" or supported() is not None:
         return "fuse daemon"
     return "kernel passthrough"
