@@ -62,9 +62,10 @@ def main(argv: list[str]) -> None:
     os.environ.update(testing.S3_ENV)
     os.environ["DSEC_DATA_DIR"] = str(work / "data")
     moto = testing.start_moto()
-    reg = testing.start_registry(str(work))
+    reg = None
     res: dict[str, Any] = {"mb": args.mb, "runs": args.runs, "trees": {}}
     try:
+        reg = testing.start_registry(str(work))
         import boto3
 
         s3 = boto3.client("s3", endpoint_url=moto.url, region_name="us-east-1")
@@ -115,5 +116,6 @@ def main(argv: list[str]) -> None:
         print(f"saved {save('remote_start', res)}")
     finally:
         moto.stop()
-        reg.stop()
+        if reg is not None:
+            reg.stop()
         shutil.rmtree(work, ignore_errors=True)
