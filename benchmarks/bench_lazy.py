@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import time
@@ -193,6 +194,69 @@ def cached_throughput(url: str, files: list[str]) -> dict[str, Any]:
     return out
 
 
+def servers(tree: Path) -> dict[str, Any]:
+    """Kernel passthrough vs the libfuse daemon vs eager on one small image (busybox + ``tree``
+    in a file:// store), in one run: first exec (time, bytes fetched by then), reading every
+    file, and reading every file again from a warm chunk cache against an eager sandbox's
+    local disk (page cache dropped before each)."""
+    from dsec_cli.build.builder import build
+    from dsec_cli.build.image import write_image
+    from dsec_cli.build.layer import build_layer_from_dir
+    from dsec_cli.format.refs import resolve
+    from dsec_cli.push.stores import open_store
+    from dsec_cli.run.node import CreateOptions, Node
+
+    url = (WORK / "servers-store").as_uri()
+    if not (WORK / "servers-store" / "refs" / "srvbench").exists():
+        subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
+        build([REPO / "layerspecs/busybox/busybox.yaml"], url)
+        with open_store(url) as st:
+            d, _ = build_layer_from_dir(st, tree, "srvdata", "1", created_by="bench")
+            write_image(st, "srvbench", "1", [resolve(st, "busybox@1.35-1"), d],
+                        env={"PATH": "/bin"}, set_ref_too=True)
+    stored, _ = image_bytes(url, "srvbench@1")
+    everything = ["sh", "-c", "find / -xdev -type f -exec cat {} + >/dev/null"]
+    out: dict[str, Any] = {"tree": str(tree), "image_stored_bytes": stored}
+    for name, fetch, server in (("eager", "eager", ""), ("kernel", "lazy", "kernel"),
+                                ("daemon", "lazy", "daemon")):
+        os.environ["DSEC_LAZY_SERVER"] = server or "kernel"
+        out[name] = run_once(url, "srvbench@1", fetch, everything)
+        print(name, json.dumps(out[name]), flush=True)
+    # warm reads: one node whose caches a first lazy sandbox of each server filled; the 40
+    # largest files (as the cached-read figure above) and every file
+    largest = sorted((p for p in tree.rglob("*") if p.is_file() and not p.is_symlink()),
+                     key=lambda p: -p.stat().st_size)[:40]
+    big = ["sh", "-c", "cat " + " ".join(shlex.quote("/" + str(p.relative_to(tree)))
+                                         for p in largest) + " >/dev/null"]
+    state = WORK / f"node-warm-{time.monotonic_ns()}"
+    TRASH.append(state)
+    node = Node(state, url)
+    for name, fetch, server in (("eager", "eager", ""), ("fill", "lazy", "daemon"),
+                                ("daemon", "lazy", "daemon"), ("fill", "lazy", "kernel"),
+                                ("kernel", "lazy", "kernel")):
+        os.environ["DSEC_LAZY_SERVER"] = server or "kernel"
+        rec = node.create("srvbench@1", CreateOptions(backend="container", fetch=fetch))
+        try:
+            for what, cmd in (("warm_read_s", everything), ("warm_read_largest_s", big)):
+                drop_caches()
+                t = time.perf_counter()
+                assert node.exec(rec.id, cmd).exit_code == 0
+                out.setdefault(what, {})[name] = round(time.perf_counter() - t, 3)
+        finally:
+            node.remove(rec.id)
+    os.environ.pop("DSEC_LAZY_SERVER", None)
+    w, wl, e = out["warm_read_s"], out["warm_read_largest_s"], out["eager"]
+    out["ratios"] = {
+        s: {"read_everything_vs_eager": round(out[s]["complete_s"] / e["complete_s"], 2),
+            "warm_read_every_file_vs_local_disk": round(w["eager"] / w[s], 2),
+            "warm_read_40_largest_vs_local_disk": round(wl["eager"] / wl[s], 2),
+            "bytes_to_first_exec_pct": round(100 * (out[s]["fetched_at_first_exec"] or 0)
+                                             / stored, 1),
+            "first_exec_vs_eager": round(out[s]["first_exec_s"] / e["first_exec_s"], 2)}
+        for s in ("kernel", "daemon")}
+    return out
+
+
 def report(results: dict[str, Any]) -> str:
     """Markdown tables of a results file (docs/benchmarks-lazy.md quotes them)."""
     mb = 1e6
@@ -242,7 +306,21 @@ def main(argv: list[str]) -> None:
                     help="comma list (everything over moto S3 takes ~15 min: one request "
                          "costs ~70 ms there)")
     ap.add_argument("--report", action="store_true", help="print results/lazy.json as tables")
+    ap.add_argument("--servers", metavar="TREE", default=None,
+                    help="only compare kernel passthrough, the libfuse daemon and eager on a "
+                         "small image of busybox + TREE (e.g. /usr/lib/python3.11)")
     args = ap.parse_args(argv)
+    if args.servers:
+        WORK.mkdir(parents=True, exist_ok=True)
+        os.environ["XDG_DATA_HOME"] = str(WORK / "xdg")
+        try:
+            res = servers(Path(args.servers))
+        finally:
+            for p in TRASH:
+                subprocess.Popen(["rm", "-rf", str(p)], start_new_session=True)
+        print(json.dumps(res["ratios"], indent=1))
+        print(save("lazy_servers", res))
+        return
     if args.report:
         print(report(json.loads((RESULTS / "lazy.json").read_text())))
         return

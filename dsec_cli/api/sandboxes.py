@@ -331,7 +331,7 @@ def create_options(backend: str = "container", *, cpus: float | None = None,
                    memory: int | str | None = None, pids: int | None = None,
                    ttl: float | str | None = None, network: str = "none",
                    env: dict[str, str] | None = None, workdir: str | None = None,
-                   fetch: str = "eager", disk: int | str | None = None,
+                   fetch: str = "auto", disk: int | str | None = None,
                    cpu_class: str | None = None, prefix: str = "",
                    user: str | None = None) -> CreateOptions:
     """Checked create options; errors name each option with ``prefix`` (``--`` for flags)."""

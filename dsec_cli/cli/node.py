@@ -54,13 +54,15 @@ def _rows(results: list[Any]) -> list[tuple[Any, ...]]:
     for r in results:
         if not r.ok:
             state = "unreachable" if r.to_dict()["unreachable"] else "error"
-            rows.append((r.node, state, "", "", "", "", "", str(r.error)))
+            rows.append((r.node, state, "", "", "", "", "", "", str(r.error)))
             continue
         i = r.value
         cap, use = i["capacity"], i["usage"]
+        f = i.get("fetch") or {}
+        fetch = f"{f['auto']} (lazy reads: {f['lazy']})" if f else ""
         rows.append((r.node, "ok", i["dsec"], f"{cap['cpus']:g} cpu, {human_bytes(cap['memory'])}",
                      f"{use['sandboxes']}/{cap['sandboxes']}", _use(cap, use),
-                     human_bytes(i["cache_bytes"]), i.get("hostname", "")))
+                     human_bytes(i["cache_bytes"]), fetch, i.get("hostname", "")))
     return rows
 
 
@@ -80,7 +82,8 @@ def _status(names: list[str] | None, json_out: bool, timeout: float | None) -> N
         print_json([r.to_dict() for r in results])
     else:
         table(None, ["NODE", "STATE", "VERSION", "CAPACITY", "SANDBOXES",
-                     "CPU / MEMORY DECLARED, RESIDENT", "CACHED", "HOST / ERROR"], _rows(results))
+                     "CPU / MEMORY DECLARED, RESIDENT", "CACHED", "FETCH AUTO", "HOST / ERROR"],
+              _rows(results))
     if names and any(not r.ok for r in results):
         raise typer.Exit(1)
 

@@ -93,9 +93,10 @@ def register(app: typer.Typer) -> None:
             "--class", help="CPU class: latency (exec answers stay fast) | batch (default) | "
                             "idle (only when nothing else wants the CPU)")] = None,
         fetch: Annotated[str, typer.Option(
-            "--fetch", help="eager (fetch every layer first) | lazy (mount now, fetch files on "
-                            "first read) | background (lazy, plus a full fetch behind it)")
-                         ] = "eager",
+            "--fetch", help="auto (the fastest start here: see `dsec node check`) | eager "
+                            "(fetch every layer first) | lazy (mount now, fetch files on first "
+                            "read) | background (lazy, plus a full fetch behind it)")
+                         ] = "auto",
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
         node_name: Annotated[str | None, typer.Option(  # noqa: UP007

@@ -99,7 +99,7 @@ def sandbox_options(image: str, *, backend: str = "container", cpus: float | Non
                     memory: str | None = None, pids: int | None = None, ttl: str | None = None,
                     network: str = "none", disk: str | None = None,
                     env: list[str] | None = None, workdir: str | None = None,
-                    timeout: float | None = None, fetch: str = "eager",
+                    timeout: float | None = None, fetch: str = "auto",
                     node_name: str | None = None, cpu_class: str | None = None,
                     user: str | None = None) -> Any:
     """`dsec run`'s options, checked: the `CreateOptions` of the new sandbox."""

@@ -197,6 +197,8 @@ def net_timeouts() -> NetTimeouts:
 #: store limits below). Every DSEC_* variable is read in this module: elsewhere through `env`.
 ENV_SETTINGS: dict[str, str] = {
     "DSEC_LOG": "log level of the command line and of lazy mount daemons (e.g. INFO)",
+    "DSEC_LAZY_SERVER": "how lazy mounts serve reads: kernel (FUSE passthrough) or daemon "
+                        "(libfuse); default kernel where the kernel has passthrough",
     "DSEC_STORE_RETRIES": "attempts per store request (a whole number >= 1)",
     "DSEC_LEASE_TTL": "seconds a writer lease lives without renewal (default 600)",
     "DSEC_GC_MARKER_TTL": "seconds a store gc's marker lives without renewal (default 60)",

@@ -48,11 +48,47 @@ def resolve(store: Any, cache_root: Path, image: str) -> Image:
                  annotations=dict(prepared.image.manifest.annotations))
 
 
-def fetch_mode(fetch: str, image: str) -> str:
-    """The fetch mode a create really uses: lazy modes fall back to eager where FUSE is not
+def auto_fetch(store_local: bool) -> tuple[str, str]:
+    """The mode ``--fetch auto`` picks for an image not yet in the layer cache, and why.
+
+    From a remote store a lazy mount starts in the time of its indexes while eager waits for
+    every byte (docs/benchmarks.md); from a store on a local filesystem eager costs a local
+    copy and leaves the sandbox on plain disk, so it is kept."""
+    if store_local:
+        return "eager", "the store is on a local filesystem"
+    from .lazy import available
+
+    why = available()
+    if why is not None:
+        return "eager", f"lazy mounts are not possible here ({why})"
+    return "lazy", "lazy mounts start before the image's bytes arrive from a remote store"
+
+
+def fetch_report(store_url: str) -> dict[str, str]:
+    """What ``--fetch auto`` starts with on this node (for an image not cached yet), why, and
+    how lazy mounts are served here (``dsec node check``)."""
+    from ..push.stores import open_store
+    from .lazy import available, served_by
+
+    mode, why = auto_fetch(bool(getattr(open_store(store_url), "local", False)))
+    return {"auto": mode, "why": why,
+            "lazy": served_by() if available() is None else "unavailable"}
+
+
+def fetch_mode(fetch: str, image: str, store: Any = None, cache_root: Path | None = None
+               ) -> str:
+    """The fetch mode a create really uses: ``auto`` is resolved (an image already in the
+    layer cache is eager: nothing to fetch), lazy modes fall back to eager where FUSE is not
     available (and for directory images, which are never fetched)."""
     if fetch == "eager" or is_directory_image(image):
         return "eager"
+    if fetch == "auto":
+        if store is None or cache_root is None:
+            return "eager"
+        usage = cache_usage(store, cache_root, image)
+        if usage["bytes"] and usage["cached_bytes"] >= usage["bytes"]:
+            return "eager"
+        return auto_fetch(bool(getattr(store, "local", False)))[0]
     from .lazy import available
 
     why = available()

@@ -129,7 +129,7 @@ class Node:
         it by that id)."""
         opts = opts or CreateOptions()
         opts.validate()
-        fetch = images.fetch_mode(opts.fetch, image)
+        fetch = images.fetch_mode(opts.fetch, image, self.store(), self.cache_root)
         # pool members run as their image's user: one asked for by name is made now
         if fetch == "eager" and from_pool and opts.user is None and self.pools.active():
             img = self.resolve_image(image)
@@ -142,8 +142,8 @@ class Node:
     def take_pooled(self, image: str, opts: CreateOptions) -> SandboxRecord | None:
         """A warm pool member for this create, or None (no pool, or it is empty)."""
         opts.validate()
-        if images.fetch_mode(opts.fetch, image) != "eager" or opts.user is not None \
-                or not self.pools.active():
+        if opts.user is not None or not self.pools.active() or \
+                images.fetch_mode(opts.fetch, image, self.store(), self.cache_root) != "eager":
             return None
         return self.pools.take(image, self.resolve_image(image), opts)
 
@@ -262,7 +262,8 @@ class Node:
 
         out: dict[str, Any] = {"dsec": __version__, "hostname": socket.gethostname(),
                                "store": self.store_url, "state_dir": str(self.root),
-                               "cache_bytes": self._cached_total()}
+                               "cache_bytes": self._cached_total(),
+                               "fetch": images.fetch_report(self.store_url)}
         if image:
             try:
                 out["image"] = self.image_cache(image)

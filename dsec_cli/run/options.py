@@ -30,7 +30,7 @@ class CreateOptions:
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
     disk: int | None = None  # bytes the sandbox may write (its upper dir, or /tmp for fncall)
-    fetch: str = "eager"  # eager | lazy | background (docs/lazy.md)
+    fetch: str = "auto"  # auto | eager | lazy | background (docs/lazy.md)
     record_seconds: float | None = None  # lazy: profile reads this long (default 30 s)
     cpu_class: str | None = None  # latency | batch | idle; None: batch, nothing written
     user: str | None = None  # who commands run as (NAME, UID, NAME:GROUP...): else the image's
@@ -76,6 +76,7 @@ class CreateOptions:
                                       or any(c in self.user for c in "\0\n/")):
             raise UsageError(f"invalid --user {self.user!r}: expected NAME, UID, NAME:GROUP "
                              "or UID:GID")
-        if self.fetch not in ("eager", "lazy", "background"):
-            raise UsageError(f"invalid --fetch {self.fetch!r}: choose eager, lazy or background")
+        if self.fetch not in ("auto", "eager", "lazy", "background"):
+            raise UsageError(f"invalid --fetch {self.fetch!r}: choose auto, eager, lazy or "
+                             "background")
 

@@ -14,24 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 from .conftest import Published
-
-
-@pytest.fixture(scope="module")
-def node_env(s3_image: Published, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[dict[str, str]]:
-    state = tmp_path_factory.mktemp("lazynode")
-    env = {"DSEC_STATE_DIR": str(state), "DSEC_STORE": s3_image.url,
-           "XDG_DATA_HOME": str(tmp_path_factory.mktemp("xdg"))}
-    yield env
-    from dsec_cli.run.node import Node
-
-    n = Node(state, s3_image.url)
-    for r in n.db.all():
-        n.remove(r.id)
-    n.reconcile()
 
 
 def dsec(env: dict[str, str], *args: str, check: int | None = 0, timeout: float = 300

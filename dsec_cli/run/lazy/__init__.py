@@ -3,6 +3,7 @@ lists and profiles. See docs/lazy.md."""
 
 from __future__ import annotations
 
-from .mount import FETCH_MODES, LazyMount, available, cleanup, mount_layers, read_stats
+from .mount import FETCH_MODES, LazyMount, available, cleanup, mount_layers, read_stats, served_by
 
-__all__ = ["FETCH_MODES", "LazyMount", "available", "cleanup", "mount_layers", "read_stats"]
+__all__ = ["FETCH_MODES", "LazyMount", "available", "cleanup", "mount_layers", "read_stats",
+           "served_by"]

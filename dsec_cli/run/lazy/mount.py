@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ...core.config import env
-from ...core.errors import BackendError
+from ...core.errors import BackendError, UsageError
 from ...format.validate import is_digest
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ def available() -> str | None:
         return "/dev/fuse does not exist"
     if os.geteuid() != 0:
         return "lazy mounts as overlay lower dirs need root"
+    if served_by() == "kernel passthrough":
+        return None  # speaks /dev/fuse itself: neither libfuse nor mfusepy is needed
     if not ctypes.util.find_library("fuse3"):
         return "libfuse3 is not installed (apt-get install fuse3)"
     import importlib.util
@@ -45,6 +47,21 @@ def available() -> str | None:
     if importlib.util.find_spec("mfusepy") is None:
         return "mfusepy is not installed; pip install 'dsec[lazy]'"
     return None
+
+
+def served_by() -> str:
+    """How lazy reads are served here (``dsec node check``): ``kernel passthrough`` (opened
+    files are read by the kernel from backing files; kernelfs.py) or ``fuse daemon`` (every
+    read goes through the libfuse daemon; fs.py), the fallback where the kernel lacks FUSE
+    passthrough or ``DSEC_LAZY_SERVER=daemon``."""
+    from .kernelfs import supported
+
+    want = (env("DSEC_LAZY_SERVER") or "kernel").lower()
+    if want not in ("kernel", "daemon"):
+        raise UsageError(f"invalid DSEC_LAZY_SERVER {want!r}: choose kernel or daemon")
+    if want == "daemon" or supported() is not None:
+        return "fuse daemon"
+    return "kernel passthrough"
 
 
 @dataclass
@@ -66,7 +83,8 @@ def mount_layers(state: Path, store_url: str, layers: list[dict[str, str]], *, c
     cfg = {"store": store_url, "layers": layers, "mountpoint": str(mnt), "cache": str(cache),
            "budget": budget, "mode": mode, "record_seconds": record_seconds,
            "max_read": max_read, "inflight": inflight, "ready_fd": w,
-           "log": (env("DSEC_LOG") or "INFO").upper()}
+           "log": (env("DSEC_LOG") or "INFO").upper(),
+           "server": "kernel" if served_by() == "kernel passthrough" else "daemon"}
     (state / "config.json").write_text(json.dumps(cfg))
     try:
         proc = subprocess.Popen(

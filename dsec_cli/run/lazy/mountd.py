@@ -38,10 +38,6 @@ def main(config_path: str) -> int:
     state = Path(config_path).parent
     logging.basicConfig(filename=str(state / "mountd.log"), level=cfg.get("log", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # mfusepy takes libfuse 2 when both are installed; the options below are libfuse 3's
-    os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
-    import mfusepy
-
     from ...core.errors import CorruptObjectError
     from ...push.dedup import load_index
     from ...push.materialize import store_fetch
@@ -108,7 +104,15 @@ def main(config_path: str) -> int:
     # no Python SIGTERM handler: the main thread sits in libfuse's loop and would never run
     # it; libfuse's own handler ends the loop, unmounts, and the finally below flushes
     threading.Thread(target=flusher, name="flush", daemon=True).start()
-    kind = LazyFS if needs_xattrs(indexes) else LazyFSNoXattrs
+    xattrs = needs_xattrs(indexes)
+    kind = LazyFS if xattrs else LazyFSNoXattrs
+    if cfg.get("server") == "kernel":
+        return _serve_kernel(LazyFS(indexes, sources, recorder), cfg, state, xattrs, on_init,
+                             stop, flush)
+    # mfusepy takes libfuse 2 when both are installed; the options below are libfuse 3's
+    os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
+    import mfusepy
+
     fs = kind(indexes, sources, recorder, on_init)
     flush()
     try:
@@ -118,6 +122,39 @@ def main(config_path: str) -> int:
         stop.set()
         flush()
         log.info("unmounted after %.1fs", time.monotonic() - recorder.started)
+    return 0
+
+
+def _serve_kernel(fs: Any, cfg: dict[str, Any], state: Path, xattrs: bool, on_init: Any,
+                  stop: threading.Event, flush: Any) -> int:
+    """Serve the mount with FUSE passthrough (kernelfs.py): opened files are read by the
+    kernel from backing files in the node's file cache, beside its chunk cache."""
+    import ctypes
+    import signal
+
+    from .kernelfs import PassthroughServer
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(0)  # the main thread sits in read(/dev/fuse): this ends it
+
+    signal.signal(signal.SIGTERM, on_term)
+    from .cache import ChunkCache
+
+    files = ChunkCache(Path(cfg["cache"]).parent / "files", int(cfg["budget"]))
+    server = PassthroughServer(fs, cfg["mountpoint"], files, xattrs=xattrs,
+                               on_init=on_init, workers=max(2, int(cfg.get("inflight", 4))))
+    server.sweep()
+    flush()
+    try:
+        server.mount()
+        server.serve()
+    finally:
+        stop.set()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.umount2(cfg["mountpoint"].encode(), 2)  # MNT_DETACH; gone already is fine
+        server.close()
+        flush()
+        log.info("unmounted")
     return 0
 
 
