@@ -84,19 +84,22 @@ def test_client_refuses_a_node_of_another_version(client: SshCluster, tmp_path: 
     from dsec_cli.run.cluster.protocol import PROTOCOL_VERSION
 
     log = _fake_node(client, tmp_path, PROTOCOL_VERSION + 1, "answer")
-    p = run_dsec("run", "--node", "fake", "-d", IMAGE, check=2, env=client.client_env())
+    # the stand-in speaks the session protocol: no resident service
+    p = run_dsec("run", "--node", "fake", "-d", IMAGE, check=2,
+                 env={**client.client_env(), "DSEC_NODE_AGENT": "stdio"})
     assert "fake" in p.stderr and f"protocol {PROTOCOL_VERSION}" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
     assert "create" not in log.read_text().split()  # refused at the greeting
 
 
-def test_create_is_never_sent_again_after_a_lost_reply(client: SshCluster,
-                                                       tmp_path: Path) -> None:
+def test_create_is_never_sent_again_after_a_lost_reply(client: SshCluster, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from dsec_cli.core.errors import DsecError
     from dsec_cli.run.cluster.protocol import PROTOCOL_VERSION
     from dsec_cli.run.cluster.registry import get_node
 
     log = _fake_node(client, tmp_path, PROTOCOL_VERSION, "lose-create")
+    monkeypatch.setenv("DSEC_NODE_AGENT", "stdio")  # the stand-in speaks the session protocol
     node = get_node("fake")
     with pytest.raises(DsecError):
         node.create(IMAGE)
