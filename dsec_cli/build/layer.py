@@ -192,6 +192,7 @@ class _Writer:
 
     def seal_all(self) -> None:
         """Every chunk written into a sealed pack (kept in staging when deferred)."""
+        self._submit()
         while self.pending:
             self._drain_one()
         self._seal()
