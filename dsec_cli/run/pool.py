@@ -252,8 +252,9 @@ class Pools:
         opts.validate()
         if size is not None and not 0 <= size <= 10000:
             raise UsageError(f"invalid pool size {size}: must be from 0 to 10000")
-        if opts.ttl is not None or opts.fetch != "eager":
+        if opts.ttl is not None or opts.fetch not in ("auto", "eager"):
             raise UsageError("a pool takes no --ttl (set it per create) and fetches eagerly")
+        opts.fetch = "eager"  # members are made whole; creates that resolve to eager take them
         img = self.node.resolve_image(image)
         if not img.from_store:
             raise UsageError(f"image {image!r} is a directory: pools need a store image")
