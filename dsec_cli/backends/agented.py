@@ -167,38 +167,39 @@ async def exec_async(client: AsyncAgentClient, handle: SandboxHandle, request: E
                      on_output: AsyncOutputCallback | None = None) -> ExecResult:
     """`exec_with_accounting` on an asyncio connection: the same result, limit flags
     included, awaited without a thread."""
-    limited = handle.state.get("limited", True) and handle.state.get("cgroup")
-    cg = _cgroups.Cgroup(handle.state["cgroup"]) if limited else None
-    before = cg.limit_events() if cg else (0, 0)
-    t0 = time.monotonic()
+    watch = _LimitWatch(handle)
     res = await client.exec(request.argv, request.env, request.cwd,
                             request.stdin,  # type: ignore[arg-type]
                             request.timeout, on_output, request.capture_limit, request.user)
-    if cg is None:
-        return res
-    after = cg.limit_events()
-    oom, pids_hit = after[0] > before[0], after[1] > before[1]
-    if not (oom or pids_hit):
-        return res
-    return dataclasses.replace(res, duration=time.monotonic() - t0, oom_killed=oom,
-                               pids_limited=pids_hit)
+    return watch.result(res)
 
 
 def exec_with_accounting(client: AgentClient, handle: SandboxHandle, request: ExecRequest,
                          on_output: OutputCallback | None) -> ExecResult:
     """Exec through the agent and tell the caller when the sandbox's memory or pids limit
     was what ended the command (cgroup counters read before and after)."""
-    limited = handle.state.get("limited", True) and handle.state.get("cgroup")
-    cg = _cgroups.Cgroup(handle.state["cgroup"]) if limited else None
-    before = cg.limit_events() if cg else (0, 0)
-    t0 = time.monotonic()
+    watch = _LimitWatch(handle)
     res = client.exec(request.argv, request.env, request.cwd, request.stdin, request.timeout,
                       on_output, request.capture_limit, request.user)
-    if cg is None:
-        return res
-    after = cg.limit_events()
-    oom, pids_hit = after[0] > before[0], after[1] > before[1]
-    if not (oom or pids_hit):
-        return res
-    return dataclasses.replace(res, duration=time.monotonic() - t0, oom_killed=oom,
-                               pids_limited=pids_hit)
+    return watch.result(res)
+
+
+class _LimitWatch:
+    """The sandbox's memory and pids limit counters, read before an exec and again after
+    it: `result` flags the limit that ended the command."""
+
+    def __init__(self, handle: SandboxHandle) -> None:
+        limited = handle.state.get("limited", True) and handle.state.get("cgroup")
+        self.cg = _cgroups.Cgroup(handle.state["cgroup"]) if limited else None
+        self.before = self.cg.limit_events() if self.cg else (0, 0)
+        self.t0 = time.monotonic()
+
+    def result(self, res: ExecResult) -> ExecResult:
+        if self.cg is None:
+            return res
+        after = self.cg.limit_events()
+        oom, pids_hit = after[0] > self.before[0], after[1] > self.before[1]
+        if not (oom or pids_hit):
+            return res
+        return dataclasses.replace(res, duration=time.monotonic() - self.t0, oom_killed=oom,
+                                   pids_limited=pids_hit)

@@ -24,7 +24,6 @@ from ...core.errors import SandboxError, UsageError
 from ..base import ExecResult, UserIds
 from .client import (
     _HDR,
-    _PEERCRED,
     CHUNK,
     EXEC_F_STDIN,
     MAX_FRAME,
@@ -46,6 +45,7 @@ from .client import (
     _raise_for,
     _result,
     _s,
+    check_peer,
 )
 
 #: called with ("stdout" | "stderr", bytes) as output arrives; may be a coroutine function
@@ -91,13 +91,7 @@ class AsyncAgentClient:
         finally:
             if dir_fd >= 0:
                 os.close(dir_fd)
-        pid, _, _ = _PEERCRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        if pid <= 0 or not peer(pid):
-            sock.close()
-            raise AgentError(f"refusing the agent socket of {what} at {path}: it is served by "
-                             f"process {pid}, which is not {what}'s agent (was the socket "
-                             "replaced from inside a sandbox?)")
+        check_peer(sock, peer, what, path)
         reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_FRAME)
         return cls(reader, writer)
 

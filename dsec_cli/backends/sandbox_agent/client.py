@@ -166,6 +166,19 @@ def _raise_for(code: int, msg: str, path: str) -> None:
     raise SandboxError(f"file transfer failed in the sandbox: {msg}")
 
 
+def check_peer(sock: socket.socket, peer: Callable[[int], bool], what: str, path: object
+               ) -> None:
+    """Refuse (and close) a connected agent socket whose listener ``peer`` does not accept:
+    SO_PEERCRED names the process that bound it, which a sandbox cannot fake."""
+    pid, _, _ = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    if pid <= 0 or not peer(pid):
+        sock.close()
+        raise AgentError(f"refusing the agent socket of {what} at {path}: it is served by "
+                         f"process {pid}, which is not {what}'s agent (was the socket "
+                         "replaced from inside a sandbox?)")
+
+
 class AgentClient:
     """A multiplexed connection to one dsec-agent."""
 
@@ -206,13 +219,7 @@ class AgentClient:
         finally:
             if dir_fd >= 0:
                 os.close(dir_fd)
-        pid, _, _ = _PEERCRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        if pid <= 0 or not peer(pid):
-            sock.close()
-            raise AgentError(f"refusing the agent socket of {what} at {path}: it is served by "
-                             f"process {pid}, which is not {what}'s agent (was the socket "
-                             "replaced from inside a sandbox?)")
+        check_peer(sock, peer, what, path)
         return cls(sock)
 
     def close(self) -> None:
