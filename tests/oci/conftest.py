@@ -49,6 +49,18 @@ def store_files(env: dict[str, str]) -> dict[str, int]:
 USERS = {"alice": "s3cret-pass"}
 
 
+@pytest.fixture
+def node(env: dict[str, str], dsec_home: Path) -> Iterator[dict[str, str]]:
+    """The test's environment; afterwards its node holds no sandbox and no cached layer."""
+    yield env
+    from dsec_cli.run.node import Node
+
+    n = Node(dsec_home / "state", env["DSEC_STORE"])
+    for r in n.db.all():
+        n.remove(r.id)
+    n.gc(budget=0)
+
+
 @pytest.fixture(scope="session")
 def auth_registry() -> Iterator[str]:
     """A registry that answers only requests with alice's credentials."""

@@ -2,23 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from .helpers import Image, file, write_layout
-
-
-@pytest.fixture
-def node(env: dict[str, str], dsec_home: Path) -> Iterator[dict[str, str]]:
-    yield env
-    from dsec_cli.run.node import Node
-
-    n = Node(dsec_home / "state", env["DSEC_STORE"])
-    for r in n.db.all():
-        n.remove(r.id)
-    n.gc(budget=0)
 
 
 def test_imported_image_runs_in_a_container(node: dict[str, str], tmp_path: Path,

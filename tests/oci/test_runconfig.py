@@ -6,7 +6,6 @@ passwd file is refused with the file and line named."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,17 +17,6 @@ PASSWD = (b"root:x:0:0:root:/root:/bin/sh\n"
           b"nobody:x:65534:65534:nobody:/nonexistent:/bin/false\n")
 GROUP = b"root:x:0:\napp:x:1000:\ndev:x:1500:app,other\nnogroup:x:65534:\n"
 BACKENDS = ["container", "fncall"]
-
-
-@pytest.fixture
-def node(env: dict[str, str], dsec_home: Path) -> Iterator[dict[str, str]]:
-    yield env
-    from dsec_cli.run.node import Node
-
-    n = Node(dsec_home / "state", env["DSEC_STORE"])
-    for r in n.db.all():
-        n.remove(r.id)
-    n.gc(budget=0)
 
 
 def _import(run_dsec, tmp_path: Path, busybox_tar: Path, ref: str,  # type: ignore[no-untyped-def]
