@@ -13,12 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.common import busybox_node  # noqa: E402
 
 IMAGE = "busybox@1.35-1"
 
@@ -53,13 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=200)
     args = ap.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-aio-"))
-    os.environ.update({"DSEC_STATE_DIR": str(tmp / "node"),
-                       "DSEC_STORE": (tmp / "store").as_uri(), "XDG_DATA_HOME": str(tmp / "data")})
-    subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
-    from dsec_cli.build.builder import build
-
-    build([REPO / "layerspecs/busybox/busybox.yaml"], os.environ["DSEC_STORE"])
+    tmp = busybox_node("dsec-bench-aio-")
     try:
         result = asyncio.run(_run(args.n, args.rounds))
     finally:

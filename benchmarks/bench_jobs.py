@@ -14,34 +14,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from benchmarks.common import busybox_node, pct, save  # noqa: E402
+from benchmarks.common import samples as timed  # noqa: E402
+
 IMAGE = "busybox@1.35-1"
 #: a step that does a little work, as an agent's command would (a loop in the shell)
 STEP = "i=0; while [ $i -lt 3000 ]; do i=$((i+1)); done; echo {n} >> /root/log"
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-
-def timed(fn: Callable[[], object], n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def ms(xs: list[float]) -> dict[str, float]:
@@ -53,17 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--appends", type=int, default=300)
     args = ap.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-jobs-"))
-    os.environ.update({"DSEC_STATE_DIR": str(tmp / "node"),
-                       "DSEC_STORE": (tmp / "store").as_uri(),
-                       "XDG_DATA_HOME": str(tmp / "data"), "XDG_CONFIG_HOME": str(tmp / "cfg")})
-    subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
-    from common import save
-
+    busybox_node("dsec-bench-jobs-", config=True)
     from dsec_cli.api.jobs import Job
-    from dsec_cli.build.builder import build
 
-    build([REPO / "layerspecs/busybox/busybox.yaml"], os.environ["DSEC_STORE"])
     res: dict[str, object] = {"steps": args.steps, "appends": args.appends, "step": STEP}
 
     job = Job.start("bench", ttl=3600, snapshot_every=0, snapshot_interval=0, heartbeat=False)

@@ -16,9 +16,7 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,21 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from benchmarks.common import busybox_node, pct  # noqa: E402
+from benchmarks.common import samples as timed  # noqa: E402
+
 IMAGE = "busybox@1.35-1"
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-
-def timed(fn: Callable[[], object], n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def mem_available() -> int:
@@ -55,14 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--idle", type=int, default=100)
     args = ap.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-"))
-    os.environ.update({"DSEC_STATE_DIR": str(tmp / "node"), "DSEC_STORE": (tmp / "store").as_uri(),
-                       "XDG_DATA_HOME": str(tmp / "data")})
-    subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
-    from dsec_cli.build.builder import build
+    tmp = busybox_node("dsec-bench-")
     from dsec_cli.run.node import CreateOptions, Node
 
-    build([REPO / "layerspecs/busybox/busybox.yaml"], os.environ["DSEC_STORE"])
     node = Node()
     node.create(IMAGE, CreateOptions())  # materialize the layer once
     node.gc(budget=1 << 40)

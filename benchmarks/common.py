@@ -61,3 +61,37 @@ def drop_caches() -> None:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
     except OSError:
         pass
+
+
+def pct(xs: list[float], p: float) -> float:
+    """The p-th percentile of xs (nearest rank)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def samples(fn: Callable[[], object], n: int) -> list[float]:
+    """The wall time of each of n runs of fn."""
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def busybox_node(prefix: str, config: bool = False) -> Path:
+    """A new temporary directory holding this process's node (DSEC_STATE_DIR) and a file
+    store (DSEC_STORE) with the busybox layer built into it; ``config``: a fresh user config
+    too. Returns the directory."""
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    os.environ.update({"DSEC_STATE_DIR": str(tmp / "node"),
+                       "DSEC_STORE": (tmp / "store").as_uri(), "XDG_DATA_HOME": str(tmp / "data")})
+    if config:
+        os.environ["XDG_CONFIG_HOME"] = str(tmp / "cfg")
+    subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
+    from dsec_cli.build.builder import build
+
+    build([REPO / "layerspecs/busybox/busybox.yaml"], os.environ["DSEC_STORE"])
+    return tmp

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -64,3 +66,53 @@ def busybox_tar() -> Path:
     script = REPO / "layerspecs/busybox/make-rootfs.sh"
     subprocess.run([str(script)], check=True)
     return REPO / "layerspecs/busybox/busybox-rootfs.tar"
+
+
+@contextmanager
+def data_home(data: Path) -> Iterator[None]:
+    """XDG_DATA_HOME set to ``data`` (chunk tables and build cache) inside the block, restored
+    after it."""
+    old = os.environ.get("XDG_DATA_HOME")
+    os.environ["XDG_DATA_HOME"] = str(data)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("XDG_DATA_HOME", None)
+        else:
+            os.environ["XDG_DATA_HOME"] = old
+
+
+def build_store(specs: Sequence[Path], url: str, data: Path) -> str:
+    """Build layer and image specs into the store at ``url`` with ``data`` as the build's
+    data home; returns ``url``."""
+    from dsec_cli.build.builder import build
+
+    with data_home(data):
+        build(list(specs), url)
+    return url
+
+
+def node_env_of(tmp_path_factory: pytest.TempPathFactory, store: str,
+                data: Path) -> Iterator[dict[str, str]]:
+    """The body of a module-scoped node fixture (``yield from`` it): DSEC_* variables for a
+    fresh node state dir on ``store``; every sandbox left is removed at the end."""
+    state = tmp_path_factory.mktemp("node")
+    config = tmp_path_factory.mktemp("config")  # never the user's own config
+    env = {"DSEC_STATE_DIR": str(state), "DSEC_STORE": store,
+           "XDG_DATA_HOME": str(data), "XDG_CONFIG_HOME": str(config)}
+    yield env
+    from dsec_cli.run.node import Node
+
+    n = Node(state, store)
+    for r in n.db.all():
+        n.remove(r.id)
+    n.gc(budget=0)
+
+
+def use_node_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module's node (`node_env_of`) as this test's dsec settings."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for var in ("DSEC_DATA_DIR", "DSEC_CONFIG"):
+        monkeypatch.delenv(var, raising=False)

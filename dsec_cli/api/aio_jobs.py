@@ -27,12 +27,24 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from ..backends.base import ExecResult
-from ..core import validate
 from ..core.errors import DsecError, UsageError
 from ..run.aio import async_node, blocking, executor
 from ..run.jobs import NodeJobs, Step, StepRunning, check_name, node_jobs
 from ..run.node import Node
-from .jobs import _jobs, _secs, settings
+from .jobs import (
+    _check_written,
+    _doc_settings,
+    _group_where,
+    _GroupMembers,
+    _is_lost,
+    _jobs,
+    _MemberState,
+    _RolloutDoc,
+    _secs,
+    _step_argv,
+    _write_step,
+    settings,
+)
 from .sandboxes import create_options
 
 __all__ = ["AsyncJob", "AsyncRollout", "AsyncGroup", "AsyncMember", "journaled_exec"]
@@ -208,7 +220,7 @@ async def journaled_exec(node: Node, sandbox_id: str, argv: list[str], *,
     return res
 
 
-class AsyncRollout:
+class AsyncRollout(_RolloutDoc):
     """One sandbox of an `AsyncJob`: its execs are journaled steps (as `Rollout`)."""
 
     def __init__(self, job: AsyncJob, doc: dict[str, Any], jobs: Any = None,
@@ -219,27 +231,6 @@ class AsyncRollout:
         self.node = node
         self._ticket = ticket
 
-    @property
-    def id(self) -> str:
-        return str(self._doc["id"])
-
-    @property
-    def sandbox_id(self) -> str | None:
-        return self._doc.get("sandbox")
-
-    @property
-    def status(self) -> str:
-        return str(self._doc["status"])
-
-    @property
-    def last_step(self) -> int:
-        return int(self._doc.get("last_step") or 0)
-
-    def __repr__(self) -> str:
-        where = f", node={self.node!r}" if self.node else ""
-        return (f"AsyncRollout({self.id!r}, sandbox={self.sandbox_id!r}, "
-                f"status={self.status!r}{where})")
-
     async def info(self) -> dict[str, Any]:
         self._doc = dict(await self._jobs.rollout(rid=self.id))
         return dict(self._doc)
@@ -248,7 +239,7 @@ class AsyncRollout:
                    stdin: bytes | str | None = None, env: dict[str, str] | None = None,
                    cwd: str | None = None, timeout: float | None = None) -> ExecResult:
         """As `Rollout.exec`: the rollout's next step; a retried ``key`` runs nothing."""
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        argv = _step_argv(cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         res, step = await self._jobs.exec(self.id, argv, env=env, cwd=cwd, stdin=data,
                                           timeout=timeout, key=key)
@@ -257,12 +248,9 @@ class AsyncRollout:
 
     async def write_file(self, path: str, data: bytes | str, *, key: str | None = None) -> None:
         """Write a file as a journaled step (so replay writes it again)."""
-        if not path.startswith("/"):
-            raise UsageError(f"sandbox path {path!r} must be absolute")
-        res = await self.exec(["/bin/sh", "-c", 'cat > "$1"', "sh", path], key=key,
+        res = await self.exec(_write_step(path), key=key,
                               stdin=data.encode() if isinstance(data, str) else data)
-        if res.exit_code != 0:
-            raise UsageError(f"cannot write {path}: {res.stderr.decode(errors='replace')}")
+        _check_written(path, res)
 
     async def read_file(self, path: str) -> bytes:
         if not self.sandbox_id:
@@ -289,7 +277,7 @@ class AsyncRollout:
 
 
 @dataclass
-class AsyncMember:
+class AsyncMember(_MemberState):
     """One member of an `AsyncGroup` (as `Member`): ``ok``, ``queued`` or
     ``infra_failure`` (could not be created; a task failure is a rollout's exit code)."""
 
@@ -300,10 +288,6 @@ class AsyncMember:
     ticket: str | None = None
     _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
     async def wait(self, timeout: float | None = None) -> AsyncMember:
         """Until a queued member is admitted and created (or failed)."""
         try:
@@ -313,22 +297,11 @@ class AsyncMember:
                             ) from None
         return self
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "status": self.status, "error": self.error,
-                "rollout": self.rollout.id if self.rollout else None,
-                "sandbox": self.rollout.sandbox_id if self.rollout else None}
-
 
 @dataclass
-class AsyncGroup:
+class AsyncGroup(_GroupMembers[AsyncMember]):
     name: str
     members: list[AsyncMember]
-
-    def ok(self) -> list[AsyncMember]:
-        return [m for m in self.members if m.ok]
-
-    def failed(self) -> list[AsyncMember]:
-        return [m for m in self.members if m.status == "infra_failure"]
 
     async def wait(self, timeout: float | None = None) -> AsyncGroup:
         await asyncio.wait_for(asyncio.gather(*(m.wait() for m in self.members)), timeout)
@@ -376,9 +349,7 @@ class AsyncJob:
         check_name(name)
         jobs = await blocking(_jobs, state_dir, store)
         doc = await blocking(jobs.reattach, name)
-        job = cls(name, jobs, {k: doc[k] for k in (
-            "ttl", "park_grace", "reclaim_grace", "retain", "max_concurrent",
-            "snapshot_steps", "snapshot_seconds")})
+        job = cls(name, jobs, _doc_settings(doc))
         await job._find_remote()
         return job._beating(heartbeat)
 
@@ -389,9 +360,7 @@ class AsyncJob:
         job = await cls.attach(name, **kw)
         if replay_lost:
             for ro in await job.rollouts(status=None):
-                d = ro._doc
-                if d["status"] in ("lost", "creating") or (d["status"] == "live"
-                                                           and not d["alive"]):
+                if _is_lost(ro._doc):
                     await ro.replay()
         return job
 
@@ -501,19 +470,7 @@ class AsyncJob:
         that cannot be created is an ``infra_failure``, members past the cap are ``queued``
         and created as slots free (`AsyncMember.wait`). ``node``: None/``local``, ``auto``
         (placed over the cluster) or a cluster node's name."""
-        validate.node_option(node, "node")
-        where: list[str] | None = None
-        if node == "auto":
-            from ..run.cluster.registry import load_nodes
-
-            where = list(nodes or load_nodes())
-            if not where:
-                raise UsageError("node='auto' needs cluster nodes",
-                                 hint="dsec node add NAME USER@HOST")
-        elif node not in (None, "local"):
-            where = [str(node)]
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise UsageError(f"invalid group size {n!r}: expected a whole number >= 1")
+        where = _group_where(n, node, nodes)
         opts = asdict(create_options(backend, **options))
         name = secrets.token_hex(4)
         members = [AsyncMember(i, "queued") for i in range(n)]

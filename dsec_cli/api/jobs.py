@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from ..backends.base import ExecResult
 from ..core import validate
@@ -53,6 +53,40 @@ def _jobs(state_dir: str | Path | None = None, store: str | None = None) -> Node
     return node_jobs(local_node(state_dir, store))
 
 
+_SETTINGS = ("ttl", "park_grace", "reclaim_grace", "retain", "max_concurrent",
+             "snapshot_steps", "snapshot_seconds")
+
+
+def _doc_settings(doc: dict[str, Any]) -> dict[str, Any]:
+    """A job's settings from its row."""
+    return {k: doc[k] for k in _SETTINGS}
+
+
+def _is_lost(d: dict[str, Any]) -> bool:
+    """A rollout a resumed trainer rebuilds: its sandbox is gone, or was being made or
+    rebuilt when the trainer died."""
+    return d["status"] in ("lost", "creating") or (d["status"] == "live" and not d["alive"])
+
+
+def _group_where(n: int, node: str | None, nodes: list[str] | None) -> list[str] | None:
+    """The checked size and placement of a group: None for this node, else the cluster
+    nodes its members are placed over."""
+    validate.node_option(node, "node")
+    where: list[str] | None = None
+    if node == "auto":
+        from ..run.cluster.registry import load_nodes
+
+        where = list(nodes or load_nodes())
+        if not where:
+            raise UsageError("node='auto' needs cluster nodes",
+                             hint="dsec node add NAME USER@HOST")
+    elif node not in (None, "local"):
+        where = [str(node)]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise UsageError(f"invalid group size {n!r}: expected a whole number >= 1")
+    return where
+
+
 def settings(ttl: float | str | None = None, park_grace: float | str | None = None,
              reclaim_grace: float | str | None = None, retain: float | str | None = None,
              max_concurrent: int | None = None, snapshot_every: int | None = None,
@@ -72,16 +106,11 @@ def settings(ttl: float | str | None = None, park_grace: float | str | None = No
     return out
 
 
-class Rollout:
-    """One sandbox of a job: its execs are journaled steps (on the node holding it)."""
+class _RolloutDoc:
+    """What `Rollout` and `AsyncRollout` read from their rollout's row."""
 
-    def __init__(self, job: Job, doc: dict[str, Any], jobs: Any = None,
-                 node: str | None = None, ticket: str | None = None) -> None:
-        self.job = job
-        self._doc = doc
-        self._jobs = jobs if jobs is not None else job._jobs  # NodeJobs or RemoteJobs
-        self.node = node  # a cluster node's name; None: this node
-        self._ticket = ticket  # the home node's admission ticket (remote rollouts)
+    _doc: dict[str, Any]
+    node: str | None
 
     @property
     def id(self) -> str:
@@ -99,20 +128,49 @@ class Rollout:
     def last_step(self) -> int:
         return int(self._doc.get("last_step") or 0)
 
+    def __repr__(self) -> str:
+        where = f", node={self.node!r}" if self.node else ""
+        return (f"{type(self).__name__}({self.id!r}, sandbox={self.sandbox_id!r}, "
+                f"status={self.status!r}{where})")
+
+
+def _step_argv(cmd: str | list[str]) -> list[str]:
+    return ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+
+
+def _write_step(path: str) -> list[str]:
+    """The step that writes its stdin to ``path`` in the sandbox."""
+    if not path.startswith("/"):
+        raise UsageError(f"sandbox path {path!r} must be absolute")
+    return ["/bin/sh", "-c", 'cat > "$1"', "sh", path]
+
+
+def _check_written(path: str, res: ExecResult) -> None:
+    if res.exit_code != 0:
+        raise UsageError(f"cannot write {path}: {res.stderr.decode(errors='replace')}")
+
+
+class Rollout(_RolloutDoc):
+    """One sandbox of a job: its execs are journaled steps (on the node holding it)."""
+
+    def __init__(self, job: Job, doc: dict[str, Any], jobs: Any = None,
+                 node: str | None = None, ticket: str | None = None) -> None:
+        self.job = job
+        self._doc = doc
+        self._jobs = jobs if jobs is not None else job._jobs  # NodeJobs or RemoteJobs
+        self.node = node  # a cluster node's name; None: this node
+        self._ticket = ticket  # the home node's admission ticket (remote rollouts)
+
     def info(self) -> dict[str, Any]:
         self._doc = self._jobs.rollout(self.id)
         return dict(self._doc)
-
-    def __repr__(self) -> str:
-        where = f", node={self.node!r}" if self.node else ""
-        return f"Rollout({self.id!r}, sandbox={self.sandbox_id!r}, status={self.status!r}{where})"
 
     def exec(self, cmd: str | list[str], *, key: str | None = None,
              stdin: bytes | str | None = None, env: dict[str, str] | None = None,
              cwd: str | None = None, timeout: float | None = None) -> ExecResult:
         """Run a command as the rollout's next step. With ``key``, a retried call (from this
         process or a resumed trainer) returns the journaled result and runs nothing."""
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        argv = _step_argv(cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         res, step = self._jobs.exec(self.id, argv, env=env, cwd=cwd, stdin=data,
                                         timeout=timeout, key=key)
@@ -121,12 +179,9 @@ class Rollout:
 
     def write_file(self, path: str, data: bytes | str, *, key: str | None = None) -> None:
         """Write a file as a journaled step (so replay writes it again)."""
-        if not path.startswith("/"):
-            raise UsageError(f"sandbox path {path!r} must be absolute")
-        res = self.exec(["/bin/sh", "-c", 'cat > "$1"', "sh", path], key=key,
+        res = self.exec(_write_step(path), key=key,
                         stdin=data.encode() if isinstance(data, str) else data)
-        if res.exit_code != 0:
-            raise UsageError(f"cannot write {path}: {res.stderr.decode(errors='replace')}")
+        _check_written(path, res)
 
     def read_file(self, path: str) -> bytes:
         if not self.sandbox_id:
@@ -153,8 +208,41 @@ class Rollout:
             self._ticket = None
 
 
+class _MemberState:
+    """What `Member` and `AsyncMember` say of themselves."""
+
+    index: int
+    status: str
+    error: str | None
+    rollout: Any
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "status": self.status, "error": self.error,
+                "rollout": self.rollout.id if self.rollout else None,
+                "sandbox": self.rollout.sandbox_id if self.rollout else None}
+
+
+_M = TypeVar("_M", bound=_MemberState)
+
+
+class _GroupMembers(Generic[_M]):
+    """The member lists of `Group` and `AsyncGroup`."""
+
+    members: list[_M]
+
+    def ok(self) -> list[_M]:
+        return [m for m in self.members if m.ok]
+
+    def failed(self) -> list[_M]:
+        return [m for m in self.members if m.status == "infra_failure"]
+
+
 @dataclass
-class Member:
+class Member(_MemberState):
     """One member of a group: ``status`` is ``ok`` (``rollout`` set), ``queued`` (past the
     job's concurrency cap; `wait` for it) or ``infra_failure`` (the sandbox could not be
     created: ``error`` says why; a task failure is a rollout's own exit code)."""
@@ -166,32 +254,17 @@ class Member:
     ticket: str | None = None
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
 
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
     def wait(self, timeout: float | None = None) -> Member:
         """Block until a queued member is admitted and created (or failed)."""
         if not self._done.wait(timeout):
             raise DsecError(f"group member {self.index} is still queued after {timeout} s")
         return self
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "status": self.status, "error": self.error,
-                "rollout": self.rollout.id if self.rollout else None,
-                "sandbox": self.rollout.sandbox_id if self.rollout else None}
-
 
 @dataclass
-class Group:
+class Group(_GroupMembers[Member]):
     name: str
     members: list[Member]
-
-    def ok(self) -> list[Member]:
-        return [m for m in self.members if m.ok]
-
-    def failed(self) -> list[Member]:
-        return [m for m in self.members if m.status == "infra_failure"]
 
     def wait(self, timeout: float | None = None) -> Group:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -227,9 +300,7 @@ class Job:
             self._jobs.start(name, self._settings)
         else:
             doc = self._jobs.reattach(name)
-            self._settings = {k: doc[k] for k in ("ttl", "park_grace", "reclaim_grace",
-                                                  "retain", "max_concurrent",
-                                                  "snapshot_steps", "snapshot_seconds")}
+            self._settings = _doc_settings(doc)
             self._find_remote()
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -258,9 +329,7 @@ class Job:
         job = cls.attach(name, **kw)
         if replay_lost:
             for ro in job.rollouts(status=None):
-                d = ro._doc
-                if d["status"] in ("lost", "creating") or (d["status"] == "live"
-                                                           and not d["alive"]):
+                if _is_lost(ro._doc):
                     ro.replay()
         return job
 
@@ -367,19 +436,7 @@ class Job:
         ``node``: None or ``local`` for this node; ``auto`` spreads the members over the
         cluster's nodes (or ``nodes``) by placement, as `create_many` does, and a cluster
         node's name puts them all there. Each member is journaled on its node."""
-        validate.node_option(node, "node")
-        where: list[str] | None = None
-        if node == "auto":
-            from ..run.cluster.registry import load_nodes
-
-            where = list(nodes or load_nodes())
-            if not where:
-                raise UsageError("node='auto' needs cluster nodes",
-                                 hint="dsec node add NAME USER@HOST")
-        elif node not in (None, "local"):
-            where = [str(node)]
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise UsageError(f"invalid group size {n!r}: expected a whole number >= 1")
+        where = _group_where(n, node, nodes)
         opts = asdict(create_options(backend, **options))  # bad options fail the whole call
         name = secrets.token_hex(4)
         members = [Member(i, "queued") for i in range(n)]

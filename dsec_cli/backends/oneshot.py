@@ -25,6 +25,21 @@ def bwrap_path() -> str:
     return path
 
 
+def _spawn(cmd: list[str], filt: int, env: dict[str, str],
+           argv: list[str]) -> subprocess.Popen[bytes]:
+    """Start bwrap (``cmd``, its options) running ``argv`` with ``env``, the seccomp filter
+    passed on fd ``filt`` (closed here once bwrap has it); stdout and stderr in one pipe."""
+    cmd = [*cmd]
+    for k, v in env.items():
+        cmd += ["--setenv", k, v]
+    cmd += ["--", *argv]
+    try:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, pass_fds=(filt,))
+    finally:
+        os.close(filt)
+
+
 def run_in_root(root: Path, argv: list[str], *, env: dict[str, str], cwd: str = "/",
                 network: bool = False, on_line: Callable[[str], None] | None = None,
                 timeout: float | None = None) -> int:
@@ -38,14 +53,7 @@ def run_in_root(root: Path, argv: list[str], *, env: dict[str, str], cwd: str = 
         # bind only over an existing file: creating a mount point would leak into the layer
         if Path("/etc/resolv.conf").exists() and (root / "etc/resolv.conf").is_file():
             cmd += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
-    for k, v in env.items():
-        cmd += ["--setenv", k, v]
-    cmd += ["--", *argv]
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, pass_fds=(filt,))
-    finally:
-        os.close(filt)
+    proc = _spawn(cmd, filt, env, argv)
     assert proc.stdout is not None
     try:
         for raw in proc.stdout:
@@ -82,14 +90,7 @@ def run_host_tool(argv: list[str], *, binds: dict[Path, str], env: dict[str, str
             "--clearenv", "--chdir", "/tmp"]
     for host, inside in binds.items():
         cmd += ["--bind", str(host), inside]
-    for k, v in env.items():
-        cmd += ["--setenv", k, v]
-    cmd += ["--", *argv]
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, pass_fds=(filt,))
-    finally:
-        os.close(filt)
+    proc = _spawn(cmd, filt, env, argv)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,26 +166,38 @@ def export(store: Store, ref: str, dest: Path,
     if dest.suffix == ".tar":
         _export_tar(entries, readers, dest, progress)
     else:
-        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-            raise UsageError(f"export destination {dest} exists and is not an empty directory")
-        # written beside the destination and renamed: a failed export leaves nothing behind
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
-            with TreeWriter(tmp, overlay_form=False) as w:
-                for e, n in entries:
-                    w.write(e, readers[n].read_file(e) if e.type == "reg" else None)
-                    if progress:
-                        progress("files", 1)
-                        if e.type == "reg":
-                            progress("bytes", e.size)
-                w.finish()
-            if dest.exists():
-                dest.rmdir()
-            os.rename(tmp, dest)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        check_export_dir(dest)
+        with dir_into_place(dest) as tmp, TreeWriter(tmp, overlay_form=False) as w:
+            for e, n in entries:
+                w.write(e, readers[n].read_file(e) if e.type == "reg" else None)
+                if progress:
+                    progress("files", 1)
+                    if e.type == "reg":
+                        progress("bytes", e.size)
+            w.finish()
     return img
+
+
+def check_export_dir(dest: Path) -> None:
+    """An export directory must be new or empty."""
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UsageError(f"export destination {dest} exists and is not an empty directory")
+
+
+@contextmanager
+def dir_into_place(dest: Path) -> Iterator[Path]:
+    """A new directory's path beside ``dest`` to write into, renamed to ``dest`` (replacing an
+    empty directory there) when the block ends; if the block fails it is removed, so a
+    failed write leaves nothing behind."""
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield tmp
+        if dest.exists():
+            dest.rmdir()
+        os.rename(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 class _Stream(io.RawIOBase):

@@ -19,7 +19,6 @@ import shutil
 import tarfile
 import tempfile
 import time
-import uuid
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -30,7 +29,13 @@ from ..core.errors import UsageError
 from ..format.index import Entry
 from ..format.reader import ChunkReader
 from ..format.tree import parent_of
-from .materialize import _add_tar_member, _reader_for, resolve_image
+from .materialize import (
+    _add_tar_member,
+    _reader_for,
+    check_export_dir,
+    dir_into_place,
+    resolve_image,
+)
 from .stores.base import Store
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -159,14 +164,12 @@ def write_layout(store: Store, ref: str, dest: Path, *, compression: str = "gzip
     beside it and renamed into place."""
     if compression not in LAYER_TYPES:
         raise UsageError(f"unknown layer compression {compression!r}: choose gzip or zstd")
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise UsageError(f"export destination {dest} exists and is not an empty directory")
+    check_export_dir(dest)
     img = resolve_image(store, ref)
-    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
-    blobs = tmp / "blobs" / "sha256"
-    blobs.mkdir(parents=True)
     report = ExportReport(ref, img.digest, "", str(dest))
-    try:
+    with dir_into_place(dest) as tmp:
+        blobs = tmp / "blobs" / "sha256"
+        blobs.mkdir(parents=True)
         descs: list[dict[str, Any]] = []
         diff_ids: list[str] = []
         for d, m in img.layers:
@@ -199,12 +202,6 @@ def write_layout(store: Store, ref: str, dest: Path, *, compression: str = "gzip
         (tmp / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
         (tmp / "index.json").write_text(json.dumps(
             {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [entry]}))
-        if dest.exists():
-            dest.rmdir()
-        os.rename(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return report
 
 

@@ -47,6 +47,14 @@ async def _poll(what: str, cond: Callable[[], Awaitable[bool]], timeout: float =
         await asyncio.sleep(0.05)
 
 
+async def _holds(ro: AsyncRollout, path: str, data: bytes) -> bool:
+    """Whether the rollout's file ``path`` exists and holds ``data``."""
+    try:
+        return await ro.read_file(path) == data
+    except Exception:
+        return False
+
+
 STEP_FIELDS = ("step", "key", "argv", "cwd", "env", "stdin_digest", "state", "exit_code",
                "stdout", "stderr", "timed_out")
 
@@ -208,13 +216,7 @@ def test_cancelled_journaled_exec_is_no_step(node_env: dict[str, str]) -> None:
             ro = await job.sandbox(IMAGE, "fncall")
             t = asyncio.ensure_future(ro.exec("echo x >> /tmp/c; sleep 600", key="k"))
 
-            async def started() -> bool:
-                try:
-                    return await ro.read_file("/tmp/c") == b"x\n"
-                except Exception:
-                    return False
-
-            await _poll("the command to start", started)
+            await _poll("the command to start", lambda: _holds(ro, "/tmp/c", b"x\n"))
             t.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await t
@@ -240,13 +242,7 @@ def test_a_key_awaited_many_times_at_once_runs_once(node_env: dict[str, str]) ->
             cmd = "echo x >> /tmp/d; while [ ! -e /tmp/go ]; do sleep 0.1; done; cat /tmp/d"
             calls = [asyncio.ensure_future(ro.exec(cmd, key="same")) for _ in range(n)]
 
-            async def started() -> bool:
-                try:
-                    return await ro.read_file("/tmp/d") == b"x\n"
-                except Exception:
-                    return False
-
-            await _poll("the keyed command to start", started)
+            await _poll("the keyed command to start", lambda: _holds(ro, "/tmp/d", b"x\n"))
             await asyncio.sleep(0.5)  # the others are in the journal or on their way
             sb = await AsyncSandbox.attach(ro.sandbox_id or "")
             await sb.write_file("/tmp/go", b"")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import skip_unless
+from tests.conftest import build_store, skip_unless
 
 from .sshnodes import SshCluster, destroy_cluster, make_cluster
 
@@ -30,19 +30,8 @@ def _build_store(root: Path, data: Path) -> str:
     (tiny / "files" / "payload").write_bytes(os.urandom(64 << 10))
     (tiny / "tiny.yaml").write_text(
         'layer: tiny\nversion: "1"\nsteps:\n  - copy: {src: ./files, dst: /srv}\n')
-    from dsec_cli.build.builder import build
-
-    url = (root / "store").as_uri()
-    old = os.environ.get("XDG_DATA_HOME")
-    os.environ["XDG_DATA_HOME"] = str(data)
-    try:
-        build([REPO / "layerspecs/busybox/busybox.yaml", tiny / "tiny.yaml"], url)
-    finally:
-        if old is None:
-            os.environ.pop("XDG_DATA_HOME", None)
-        else:
-            os.environ["XDG_DATA_HOME"] = old
-    return url
+    return build_store([REPO / "layerspecs/busybox/busybox.yaml", tiny / "tiny.yaml"],
+                       (root / "store").as_uri(), data)
 
 
 @pytest.fixture(scope="session")

@@ -4,12 +4,13 @@ layers plus the hidden tests), built once per session into a file store; a node 
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import build_store, node_env_of, use_node_env
 
 from .gitrepos import repo_with_history, tar_dir
 from .pyimage import python_tar
@@ -81,8 +82,6 @@ def grade_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def grade_store(tmp_path_factory: pytest.TempPathFactory, grade_data: Path,
                 busybox_tar: Path) -> str:
     """A file store holding the calc task and grader images."""
-    from dsec_cli.build.builder import build
-
     specs = tmp_path_factory.mktemp("grade-specs")
     python_tar(specs / "python.tar")
     repo = specs / "work" / "testbed"
@@ -96,44 +95,22 @@ def grade_store(tmp_path_factory: pytest.TempPathFactory, grade_data: Path,
     for name, text in SPECS.items():
         (specs / f"{name}.yaml").write_text(text)
     url = tmp_path_factory.mktemp("grade-store").as_uri()
-    old = os.environ.get("XDG_DATA_HOME")
-    os.environ["XDG_DATA_HOME"] = str(grade_data)
-    try:
-        build([REPO / "layerspecs/busybox/busybox.yaml",
-               *[specs / f"{n}.yaml" for n in SPECS]], url)
-    finally:
-        if old is None:
-            os.environ.pop("XDG_DATA_HOME", None)
-        else:
-            os.environ["XDG_DATA_HOME"] = old
-    return url
+    return build_store([REPO / "layerspecs/busybox/busybox.yaml",
+                        *[specs / f"{n}.yaml" for n in SPECS]], url, grade_data)
 
 
 @pytest.fixture(scope="module")
 def grade_env(tmp_path_factory: pytest.TempPathFactory, grade_store: str,
               grade_data: Path) -> Iterator[dict[str, str]]:
     """DSEC_* variables for one node; every sandbox left is removed at the end."""
-    state = tmp_path_factory.mktemp("node")
-    config = tmp_path_factory.mktemp("config")
-    env = {"DSEC_STATE_DIR": str(state), "DSEC_STORE": grade_store,
-           "XDG_DATA_HOME": str(grade_data), "XDG_CONFIG_HOME": str(config)}
-    yield env
-    from dsec_cli.run.node import Node
-
-    n = Node(state, grade_store)
-    for r in n.db.all():
-        n.remove(r.id)
-    n.gc(budget=0)
+    yield from node_env_of(tmp_path_factory, grade_store, grade_data)
 
 
 @pytest.fixture
 def grade_home(grade_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The module's node and the task store as this test's dsec settings (modules that
     grade use it for every test)."""
-    for k, v in grade_env.items():
-        monkeypatch.setenv(k, v)
-    for var in ("DSEC_DATA_DIR", "DSEC_CONFIG"):
-        monkeypatch.delenv(var, raising=False)
+    use_node_env(grade_env, monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dsec_cli.push import testing
-from tests.conftest import skip_unless
+from tests.conftest import data_home, skip_unless
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,20 +73,13 @@ def publish(url: str, tree: Path, data: Path) -> Published:
     from dsec_cli.format.refs import resolve
     from dsec_cli.push.stores import open_store
 
-    old = os.environ.get("XDG_DATA_HOME")
-    os.environ["XDG_DATA_HOME"] = str(data)
-    try:
+    with data_home(data):
         subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
         build([REPO / "layerspecs/busybox/busybox.yaml"], url)
         with open_store(url) as st:
             layer, _ = build_layer_from_dir(st, tree, "lazytest", "1")
             base = resolve(st, "busybox@1.35-1")
             write_image(st, "lazyimg", "1", [base, layer], set_ref_too=True)
-    finally:
-        if old is None:
-            os.environ.pop("XDG_DATA_HOME", None)
-        else:
-            os.environ["XDG_DATA_HOME"] = old
     return Published(url, "lazytest@1", "lazyimg@1", tree)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 from dsec_cli.core.digests import object_key
@@ -12,6 +14,17 @@ from dsec_cli.format.index import ChunkLoc, Entry, LayerIndex
 from dsec_cli.format.manifest import Manifest, put_manifest
 from dsec_cli.format.refs import set_ref
 from dsec_cli.push.stores.base import Store
+
+DSEC = str(Path(sys.executable).with_name("dsec"))
+
+
+def dsec(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The real `dsec` command line (a run longer than 300 s fails the test), its stderr on
+    one line."""
+    out = subprocess.run([DSEC, *args], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "COLUMNS": "200", **(env or {})})
+    out.stderr = " ".join(out.stderr.split())  # rich wraps long messages
+    return out
 
 
 def put_object(store: Store, kind: str, data: bytes) -> str:

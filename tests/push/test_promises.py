@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -21,16 +19,7 @@ from dsec_cli.push.materialize import export
 from dsec_cli.push.stores import open_store
 
 from ..flakyproxy import FlakyProxy
-from .helpers import build_layer, make_tree, raw_layer, tree_digest
-
-DSEC = str(Path(sys.executable).with_name("dsec"))
-
-
-def dsec(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([DSEC, *args], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "COLUMNS": "200", **(env or {})})
-    out.stderr = " ".join(out.stderr.split())  # rich wraps long messages
-    return out
+from .helpers import build_layer, dsec, make_tree, raw_layer, tree_digest
 
 
 def oci_request(method: str, path: str) -> str:

@@ -23,16 +23,7 @@ from dsec_cli.push.stores import open_store
 from dsec_cli.push.testing import free_port
 from dsec_cli.push.transfer import copy_refs
 
-from .helpers import build_layer, make_tree, raw_layer, tree_digest
-
-DSEC = str(Path(sys.executable).with_name("dsec"))
-
-
-def dsec(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([DSEC, *args], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "COLUMNS": "200", **(env or {})})
-    out.stderr = " ".join(out.stderr.split())  # rich wraps long messages
-    return out
+from .helpers import build_layer, dsec, make_tree, raw_layer, tree_digest
 
 
 @pytest.mark.parametrize("remote", ["s3", "oci"])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import skip_unless
+from tests.conftest import build_store, node_env_of, skip_unless, use_node_env
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = "busybox@1.35-1"
@@ -28,46 +28,21 @@ def sandbox_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def store_url(tmp_path_factory: pytest.TempPathFactory, sandbox_data: Path) -> str:
     root = tmp_path_factory.mktemp("store")
     subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
-    from dsec_cli.build.builder import build
-
-    url = root.as_uri()
-    old = os.environ.get("XDG_DATA_HOME")
-    os.environ["XDG_DATA_HOME"] = str(sandbox_data)  # chunk tables and build cache
-    try:
-        build([REPO / "layerspecs/busybox/busybox.yaml"], url)
-    finally:
-        if old is None:
-            os.environ.pop("XDG_DATA_HOME", None)
-        else:
-            os.environ["XDG_DATA_HOME"] = old
-    return url
+    return build_store([REPO / "layerspecs/busybox/busybox.yaml"], root.as_uri(), sandbox_data)
 
 
 @pytest.fixture(scope="module")
 def node_env(tmp_path_factory: pytest.TempPathFactory, store_url: str,
              sandbox_data: Path) -> Iterator[dict[str, str]]:
     """DSEC_* variables for one node state dir; everything left is removed at the end."""
-    state = tmp_path_factory.mktemp("node")
-    config = tmp_path_factory.mktemp("config")  # never the user's own config
-    env = {"DSEC_STATE_DIR": str(state), "DSEC_STORE": store_url,
-           "XDG_DATA_HOME": str(sandbox_data), "XDG_CONFIG_HOME": str(config)}
-    yield env
-    from dsec_cli.run.node import Node
-
-    n = Node(state, store_url)
-    for r in n.db.all():
-        n.remove(r.id)
-    n.gc(budget=0)
+    yield from node_env_of(tmp_path_factory, store_url, sandbox_data)
 
 
 @pytest.fixture(autouse=True)
 def dsec_home(node_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Overrides the suite-wide isolated home: sandbox tests share one node and store per
     module (creating a store and a node per test would cost seconds each)."""
-    for k, v in node_env.items():
-        monkeypatch.setenv(k, v)
-    for var in ("DSEC_DATA_DIR", "DSEC_CONFIG"):
-        monkeypatch.delenv(var, raising=False)
+    use_node_env(node_env, monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from dsec_cli.format.manifest import Manifest, load_manifest, put_manifest
 from dsec_cli.format.pack import HEADER
 from dsec_cli.format.refs import get_ref, set_ref
 from dsec_cli.push.stores import Store, open_store
+from tests.conftest import build_store
 
 REPO = Path(__file__).resolve().parents[2]
 VICTIM = "busybox@1.35-1"
@@ -57,17 +58,7 @@ def refused(p: subprocess.CompletedProcess[str], *names: str) -> None:
 
 
 def build_into(url: str, folder: Path, data_home: Path) -> None:
-    from dsec_cli.build.builder import build
-
-    old = os.environ.get("XDG_DATA_HOME")
-    os.environ["XDG_DATA_HOME"] = str(data_home)
-    try:
-        build([folder], url)
-    finally:
-        if old is None:
-            os.environ.pop("XDG_DATA_HOME", None)
-        else:
-            os.environ["XDG_DATA_HOME"] = old
+    build_store([folder], url, data_home)
 
 
 @pytest.fixture(scope="module")
