@@ -11,18 +11,12 @@ none, and removed after. Figures: park and thaw latency (median), memory given b
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from .common import save
-
-REPO = Path(__file__).resolve().parent.parent
+from .common import busybox_node, save
 
 
 def main(argv: list[str]) -> None:
@@ -30,9 +24,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--hold", type=int, default=512, help="MiB held in the sandbox")
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-park-", dir="/var/tmp"))
-    os.environ.update({"DSEC_STATE_DIR": str(tmp / "node"), "DSEC_STORE": (tmp / "store").as_uri(),
-                       "XDG_DATA_HOME": str(tmp / "data"), "XDG_CONFIG_HOME": str(tmp / "cfg")})
+    tmp = busybox_node("dsec-bench-park-", config=True)
     from dsec_cli.run import density
     from dsec_cli.run.node import Node
 
@@ -41,10 +33,6 @@ def main(argv: list[str]) -> None:
         if not density.host_facts()["swap_total"]:
             swap = tmp / "bench.swap"
             density.add_swap(swap, (args.hold + 512) << 20)
-        subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
-        from dsec_cli.build.builder import build
-
-        build([REPO / "layerspecs/busybox"])
         res = run(Node(), args)
         res["swap_made_for_run"] = swap is not None
         print(save("park", res))
