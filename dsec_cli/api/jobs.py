@@ -35,7 +35,7 @@ from ..run.node import local_node
 from .sandboxes import create_options
 
 __all__ = ["Job", "Rollout", "Group", "Member", "JobSettings", "list_jobs", "start_job",
-           "renew_job", "park_job", "thaw_job", "remove_job", "journal", "replay",
+           "renew_job", "park_job", "thaw_job", "remove_job", "journal", "grades", "replay",
            "job_rollouts"]
 
 log = logging.getLogger(__name__)
@@ -191,6 +191,11 @@ class Rollout(_RolloutDoc):
     def journal(self, output: bool = True) -> list[dict[str, Any]]:
         """The rollout's steps in order (see `dsec journal`)."""
         return self._jobs.journal(self.id, output)
+
+    def grades(self) -> list[dict[str, Any]]:
+        """The rollout's grades in order (`dsec grade` of its sandbox), each with the step
+        it followed: reward, pass/fail counts, tamper flag, infrastructure error."""
+        return list(self.info()["grades"])
 
     def replay(self) -> Rollout:
         """Rebuild the rollout in a fresh sandbox (image + last snapshot + later steps)."""
@@ -642,6 +647,13 @@ def journal(rollout: str, output: bool = True,
     node)."""
     jobs, rid = _holder(rollout, state_dir)
     return list(jobs.journal(rid, output))
+
+
+def grades(rollout: str, state_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    """The grades journaled with a rollout (by rollout id or sandbox id; ``NODE/ID`` on a
+    cluster node)."""
+    jobs, rid = _holder(rollout, state_dir)
+    return list(jobs.rollout(rid).get("grades", []))
 
 
 def replay(rollout: str, state_dir: str | Path | None = None) -> dict[str, Any]:

@@ -333,15 +333,24 @@ def create_options(backend: str = "container", *, cpus: float | None = None,
                    env: dict[str, str] | None = None, workdir: str | None = None,
                    fetch: str = "auto", disk: int | str | None = None,
                    cpu_class: str | None = None, prefix: str = "",
-                   user: str | None = None) -> CreateOptions:
-    """Checked create options; errors name each option with ``prefix`` (``--`` for flags)."""
+                   user: str | None = None, egress: list[str] | None = None) -> CreateOptions:
+    """Checked create options; errors name each option with ``prefix`` (``--`` for flags).
+    ``egress``: what network ``allowlist`` lets out (``host:PORT``, ``IPV4:PORT``)."""
     validate.positive_float(cpus, prefix + "cpus")
     validate.positive_int(pids, prefix + "pids")
+    rules = list(egress or [])
+    if rules:
+        from ..backends.egress import parse_rule
+
+        for rule in rules:
+            parse_rule(rule)  # each bad rule is named
+        if network != "allowlist":
+            raise UsageError(f"{prefix}egress {rules[0]!r} needs {prefix}network allowlist")
     return CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, prefix + "memory"),
                          pids=pids, ttl=_secs(ttl, prefix + "ttl"),
                          network=network, env=dict(env or {}),  # type: ignore[arg-type]
                          workdir=workdir, fetch=fetch, disk=_size(disk, prefix + "disk"),
-                         cpu_class=cpu_class, user=user)
+                         cpu_class=cpu_class, user=user, egress=rules)
 
 
 def create(image: str | Path, opts: CreateOptions, node: str | None = None,

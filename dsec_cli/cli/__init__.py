@@ -58,8 +58,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                          "counts."),
     "import": ("oci", "Import an OCI or Docker image: each layer becomes a dsec layer, the "
                       "config an image."),
-    "journal": ("job", "A rollout's steps: number, key, command, exit code, state digests, "
-                       "duration."),
+    "journal": ("job", "A rollout's steps (number, key, command, exit code, state digests, "
+                       "duration) and its grades (reward, tests passed and failed, tamper)."),
     "replay": ("job", "Rebuild a rollout in a fresh sandbox: its image, its last snapshot, and "
                       "the journal's later steps re-executed with their state digests checked."),
     "job": ("job", "Jobs: sandboxes owned through a lease, with a journal of every exec "

@@ -28,7 +28,7 @@ _EXEC = {**_COMMON, "--node": ("node", "str"), "--env": ("env", "list"), "-e": (
 _RUN = {**_EXEC, "--node": ("node_name", "str"), "--backend": ("backend", "str"),
         "-b": ("backend", "str"), "--cpus": ("cpus", "float"), "--memory": ("memory", "str"),
         "--pids": ("pids", "int"), "--ttl": ("ttl", "str"), "--network": ("network", "str"),
-        "--disk": ("disk", "str"), "--fetch": ("fetch", "str"),
+        "--egress": ("egress", "list"), "--disk": ("disk", "str"), "--fetch": ("fetch", "str"),
         "--detach": ("detach", "flag"), "-d": ("detach", "flag")}
 _PS = {**_COMMON, "--node": ("node", "str"), "--all-nodes": ("all_nodes", "flag")}
 

@@ -149,15 +149,21 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
     ) -> None:
-        """A rollout's steps: number, key, command, exit code, state digests, duration."""
+        """A rollout's steps (number, key, command, exit code, state digests, duration) and
+        its grades (reward, tests passed and failed, tamper).
+
+        With --json: the steps, then the grades (``"kind": "grade"``, each with the step it
+        followed and the whole result)."""
+        from ..api.jobs import grades as grades_of
         from ..api.jobs import journal as steps
 
         docs = steps(rollout, True, state_dir)
+        grades = grades_of(rollout, state_dir)
         if json_out:
             for d in docs:  # output is bytes: base64 keeps it exact
                 d["stdout"] = base64.b64encode(d["stdout"]).decode()
                 d["stderr"] = base64.b64encode(d["stderr"]).decode()
-            print_json(docs)
+            print_json(docs + grades)
             return
         from ..api.sandboxes import shell_join
 
@@ -167,6 +173,12 @@ def register(app: typer.Typer) -> None:
                 (d["digest_after"] or "")[:12],
                 "" if d["duration"] is None else f"{d['duration'] * 1000:.1f} ms"]
                for d in docs])
+        if grades:
+            table("grades", ["grade", "after step", "grader", "reward", "passed", "failed",
+                             "tampered", "infra error"],
+                  [[g["grade"], g["after_step"], g["grader"], f"{g['reward']:g}",
+                    g["tests_passed"], g["tests_failed"], "yes" if g["tampered"] else "no",
+                    g["infra_error"][:60]] for g in grades])
 
     @app.command()
     def replay(

@@ -76,7 +76,12 @@ def register(app: typer.Typer) -> None:
         ttl: Annotated[str | None,  # noqa: UP007
                        typer.Option(help="remove after this long (dsec gc --node), e.g. 30m")
                        ] = None,
-        network: Annotated[str, typer.Option(help="none (loopback only) | host")] = "none",
+        network: Annotated[str, typer.Option(
+            help="none (loopback only) | host | allowlist (only what --egress names)")
+                           ] = "none",
+        egress: Annotated[list[str] | None, typer.Option(  # noqa: UP007
+            "--egress", help="with --network allowlist: host:PORT (this node) or IPV4:PORT "
+                             "the sandbox may reach (repeatable)")] = None,
         disk: Annotated[str | None, typer.Option(  # noqa: UP007
             help="what the sandbox may write, e.g. 1G (past it: ENOSPC inside)")] = None,
         env: EnvOpt = None,
@@ -115,7 +120,7 @@ def register(app: typer.Typer) -> None:
         opts = sandbox_options(image, backend=backend, cpus=cpus, memory=memory, pids=pids,
                                ttl=ttl, network=network, disk=disk, env=env, workdir=workdir,
                                timeout=timeout, fetch=fetch, node_name=node_name,
-                               cpu_class=cpu_class, user=user)
+                               cpu_class=cpu_class, user=user, egress=egress)
         if job is not None:
             _run_in_job(job, image, opts, cmd, timeout, json_out, node_name, state_dir)
             return

@@ -101,7 +101,7 @@ def sandbox_options(image: str, *, backend: str = "container", cpus: float | Non
                     env: list[str] | None = None, workdir: str | None = None,
                     timeout: float | None = None, fetch: str = "auto",
                     node_name: str | None = None, cpu_class: str | None = None,
-                    user: str | None = None) -> Any:
+                    user: str | None = None, egress: list[str] | None = None) -> Any:
     """`dsec run`'s options, checked: the `CreateOptions` of the new sandbox."""
     from ..api import sandboxes
     from ..core import validate
@@ -112,7 +112,7 @@ def sandbox_options(image: str, *, backend: str = "container", cpus: float | Non
     return sandboxes.create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
                                     network=network, env=parse_env(env), workdir=workdir,
                                     fetch=fetch, disk=disk, cpu_class=cpu_class,
-                                    prefix="--", user=user)
+                                    prefix="--", user=user, egress=egress)
 
 
 def create_sandbox(image: str, *, state_dir: str | None = None, node_name: str | None = None,

@@ -5,7 +5,8 @@ The agent's writable diff is read on the host while the sandbox is paused; a sco
 hidden tests), takes only the agent's changes on the task's patch surface, and runs the
 grader's command with its own limits, its own environment and no network. The result (one
 outcome per test, the reward, the log, the tamper audit of protected paths) is returned and
-appended to the node's grading journal. The fork is removed whatever happens; a grading
+appended to the node's grading journal; a job's sandbox has it journaled with its rollout's
+trajectory too (run/jobs.py). The fork is removed whatever happens; a grading
 process killed midway leaves a marker that `reconcile_grading` (run before every grade)
 acts on, and the fork's TTL bounds it in any case.
 """
@@ -379,7 +380,17 @@ def grade(node: Node, sid: str, grader: str, *, backend: str = "container",
         with open(_grading_dir(node) / "journal.jsonl", "a") as f:
             f.write(json.dumps({k: v for k, v in result.to_dict().items() if k != "log"},
                                sort_keys=True) + "\n")
+        _journal_with_rollout(node, result)
     return result
+
+
+def _journal_with_rollout(node: Node, result: GradeResult) -> None:
+    """A sandbox owned by a job: the grade joins its rollout's trajectory (jobs.db)."""
+    if not (node.root / "jobs.db").exists():  # no job was ever started here
+        return
+    from .jobs import node_jobs
+
+    node_jobs(node).record_grade(result.sandbox, result.to_dict())
 
 
 def _results(node: Node, fork: str, spec: dict[str, Any], exit_code: int,

@@ -110,6 +110,22 @@ CREATE TABLE IF NOT EXISTS steps (
     PRIMARY KEY (rollout, step),
     UNIQUE (rollout, key)
 );
+CREATE TABLE IF NOT EXISTS grades (
+    rollout TEXT NOT NULL REFERENCES rollouts(id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,           -- 1, 2, ... per rollout
+    after_step INTEGER NOT NULL,    -- the last done step when it was graded (0: none)
+    sandbox TEXT NOT NULL,
+    grader TEXT NOT NULL,
+    reward REAL NOT NULL,
+    passed INTEGER NOT NULL,        -- every test passed
+    tests_passed INTEGER NOT NULL,
+    tests_failed INTEGER NOT NULL,  -- every other outcome (failed, error, skipped, missing)
+    tampered INTEGER NOT NULL,
+    infra_error TEXT NOT NULL,      -- '': the grading itself worked
+    result TEXT NOT NULL,           -- the GradeResult without its log (JSON)
+    finished REAL NOT NULL,
+    PRIMARY KEY (rollout, seq)
+);
 CREATE TABLE IF NOT EXISTS slots (
     ticket TEXT PRIMARY KEY,
     job TEXT NOT NULL REFERENCES jobs(name) ON DELETE CASCADE,
@@ -585,7 +601,7 @@ class NodeJobs:
                 "group": r["grp"], "index": r["idx"], "status": r["status"], "alive": alive,
                 "steps": steps["n"], "last_step": steps["last"] or 0,
                 "snapshot_step": r["snap_step"], "snapshot_image": r["snap_image"],
-                "ticket": r["ticket"]}
+                "ticket": r["ticket"], "grades": self.grades(r["id"])}
 
     def rollouts(self, name: str) -> list[dict[str, Any]]:
         self._job(name)
@@ -604,6 +620,40 @@ class NodeJobs:
         if r["ticket"]:
             self.release_slot(r["ticket"])
         return self.rollout(r["id"])
+
+    # -- grades ----------------------------------------------------------------------------------
+    def record_grade(self, sandbox_id: str, result: dict[str, Any]) -> dict[str, Any] | None:
+        """Journal a grade of ``sandbox_id`` (a GradeResult's dict) with the trajectory of
+        the rollout that owns the sandbox, durably; None when no rollout owns it."""
+        rows = self.db.q("SELECT id FROM rollouts WHERE sandbox=?", (sandbox_id,))
+        if not rows:
+            return None
+        rid = rows[0]["id"]
+        tests = result.get("tests") or []
+        n_passed = sum(1 for t in tests if t.get("outcome") == "passed")
+        doc = {k: v for k, v in result.items() if k != "log"}
+        with self.db.tx() as db:
+            seq = db.execute("SELECT coalesce(max(seq), 0) + 1 FROM grades WHERE rollout=?",
+                             (rid,)).fetchone()[0]
+            after = db.execute("SELECT coalesce(max(step), 0) FROM steps WHERE rollout=? "
+                               "AND state='done'", (rid,)).fetchone()[0]
+            db.execute("INSERT INTO grades VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                       (rid, seq, after, sandbox_id, str(result.get("grader", "")),
+                        float(result.get("reward") or 0.0), int(bool(result.get("passed"))),
+                        n_passed, len(tests) - n_passed, int(bool(result.get("tampered"))),
+                        str(result.get("infra_error") or ""), json.dumps(doc, sort_keys=True),
+                        float(result.get("finished") or time.time())))
+        return self.grades(rid)[-1]
+
+    def grades(self, rid: str) -> list[dict[str, Any]]:
+        """A rollout's grades in order: reward, pass/fail counts, tamper and infra flags."""
+        return [{"kind": "grade", "grade": g["seq"], "after_step": g["after_step"],
+                 "sandbox": g["sandbox"], "grader": g["grader"], "reward": g["reward"],
+                 "passed": bool(g["passed"]), "tests_passed": g["tests_passed"],
+                 "tests_failed": g["tests_failed"], "tampered": bool(g["tampered"]),
+                 "infra_error": g["infra_error"], "finished": g["finished"],
+                 "result": json.loads(g["result"])}
+                for g in self.db.q("SELECT * FROM grades WHERE rollout=? ORDER BY seq", (rid,))]
 
     # -- the journal ---------------------------------------------------------------------------
     def _digest(self, r: sqlite3.Row) -> str | None:

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,3 +156,55 @@ def test_egress_none_is_the_default_and_rules_are_checked(servers: tuple[int, in
             Sandbox(TASK, network="allowlist", egress=[bad])
     with pytest.raises(UsageError, match="need network allowlist"):
         Sandbox(TASK, egress=[f"host:{allowed}"])
+
+
+def _dsec(env: dict[str, str], *argv: str, via_typer: bool = False
+          ) -> subprocess.CompletedProcess[str]:
+    """`dsec ARGV` in a fresh interpreter, by the fast launcher when it takes the form, or
+    always by typer."""
+    skip_fast = "fast.run = lambda argv: None\n" if via_typer else ""
+    code = ("import sys\nfrom dsec_cli.cli import fast, main\n" + skip_fast +
+            "sys.argv = ['dsec', *sys.argv[1:]]\nmain()\n")
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+
+
+@pytest.mark.parametrize("via_typer", [False, True], ids=["launcher", "typer"])
+def test_cli_run_egress_reaches_only_the_allowed_port(servers: tuple[int, int],
+                                                      grade_env: dict[str, str],
+                                                      via_typer: bool) -> None:
+    allowed, other = servers
+    p = _dsec(grade_env, "run", "-d", "--network", "allowlist", "--egress", f"host:{allowed}",
+              TASK, via_typer=via_typer)
+    assert p.returncode == 0, p.stderr
+    sid = p.stdout.strip()
+    try:
+        sb = Sandbox.attach(sid)
+        info = sb.info()["egress"]
+        assert info["rules"] == [f"host:{allowed}"]
+        assert _probe(sb, info["gateway"], allowed, other, allowed)[:2] == [
+            "open:allowed", "blocked"]
+    finally:
+        rm = _dsec(grade_env, "rm", sid)
+        assert rm.returncode == 0, rm.stderr
+    assert _leftovers(sid) == []
+
+
+@pytest.mark.parametrize("via_typer", [False, True], ids=["launcher", "typer"])
+def test_cli_run_refuses_bad_egress_naming_it(grade_env: dict[str, str],
+                                              via_typer: bool) -> None:
+    before = _dsec(grade_env, "ps", "--json")
+    assert before.returncode == 0, before.stderr
+    for argv, named in (
+            (["--network", "allowlist", "--egress", "host:70000"], "host:70000"),
+            (["--network", "allowlist", "--egress", "host:1", "--egress", "example.com:80"],
+             "example.com:80"),
+            (["--egress", "host:8080"], "host:8080"),  # without --network allowlist
+    ):
+        p = _dsec(grade_env, "run", "-d", *argv, TASK, via_typer=via_typer)
+        assert p.returncode == 2, (argv, p.stderr)
+        assert named in p.stderr, (argv, p.stderr)
+    after = _dsec(grade_env, "ps", "--json")
+    assert after.returncode == 0, after.stderr
+    ids = [[r["id"] for r in json.loads(p.stdout)] for p in (before, after)]
+    assert ids[1] == ids[0]  # nothing was made

@@ -89,6 +89,8 @@ def test_usage_errors_still_come_from_typer(node_env: dict[str, str]) -> None:
     ["run", IMAGE, "--", "true"],            # run without -d
     ["run", "-d", IMAGE, "--", "true"],
     ["run", "-d", "--detach=1", IMAGE],
+    ["run", "-d", "--egres", "host:80", IMAGE],  # an unknown flag
+    ["run", "-d", "--network", "allowlist", "--egress", "", IMAGE],
     ["ps", "extra"],
     ["ps", "--json", "--", "x"],
     ["rm", "ID"],
@@ -107,6 +109,10 @@ def test_launcher_parses_plain_forms() -> None:
                                  fast._RUN)
     assert opts == {"detach": True, "backend": "fncall", "cpus": 0.5, "pids": 64}
     assert pos == [IMAGE] and cmd is None
+    opts, pos, _ = fast._parse(["-d", "--network", "allowlist", "--egress", "host:80",
+                                "--egress=10.0.0.1:443", IMAGE], fast._RUN)
+    assert opts == {"detach": True, "network": "allowlist",
+                    "egress": ["host:80", "10.0.0.1:443"]}
 
 
 def _server_pids(runtime: str) -> set[int]:
