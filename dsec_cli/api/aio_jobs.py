@@ -260,6 +260,10 @@ class AsyncRollout(_RolloutDoc):
     async def journal(self, output: bool = True) -> list[dict[str, Any]]:
         return list(await self._jobs.journal(self.id, output))
 
+    async def grades(self) -> list[dict[str, Any]]:
+        """The rollout's grades in order, each with the step it followed (as `Rollout`)."""
+        return list((await self.info())["grades"])
+
     async def replay(self) -> AsyncRollout:
         self._doc = dict(await self._jobs.replay(rid=self.id))
         return self
