@@ -162,18 +162,6 @@ class Admission:
 
     def _usage(self, db: sqlite3.Connection) -> Usage:
         u = Usage()
-        # summed inside sqlite (JSON1): decoding every row in Python would cost milliseconds
-        # per create on a node holding thousands of sandboxes
-        cls = "json_extract(spec, '$.limits.cpu_class')"
-        cpu = "json_extract(spec, '$.limits.cpus')"
-        n, cpus, memory, latency = self._node_db().execute(
-            f"SELECT count(*), total(CASE WHEN {cls} = 'idle' THEN 0 ELSE {cpu} END), "
-            "total(json_extract(spec, '$.limits.memory')), "
-            f"total(CASE WHEN {cls} = 'latency' THEN {cpu} ELSE 0 END) FROM sandboxes "
-            f"WHERE status IN ({','.join('?' * len(LIVE))})", LIVE).fetchone()
-        u.sandboxes, u.cpus, u.memory = int(n), float(cpus), int(memory)
-        u.latency_cpus = float(latency)
-        u.resident = resident_total(self.node)
         held = []
         stale = []
         for token, pid, start, cpus, memory, cpu_class in db.execute(
@@ -182,16 +170,35 @@ class Admission:
                 held.append((token, cpus, memory, cpu_class))
             else:
                 stale.append((token,))
-        if held:
+        # summed inside sqlite (JSON1): decoding every row in Python would cost milliseconds
+        # per create on a node holding thousands of sandboxes
+        cls = "json_extract(spec, '$.limits.cpu_class')"
+        cpu = "json_extract(spec, '$.limits.cpus')"
+        live = f"status IN ({','.join('?' * len(LIVE))})"
+        ndb = self._node_db()
+        # one read snapshot for both queries: a sandbox row written between two reads would
+        # be missed by the sum and still hide its reservation, counting it zero times
+        ndb.execute("BEGIN")
+        try:
+            n, cpus, memory, latency = ndb.execute(
+                f"SELECT count(*), total(CASE WHEN {cls} = 'idle' THEN 0 ELSE {cpu} END), "
+                "total(json_extract(spec, '$.limits.memory')), "
+                f"total(CASE WHEN {cls} = 'latency' THEN {cpu} ELSE 0 END) FROM sandboxes "
+                f"WHERE {live}", LIVE).fetchone()
             # a reservation is named by the id of the sandbox it admits: once that sandbox's
             # row exists the row is what counts, so a create in flight is counted once
             tokens = [t for t, _, _, _ in held]
-            rows = {r[0] for r in self._node_db().execute(
+            rows = {r[0] for r in ndb.execute(
                 f"SELECT id FROM sandboxes WHERE id IN ({','.join('?' * len(tokens))}) "
-                f"AND status IN ({','.join('?' * len(LIVE))})", (*tokens, *LIVE))}
-            for token, cpus, memory, cpu_class in held:
-                if token not in rows:
-                    u.add(cpus, memory, cpu_class)
+                f"AND {live}", (*tokens, *LIVE))} if tokens else set()
+        finally:
+            ndb.execute("COMMIT")
+        u.sandboxes, u.cpus, u.memory = int(n), float(cpus), int(memory)
+        u.latency_cpus = float(latency)
+        u.resident = resident_total(self.node)
+        for token, cpus, memory, cpu_class in held:
+            if token not in rows:
+                u.add(cpus, memory, cpu_class)
         if stale:
             db.executemany("DELETE FROM reservations WHERE token=?", stale)
         return u
