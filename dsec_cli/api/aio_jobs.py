@@ -290,6 +290,9 @@ class AsyncMember(_MemberState):
     rollout: AsyncRollout | None = None
     error: str | None = None
     ticket: str | None = None
+    #: seconds from the group call until this member was created (or failed)
+    seconds: float | None = None
+    _t0: float = field(default_factory=time.monotonic, repr=False)
     _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     async def wait(self, timeout: float | None = None) -> AsyncMember:
@@ -496,7 +499,7 @@ class AsyncJob:
             await self._wait_slot(m.ticket or "", None)
         except BaseException as e:
             m.status, m.error = "infra_failure", str(e) or "cancelled"
-            m._done.set()
+            m._finish()
             if not isinstance(e, Exception):
                 raise
             return
@@ -521,7 +524,7 @@ class AsyncJob:
         except Exception as e:  # reported per member, never failing the group
             await self._infra_failure(m, e)
         finally:
-            m._done.set()
+            m._finish()
 
     async def _create_remote(self, members: list[AsyncMember], image: str,
                              opts: dict[str, Any], name: str, where: list[str]) -> None:
@@ -534,8 +537,10 @@ class AsyncJob:
         def make(i: int, node: Any) -> Any:
             rj = ThreadedRemoteJobs(node)
             rj.start(self.name, self._settings, exist_ok=True)
-            return node, rj.add_rollout(self.name, image, opts, name, members[i].index,
-                                        members[i].ticket)
+            doc = rj.add_rollout(self.name, image, opts, name, members[i].index,
+                                 members[i].ticket)
+            members[i].seconds = time.monotonic() - members[i]._t0
+            return node, doc
 
         try:
             results = await blocking(create_many, len(members), image, CreateOptions(**opts),
@@ -543,7 +548,7 @@ class AsyncJob:
         except DsecError as e:  # no node at all: every member is an infrastructure failure
             for m in members:
                 await self._infra_failure(m, e)
-                m._done.set()
+                m._finish()
             return
         for m, r in zip(members, results, strict=False):
             if r.ok:
@@ -554,7 +559,7 @@ class AsyncJob:
                 m.status = "ok"
             else:
                 await self._infra_failure(m, r.error)
-            m._done.set()
+            m._finish()
 
     async def _infra_failure(self, m: AsyncMember, e: Any) -> None:
         log.warning("job %s: group member %d could not be created: %s", self.name, m.index, e)

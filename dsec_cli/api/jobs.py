@@ -220,15 +220,24 @@ class _MemberState:
     status: str
     error: str | None
     rollout: Any
+    seconds: float | None
+    _t0: float
+    _done: Any
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
+    def _finish(self) -> None:
+        if self.seconds is None:  # a create made on another thread timed itself there
+            self.seconds = time.monotonic() - self._t0
+        self._done.set()
+
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "status": self.status, "error": self.error,
                 "rollout": self.rollout.id if self.rollout else None,
-                "sandbox": self.rollout.sandbox_id if self.rollout else None}
+                "sandbox": self.rollout.sandbox_id if self.rollout else None,
+                "seconds": self.seconds}
 
 
 _M = TypeVar("_M", bound=_MemberState)
@@ -257,6 +266,9 @@ class Member(_MemberState):
     rollout: Rollout | None = None
     error: str | None = None
     ticket: str | None = None
+    #: seconds from the group call until this member was created (or failed)
+    seconds: float | None = None
+    _t0: float = field(default_factory=time.monotonic, repr=False)
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def wait(self, timeout: float | None = None) -> Member:
@@ -460,7 +472,7 @@ class Job:
             self._wait_slot(m.ticket or "", None)
         except BaseException as e:
             m.status, m.error = "infra_failure", str(e)
-            m._done.set()
+            m._finish()
             return
         self._create_members([m], image, opts, name, where)
 
@@ -477,8 +489,10 @@ class Job:
 
         def make(i: int, node: Any) -> Any:
             rj = self._remote_jobs(node)
-            return rj, rj.add_rollout(self.name, image, opts, name, members[i].index,
-                                      members[i].ticket)
+            doc = rj.add_rollout(self.name, image, opts, name, members[i].index,
+                                 members[i].ticket)
+            members[i].seconds = time.monotonic() - members[i]._t0
+            return rj, doc
 
         try:
             results = create_many(len(members), image, CreateOptions(**opts), where,
@@ -492,7 +506,7 @@ class Job:
                 rj, doc = r.sandbox
                 m.rollout = Rollout(self, doc, rj, r.node, m.ticket)
                 m.status = "ok"
-                m._done.set()
+                m._finish()
             else:
                 self._infra_failure(m, r.error)
 
@@ -501,7 +515,7 @@ class Job:
         m.status, m.error = "infra_failure", str(e)
         if m.ticket:
             self._jobs.release_slot(m.ticket)
-        m._done.set()
+        m._finish()
 
     def _create_member(self, m: Member, image: str, opts: dict[str, Any], name: str) -> None:
         try:
@@ -514,7 +528,7 @@ class Job:
             if m.ticket:
                 self._jobs.release_slot(m.ticket)
         finally:
-            m._done.set()
+            m._finish()
 
     def close(self) -> None:
         """Stop the heartbeat (the sandboxes stay, under the lease)."""

@@ -223,6 +223,7 @@ def test_group_reports_a_member_that_could_not_be_made(node_env: dict[str, str],
         bad = g.failed()
         assert len(bad) == 1 and "injected" in (bad[0].error or "")
         assert bad[0].to_dict()["status"] == "infra_failure"
+        assert all(m.seconds is not None and m.seconds > 0 for m in g.members)
         for m in g.ok():
             assert m.rollout is not None
             assert m.rollout.exec(["echo", str(m.index)]).stdout == f"{m.index}\n".encode()

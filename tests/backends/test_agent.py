@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import pytest
 
 from dsec_cli.backends.sandbox_agent import agent_binary
 from dsec_cli.backends.sandbox_agent.client import AgentClient
-from dsec_cli.core.errors import NotFoundError, UsageError
+from dsec_cli.core.errors import NotFoundError, SandboxError, UsageError
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +239,28 @@ def test_unknown_frame_is_answered_enosys(agent: tuple[AgentClient, Path]) -> No
         s.sendall(struct.pack(">IBI", 5, 5, 7))  # PING on the same connection
         kind, rid, body = read_frame(s)
         assert (kind, rid) == (19, 7) and b"dsec-agent 1" in body, body
+
+
+def test_exec_frames_keep_output_up_to_the_capture_limit_and_flag_the_cut() -> None:
+    from dsec_cli.backends.sandbox_agent.client import (
+        T_EXIT,
+        T_RESULT,
+        T_STDERR,
+        T_STDOUT,
+        AgentError,
+        ExecFrames,
+    )
+    fold = ExecFrames(time.monotonic(), capture_limit=5)
+    assert fold.add(T_STDOUT, b"abc") is None
+    assert fold.add(T_STDERR, b"xy") is None
+    assert fold.add(T_STDOUT, b"defgh") is None   # 2 of these 5 bytes fit
+    assert fold.add(T_STDOUT, b"ijk") is None     # none fit
+    res = fold.add(T_EXIT, struct.pack(">iI", 3, 1))
+    assert res is not None
+    assert (res.exit_code, res.stdout, res.stderr, res.timed_out) == (3, b"abcde", b"xy", True)
+    assert (res.stdout_truncated, res.stderr_truncated) == (True, False)
+    assert ExecFrames.stream(T_STDOUT) == "stdout" and ExecFrames.stream(T_EXIT) is None
+    with pytest.raises(SandboxError, match="no such file"):
+        ExecFrames(0.0, None).add(T_RESULT, struct.pack(">i", 2) + b"no such file")
+    with pytest.raises(AgentError, match="lost the connection.*reset"):
+        ExecFrames(0.0, None).add(-1, b"reset")

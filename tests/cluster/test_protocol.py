@@ -107,3 +107,18 @@ def test_create_is_never_sent_again_after_a_lost_reply(client: SshCluster, tmp_p
     assert ops.count("create") == 1, ops  # the node may have made it: never a second one
     node.info()  # the next request opens a fresh connection, greeting again
     assert log.read_text().split() == ["hello", "create", "hello", "info"]
+
+
+def test_attempts_resend_only_read_only_requests_and_stay_within_the_budget() -> None:
+    from dsec_cli.run.cluster.remote import RETRIES, Attempts
+    clock = [0.0]
+    create = Attempts("create", budget=100.0, now=lambda: clock[0])
+    assert create.retry(sent=False) == 0.2       # not sent: a create may be tried again
+    assert create.retry(sent=True) is None       # sent, reply lost: never again
+    ps = Attempts("ps", budget=100.0, now=lambda: clock[0])
+    waits = [ps.retry(sent=True) for _ in range(RETRIES)]
+    assert waits[:RETRIES - 1] == [0.2 * 2 ** i for i in range(RETRIES - 1)]
+    assert waits[-1] is None                     # RETRIES attempts in all
+    silent = Attempts("ps", budget=10.0, now=lambda: clock[0])
+    clock[0] = 6.0                               # the first attempt took 6 s of a 10 s budget
+    assert silent.retry(sent=False) is None      # a second one would end past it

@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from pathlib import Path
 
-from ...core.errors import SandboxError, UsageError
+from ...core.errors import UsageError
 from ..base import ExecResult, UserIds
 from .client import (
     _HDR,
@@ -30,16 +30,14 @@ from .client import (
     PUT_F_APPEND,
     T_DATA,
     T_EXEC,
-    T_EXIT,
     T_GET,
     T_PING,
     T_PUT,
     T_RESULT,
     T_SIGNAL,
-    T_STDERR,
     T_STDIN,
-    T_STDOUT,
     AgentError,
+    ExecFrames,
     PeerCheck,
     _encode_exec,
     _raise_for,
@@ -228,35 +226,17 @@ class AsyncAgentClient:
     async def _collect(q: asyncio.Queue[tuple[int, bytes]], started: float,
                        on_output: AsyncOutputCallback | None,
                        capture_limit: int | None) -> ExecResult:
-        out: list[bytes] = []
-        err: list[bytes] = []
-        kept = {T_STDOUT: 0, T_STDERR: 0}
-        cut = {T_STDOUT: False, T_STDERR: False}
+        fold = ExecFrames(started, capture_limit)
         while True:
             kind, payload = await q.get()
-            if kind == T_STDOUT or kind == T_STDERR:
-                if on_output is not None:
-                    r = on_output("stdout" if kind == T_STDOUT else "stderr", payload)
-                    if inspect.isawaitable(r):
-                        await r
-                room = len(payload) if capture_limit is None else capture_limit - kept[kind]
-                if room < len(payload):
-                    cut[kind] = True
-                    payload = payload[:max(room, 0)]
-                if payload:
-                    (out if kind == T_STDOUT else err).append(payload)
-                    kept[kind] += len(payload)
-            elif kind == T_EXIT:
-                code, flags = struct.unpack(">iI", payload[:8])
-                return ExecResult(exit_code=code, stdout=b"".join(out), stderr=b"".join(err),
-                                  duration=time.monotonic() - started,
-                                  timed_out=bool(flags & 1), stdout_truncated=cut[T_STDOUT],
-                                  stderr_truncated=cut[T_STDERR])
-            elif kind == T_RESULT:
-                code, msg = _result(payload)
-                raise SandboxError(f"exec failed in the sandbox: {msg or os.strerror(code)}")
-            elif kind == _LOST:
-                raise AgentError(f"lost the connection to the sandbox agent: {payload.decode()}")
+            stream = ExecFrames.stream(kind)
+            if stream is not None and on_output is not None:
+                r = on_output(stream, payload)
+                if inspect.isawaitable(r):
+                    await r
+            result = fold.add(kind, payload)
+            if result is not None:
+                return result
 
     async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         for off in range(0, max(len(data), 1), CHUNK):

@@ -106,39 +106,60 @@ class ExecHandle:
         """The result once the process exits. Output is kept in the result up to
         `capture_limit` bytes per stream (None: all of it); what is cut is flagged in
         `stdout_truncated` / `stderr_truncated` (and was still passed to `on_output`)."""
-        out: list[bytes] = []
-        err: list[bytes] = []
-        kept = {T_STDOUT: 0, T_STDERR: 0}
-        cut = {T_STDOUT: False, T_STDERR: False}
+        fold = ExecFrames(self._started, capture_limit)
         try:
             while True:
                 kind, payload = self._req.frames.get()
-                if kind == T_STDOUT or kind == T_STDERR:
-                    if self._on_output is not None:
-                        self._on_output("stdout" if kind == T_STDOUT else "stderr", payload)
-                    room = len(payload) if capture_limit is None else capture_limit - kept[kind]
-                    if room < len(payload):
-                        cut[kind] = True
-                        payload = payload[:max(room, 0)]
-                    if payload:
-                        (out if kind == T_STDOUT else err).append(payload)
-                        kept[kind] += len(payload)
-                elif kind == T_EXIT:
-                    code, flags = struct.unpack(">iI", payload[:8])
-                    return ExecResult(exit_code=code, stdout=b"".join(out), stderr=b"".join(err),
-                                      duration=time.monotonic() - self._started,
-                                      timed_out=bool(flags & 1),
-                                      stdout_truncated=cut[T_STDOUT],
-                                      stderr_truncated=cut[T_STDERR])
-                elif kind == T_RESULT:
-                    code, msg = _result(payload)
-                    raise SandboxError(
-                        f"exec failed in the sandbox: {msg or os.strerror(code)}")
-                elif kind < 0:
-                    raise AgentError("lost the connection to the sandbox agent: "
-                                     f"{payload.decode()}")
+                stream = ExecFrames.stream(kind)
+                if stream is not None and self._on_output is not None:
+                    self._on_output(stream, payload)
+                result = fold.add(kind, payload)
+                if result is not None:
+                    return result
         finally:
             self._client._done(self.rid)
+
+
+class ExecFrames:
+    """One exec's frames folded into its result, for the thread and the asyncio client alike:
+    output kept up to `capture_limit` bytes per stream (what is cut is flagged), the exit
+    frame, and the two ways an exec ends without one (the agent's refusal, a lost link: a
+    negative kind)."""
+
+    def __init__(self, started: float, capture_limit: int | None) -> None:
+        self._started, self._limit = started, capture_limit
+        self._kept: dict[int, list[bytes]] = {T_STDOUT: [], T_STDERR: []}
+        self._size = {T_STDOUT: 0, T_STDERR: 0}
+        self._cut = {T_STDOUT: False, T_STDERR: False}
+
+    @staticmethod
+    def stream(kind: int) -> str | None:
+        """"stdout" or "stderr" for an output frame (what `on_output` is told), else None."""
+        return "stdout" if kind == T_STDOUT else "stderr" if kind == T_STDERR else None
+
+    def add(self, kind: int, payload: bytes) -> ExecResult | None:
+        """Take one frame: the result when it ends the exec, None while output goes on."""
+        if kind == T_STDOUT or kind == T_STDERR:
+            room = len(payload) if self._limit is None else self._limit - self._size[kind]
+            if room < len(payload):
+                self._cut[kind] = True
+                payload = payload[:max(room, 0)]
+            if payload:
+                self._kept[kind].append(payload)
+                self._size[kind] += len(payload)
+        elif kind == T_EXIT:
+            code, flags = struct.unpack(">iI", payload[:8])
+            return ExecResult(exit_code=code, stdout=b"".join(self._kept[T_STDOUT]),
+                              stderr=b"".join(self._kept[T_STDERR]),
+                              duration=time.monotonic() - self._started,
+                              timed_out=bool(flags & 1), stdout_truncated=self._cut[T_STDOUT],
+                              stderr_truncated=self._cut[T_STDERR])
+        elif kind == T_RESULT:
+            code, msg = _result(payload)
+            raise SandboxError(f"exec failed in the sandbox: {msg or os.strerror(code)}")
+        elif kind < 0:
+            raise AgentError(f"lost the connection to the sandbox agent: {payload.decode()}")
+        return None
 
 
 def _feed(h: ExecHandle, blocks: Iterable[bytes]) -> None:

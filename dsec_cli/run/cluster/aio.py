@@ -36,7 +36,7 @@ from .protocol import (
     to_wire,
     unb64,
 )
-from .remote import IDEMPOTENT, RETRIES, NodeEntry, RemoteRecord
+from .remote import Attempts, NodeEntry, RemoteRecord
 from .ssh import classify
 
 log = logging.getLogger(__name__)
@@ -201,25 +201,24 @@ class AsyncRemoteNode:
     async def call(self, op: str, args: dict[str, Any] | None = None, *,
                    timeout: float | None = None,
                    on_event: AsyncOutputCallback | None = None) -> Any:
-        delay = 0.2
-        for attempt in range(RETRIES):
+        attempts = Attempts(op, net_timeouts().total)
+        while True:
             try:
                 ch = await channel(self.entry, self.timeout)
             except NodeUnreachableError:
-                if attempt == RETRIES - 1:
+                wait = attempts.retry(sent=False)
+                if wait is None:
                     raise
-                await asyncio.sleep(delay)
-                delay *= 2
+                await asyncio.sleep(wait)
                 continue
             try:
                 return await ch.call(op, args, timeout=timeout, on_event=on_event)
             except NodeUnreachableError:
                 await ch.close()
-                if op not in IDEMPOTENT or attempt == RETRIES - 1:
+                wait = attempts.retry(sent=True)
+                if wait is None:
                     raise
-                await asyncio.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")
+                await asyncio.sleep(wait)
 
     def _rec(self, doc: Any) -> RemoteRecord:
         rec = from_wire(SandboxRecord, doc)

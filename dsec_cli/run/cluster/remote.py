@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -52,6 +52,33 @@ log = logging.getLogger(__name__)
 #: read-only requests: safe to send again after a connection broke mid-request
 IDEMPOTENT = frozenset({"hello", "info", "lookup", "describe", "get", "ps"})
 RETRIES = 3
+
+
+class Attempts:
+    """When a request to a node is tried again, for the thread and the asyncio client alike.
+
+    A node that could not be reached is tried up to RETRIES times, with a doubling delay, but
+    not past `budget` seconds: a silent node fails within about one connect + read timeout,
+    retries included. A request whose connection broke after it was sent is sent again only
+    when it is read-only (IDEMPOTENT): a create whose reply was lost is never resent."""
+
+    def __init__(self, op: str, budget: float, now: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.op, self.budget, self._now = op, budget, now
+        self._start, self._attempt, self._delay = now(), 0, 0.2
+
+    def retry(self, *, sent: bool) -> float | None:
+        """After an unreachable node: the delay before trying again, or None to give up.
+        `sent`: the request may have reached the node."""
+        self._attempt += 1
+        if self._attempt >= RETRIES or (sent and self.op not in IDEMPOTENT):
+            return None
+        spent = self._now() - self._start
+        # stop when one more attempt, as long as the average one, would go past the budget
+        if not sent and spent * (self._attempt + 1) / self._attempt > self.budget:
+            return None
+        delay, self._delay = self._delay, self._delay * 2
+        return delay
 
 
 @dataclass(frozen=True, eq=False)
@@ -425,30 +452,24 @@ class RemoteNode:
 
     def call(self, op: str, args: dict[str, Any] | None = None, *,
              timeout: float | None = None, on_event: OutputCallback | None = None) -> Any:
-        delay = 0.2
-        start = time.monotonic()
-        for attempt in range(RETRIES):
+        attempts = Attempts(op, net_timeouts().total)
+        while True:
             try:
                 ch = channel(self.entry, self.timeout)
             except NodeUnreachableError:
-                # a silent node fails within connect + read timeout, retries included: stop
-                # when one more attempt, as long as the average one, would go past it
-                spent = time.monotonic() - start
-                budget = net_timeouts().total
-                if attempt == RETRIES - 1 or spent * (attempt + 2) / (attempt + 1) > budget:
+                wait = attempts.retry(sent=False)
+                if wait is None:
                     raise
-                time.sleep(delay)
-                delay *= 2
+                time.sleep(wait)
                 continue
             try:
                 return ch.call(op, args, timeout=timeout, on_event=on_event)
             except NodeUnreachableError:
                 drop_channel(self.entry)
-                if op not in IDEMPOTENT or attempt == RETRIES - 1:
+                wait = attempts.retry(sent=True)
+                if wait is None:
                     raise
-                time.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")
+                time.sleep(wait)
 
     def _rec(self, doc: Any) -> RemoteRecord:
         rec = from_wire(SandboxRecord, doc)
