@@ -63,7 +63,7 @@ class AsyncJobs(Protocol):
     async def reattach(self, *, name: str) -> dict[str, Any]: ...
     async def renew(self, *, name: str, ttl: float | None = None) -> dict[str, Any]: ...
     async def park(self, *, name: str) -> dict[str, Any]: ...
-    async def thaw(self, *, name: str) -> dict[str, Any]: ...
+    async def thaw(self, *, name: str, prefetch: bool = False) -> dict[str, Any]: ...
     async def remove(self, *, name: str) -> dict[str, Any]: ...
     async def rollout(self, *, rid: str) -> dict[str, Any]: ...
     async def rollouts(self, *, name: str) -> list[dict[str, Any]]: ...
@@ -429,10 +429,17 @@ class AsyncJob:
             await jobs.park(name=self.name)
         return dict(await self._jobs.park(self.name))
 
-    async def thaw(self) -> dict[str, Any]:
-        for _, jobs in self._all_jobs()[1:]:
-            await jobs.thaw(name=self.name)
-        return dict(await self._jobs.thaw(self.name))
+    async def thaw(self, prefetch: bool = False) -> dict[str, Any]:
+        """As `Job.thaw`: the nodes thaw side by side."""
+        kw = {"prefetch": True} if prefetch else {}
+        remote = [jobs.thaw(name=self.name, **kw) for _, jobs in self._all_jobs()[1:]]
+        here, *_ = await asyncio.gather(self._jobs.thaw(self.name, prefetch), *remote)
+        return dict(here)
+
+    def prewarm(self) -> asyncio.Task[dict[str, Any]]:
+        """As `Job.prewarm`: a task thawing the job with its memory read back; await it
+        before the turn that needs the sandboxes."""
+        return asyncio.get_running_loop().create_task(self.thaw(prefetch=True))
 
     async def rollouts(self, status: str | None = "live") -> list[AsyncRollout]:
         """The job's rollouts on every node holding some (default: those with a sandbox)."""

@@ -22,7 +22,7 @@ import logging
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
@@ -407,10 +407,34 @@ class Job:
             jobs.park(self.name)
         return self._jobs.park(self.name)
 
-    def thaw(self) -> dict[str, Any]:
-        for _, jobs in self._all_jobs()[1:]:
-            jobs.thaw(self.name)
-        return self._jobs.thaw(self.name)
+    def thaw(self, prefetch: bool = False) -> dict[str, Any]:
+        """Let every parked sandbox of the job run again, on every node holding some;
+        ``prefetch`` also reads their memory back from swap now, ahead of need."""
+        remote = self._all_jobs()[1:]
+        if not remote:
+            return self._jobs.thaw(self.name, prefetch)
+        with ThreadPoolExecutor(len(remote)) as ex:  # the nodes thaw side by side
+            done = [ex.submit(jobs.thaw, self.name, prefetch) for _, jobs in remote]
+            here = self._jobs.thaw(self.name, prefetch)
+            for f in done:
+                f.result()
+        return here
+
+    def prewarm(self) -> Future[dict[str, Any]]:
+        """Thaw the job with its memory read back, in the background: call it when the
+        model starts generating the next turn, and the thaw is hidden behind it. The
+        returned future holds what `thaw` returns; an exec of a parked sandbox before it
+        is done is refused (the sandbox is still parked), so wait on it before the turn."""
+        fut: Future[dict[str, Any]] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(self.thaw(prefetch=True))
+            except BaseException as e:
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name=f"dsec-prewarm-{self.name}", daemon=True).start()
+        return fut
 
     def rollouts(self, status: str | None = "live") -> list[Rollout]:
         """The job's rollouts on every node holding some (default: those with a sandbox)."""
@@ -578,8 +602,9 @@ def park_job(name: str, state_dir: str | Path | None = None) -> dict[str, Any]:
     return _jobs(state_dir).park(name)
 
 
-def thaw_job(name: str, state_dir: str | Path | None = None) -> dict[str, Any]:
-    return _jobs(state_dir).thaw(name)
+def thaw_job(name: str, state_dir: str | Path | None = None, prefetch: bool = False
+             ) -> dict[str, Any]:
+    return _jobs(state_dir).thaw(name, prefetch)
 
 
 def remove_job(name: str, state_dir: str | Path | None = None) -> dict[str, Any]:

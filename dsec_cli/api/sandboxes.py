@@ -168,9 +168,10 @@ class Sandbox:
         returns its resident, reclaimed and swapped bytes. `thaw` brings it back."""
         return self.node.park(self.id)
 
-    def thaw(self) -> dict[str, Any]:
-        """Let a parked sandbox run again: same files, same processes."""
-        return self.node.thaw(self.id)
+    def thaw(self, prefetch: bool = False) -> dict[str, Any]:
+        """Let a parked sandbox run again: same files, same processes. ``prefetch`` also
+        reads its memory back from swap now, so its next commands do not wait for it."""
+        return self.node.thaw(self.id, prefetch)
 
     def fork(self, n: int) -> list[Sandbox]:
         """``n`` new sandboxes on the same node, each starting from this one's files as they
@@ -458,9 +459,9 @@ def park(sandbox_id: str, node: str | None = None,
 
 
 def thaw(sandbox_id: str, node: str | None = None,
-         state_dir: str | Path | None = None) -> dict[str, Any]:
-    """Let a parked sandbox run again."""
-    return target(sandbox_id, node, state_dir).thaw(sandbox_id)
+         state_dir: str | Path | None = None, prefetch: bool = False) -> dict[str, Any]:
+    """Let a parked sandbox run again (``prefetch``: its memory read back from swap now)."""
+    return target(sandbox_id, node, state_dir).thaw(sandbox_id, prefetch)
 
 
 def top(state_dir: str | Path | None = None, node: str | None = None,

@@ -63,11 +63,13 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def thaw(sandbox: SandboxArg, json_out: JsonOpt = False, state_dir: StateOpt = None,
-             node: NodeOpt = None) -> None:
+             node: NodeOpt = None, prefetch: Annotated[bool, typer.Option(
+                 "--prefetch", help="also read its memory back from swap now, ahead of "
+                 "need (a running sandbox's too)")] = False) -> None:
         """Let a parked sandbox run again: the same files and processes."""
         from ..api.sandboxes import thaw as thaw_sandbox
 
-        out = thaw_sandbox(sandbox, node, state_dir)
+        out = thaw_sandbox(sandbox, node, state_dir, prefetch)
         if json_out:
             print_json(out)
         else:

@@ -116,11 +116,14 @@ def park(name: NameArg, json_out: JsonOpt = False, state_dir: StateOpt = None) -
 
 
 @job_app.command("thaw")
-def thaw(name: NameArg, json_out: JsonOpt = False, state_dir: StateOpt = None) -> None:
+def thaw(name: NameArg, json_out: JsonOpt = False, state_dir: StateOpt = None,
+         prefetch: Annotated[bool, typer.Option(
+             "--prefetch", help="also read the sandboxes' memory back from swap now, "
+             "ahead of need")] = False) -> None:
     """Resume a parked job's sandboxes."""
     from ..api.jobs import thaw_job
 
-    _show(thaw_job(name, state_dir), json_out)
+    _show(thaw_job(name, state_dir, prefetch), json_out)
 
 
 @job_app.command("rm")

@@ -80,8 +80,9 @@ class NodeAPI(Protocol):
         """Stop a sandbox and push its memory out; resident, reclaimed and swapped bytes."""
         ...
 
-    def thaw(self, sid: str) -> dict[str, Any]:
-        """Let a parked sandbox run again, with the same files and processes."""
+    def thaw(self, sid: str, prefetch: bool = False) -> dict[str, Any]:
+        """Let a parked sandbox run again, with the same files and processes; ``prefetch``
+        also reads its memory back from swap now (a running one's too)."""
         ...
 
     def top(self, interval: float = 0.0) -> list[dict[str, Any]]:

@@ -37,6 +37,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -373,17 +374,28 @@ class NodeJobs:
                 log.warning("job %s: cannot park sandbox %s: %s", name, r["sandbox"], e)
         return self.get(name)
 
-    def thaw(self, name: str) -> dict[str, Any]:
+    def thaw(self, name: str, prefetch: bool = False) -> dict[str, Any]:
+        """Let the job's parked sandboxes run again; ``prefetch`` also reads every live
+        sandbox's memory back from swap now, several at once (a pre-warm)."""
         self._job(name)
-        for r in self._live_rollouts(name):
+
+        def one(sid: str) -> None:
             try:
-                status = self.node.lookup(r["sandbox"]).status
-                if status == "parked":
-                    self.node.thaw(r["sandbox"])
+                status = self.node.lookup(sid).status
+                if status == "parked" or (prefetch and status == "running"):
+                    self.node.thaw(sid, prefetch)
                 elif status == "paused":  # parked by an older dsec, or paused by hand
-                    self.node.resume(r["sandbox"])
+                    self.node.resume(sid)
             except Exception as e:
-                log.warning("job %s: cannot thaw sandbox %s: %s", name, r["sandbox"], e)
+                log.warning("job %s: cannot thaw sandbox %s: %s", name, sid, e)
+
+        sids = [r["sandbox"] for r in self._live_rollouts(name)]
+        if prefetch and len(sids) > 1:  # reads from swap overlap: the disk queues them
+            with ThreadPoolExecutor(min(8, len(sids))) as ex:
+                list(ex.map(one, sids))
+        else:
+            for sid in sids:
+                one(sid)
         with self.db.tx() as db:
             db.execute("UPDATE jobs SET parked=0 WHERE name=?", (name,))
         return self.get(name)

@@ -394,8 +394,12 @@ class Node:
         resident, reclaimed and swapped bytes. See density.py."""
         return density.park(self, sid)
 
-    def thaw(self, sid: str) -> dict[str, Any]:
-        """Let a parked sandbox run again, with the same files and processes."""
+    def thaw(self, sid: str, prefetch: bool = False) -> dict[str, Any]:
+        """Let a parked sandbox run again, with the same files and processes; ``prefetch``
+        also reads its memory back from swap now, ahead of need (a running sandbox's too,
+        after an idle reclaim). See density.py."""
+        if prefetch:
+            return density.prewarm(self, sid)
         return density.thaw(self, sid)
 
     def top(self, interval: float = 0.0) -> list[dict[str, Any]]:

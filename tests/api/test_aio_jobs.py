@@ -392,3 +392,23 @@ def test_journaled_execs_in_flight_need_no_thread_each(node_env: dict[str, str])
     assert during <= before + EXECUTOR_THREADS + 2, (before, during)
     assert EXECUTOR_THREADS + 2 < n
     _assert_clean(node_env, "aflight")
+
+
+def test_async_prewarm_thaws_a_parked_job(node_env: dict[str, str]) -> None:
+    from dsec_cli.run.node import local_node
+
+    async def main() -> None:
+        async with await AsyncJob.start("aprewarm", ttl=60) as job:
+            ros = [await job.sandbox(IMAGE, "fncall") for _ in range(2)]
+            await job.park()
+            n = local_node()
+            assert {n.lookup(ro.sandbox_id or "").status for ro in ros} == {"parked"}
+            task = job.prewarm()  # runs while the loop does other work
+            assert (await task)["parked"] is False
+            assert {n.lookup(ro.sandbox_id or "").status for ro in ros} == {"running"}
+            for ro in ros:
+                assert (await ro.exec("true")).exit_code == 0
+        await close_sessions()
+
+    asyncio.run(main())
+    _assert_clean(node_env, "aprewarm")

@@ -231,6 +231,24 @@ def test_group_reports_a_member_that_could_not_be_made(node_env: dict[str, str],
     _assert_clean(node_env, "group")
 
 
+def test_prewarm_thaws_a_parked_job_in_the_background(node_env: dict[str, str]) -> None:
+    from dsec_cli.run.node import Node
+
+    with Job.start("prewarm", ttl=60) as job:
+        g = job.group(3, IMAGE, "fncall")
+        sids = {m.rollout.sandbox_id for m in g.ok() if m.rollout}
+        assert len(sids) == 3
+        job.park()
+        n = Node(node_env["DSEC_STATE_DIR"], node_env["DSEC_STORE"])
+        assert {r.status for r in n.db.all() if r.id in sids} == {"parked"}
+        fut = job.prewarm()
+        assert fut.result(timeout=120)["parked"] is False
+        assert {r.status for r in n.db.all() if r.id in sids} == {"running"}
+        for m in g.ok():
+            assert m.rollout is not None and m.rollout.exec(["true"]).exit_code == 0
+    _assert_clean(node_env, "prewarm")
+
+
 def test_queue_past_the_cap_with_eta(node_env: dict[str, str]) -> None:
     with Job.start("queue", ttl=60, max_concurrent=1) as job:
         first = job.sandbox(IMAGE, "fncall")
@@ -309,6 +327,10 @@ def test_cli_job_lifecycle(node_env: dict[str, str]) -> None:
     assert [(j["name"], j["rollouts"], j["held"]) for j in jobs] == [("cli", 1, 1)]
     assert json.loads(dsec(node_env, "job", "park", "cli", "--json").stdout)["parked"]
     assert json.loads(dsec(node_env, "job", "thaw", "cli", "--json").stdout)["parked"] is False
+    dsec(node_env, "job", "park", "cli")
+    doc = json.loads(dsec(node_env, "job", "thaw", "cli", "--prefetch", "--json").stdout)
+    assert doc["parked"] is False
+    assert dsec(node_env, "exec", sid, "--", "cat", "/root/f").stdout == b"hi\n"
     doc = json.loads(dsec(node_env, "job", "renew", "cli", "--ttl", "2m", "--json").stdout)
     assert doc["ttl"] == 120
     rebuilt = json.loads(dsec(node_env, "replay", rid, "--json").stdout)

@@ -48,6 +48,13 @@ def test_group_across_nodes_is_journaled_resumed_and_removed(client: SshCluster,
         assert [s["key"] for s in doc] == ["turn-1", None]
         rebuilt = json.loads(run_dsec("replay", f"{ro.node}/{ro.id}", "--json").stdout)
         assert rebuilt["alive"] and rebuilt["sandbox"] != ro.sandbox_id
+        # parked and pre-warmed on every node at once: each answers again
+        resumed.park()
+        warm = resumed.rollouts()
+        assert Counter(r.node for r in warm) == nodes
+        assert resumed.prewarm().result(timeout=120)["parked"] is False
+        for r in warm:
+            assert r.exec(["cat", "/tmp/i"]).stdout == f"{r.info()['index']}\n".encode()
         # a group on a node that cannot take it: every member reported, none raised
         bad = resumed.group(2, IMAGE, "fncall", node="node1", memory="1000T")
         assert [m.status for m in bad.members] == ["infra_failure"] * 2

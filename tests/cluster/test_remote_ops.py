@@ -125,6 +125,8 @@ def test_class_park_thaw_top_through_the_node(client: SshCluster, run_dsec) -> N
         assert {"resident", "reclaimed", "swapped"} <= set(doc)
         assert "dsec thaw" in run_dsec("exec", sid, "--", "true", check=2).stderr
         assert json.loads(run_dsec("thaw", sid, "--json").stdout)["status"] == "running"
+        warm = json.loads(run_dsec("thaw", sid, "--prefetch", "--json").stdout)
+        assert warm["id"] == sid and warm["status"] == "running" and "prefetched" in warm
         assert run_dsec("exec", sid, "--", "cat", "/root/f").stdout == "before\n"
         top = json.loads(run_dsec("top", "--node", "node1", "--json", "--interval",
                                   "0.1").stdout)

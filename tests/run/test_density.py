@@ -223,6 +223,30 @@ def test_park_gives_memory_back_and_thaw_keeps_files_and_processes(
     wait_for(lambda: not node.exec(rec.id, ["pidof", "dd"]).stdout, "dd to finish")
 
 
+def test_prefetch_reads_parked_memory_back_before_any_exec_touches_it(
+        node: Node, made: list[str], swap_file: Path, node_env: dict[str, str]) -> None:
+    rec = node.create(IMAGE, CreateOptions(memory=512 << 20))
+    made.append(rec.id)
+    hold(node, rec.id, 256, "/dev/urandom")
+    procs = node.exec(rec.id, ["pidof", "dd", "sleep"]).stdout.split()
+    cg = _cgroups.Cgroup(f"{node.cgroup_parent}/{rec.id}")
+    out = node.park(rec.id)
+    assert out["resident"] <= 32 << 20, out
+    node.thaw(rec.id)  # a plain thaw: the pages stay out until they are touched
+    assert cg.memory_use()["resident"] <= 64 << 20
+    doc = json.loads(dsec(node_env, "thaw", rec.id, "--prefetch", "--json").stdout)
+    assert doc["status"] == "running" and doc["prefetched"] >= 256 << 20, doc
+    # back in RAM although nothing in the sandbox ran: dd and sleep only wait on a pipe
+    assert cg.memory_use()["resident"] >= 230 << 20, cg.memory_use()
+    assert node.exec(rec.id, ["pidof", "dd", "sleep"]).stdout.split() == procs
+    with pytest.raises(UsageError, match="cannot be pre-warmed"):
+        node.pause(rec.id)
+        try:
+            node.thaw(rec.id, prefetch=True)
+        finally:
+            node.resume(rec.id)
+
+
 def test_park_cli_and_errors(node: Node, made: list[str], node_env: dict[str, str]) -> None:
     rec = node.create(IMAGE, CreateOptions(backend="fncall"))
     made.append(rec.id)

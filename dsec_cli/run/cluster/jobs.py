@@ -76,7 +76,9 @@ class RemoteJobs:
     def park(self, name: str) -> dict[str, Any]:
         return dict(self._call("park", name=name))
 
-    def thaw(self, name: str) -> dict[str, Any]:
+    def thaw(self, name: str, prefetch: bool = False) -> dict[str, Any]:
+        if prefetch:  # only when asked: a node older than the option still thaws
+            return dict(self._call("thaw", name=name, prefetch=True))
         return dict(self._call("thaw", name=name))
 
     def remove(self, name: str) -> dict[str, Any]:

@@ -136,7 +136,10 @@ class NodeService:
         return self.node.park(str(args["id"]))
 
     def thaw(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
-        return self.node.thaw(str(args["id"]))
+        prefetch = args.get("prefetch", False)
+        if not isinstance(prefetch, bool):
+            raise UsageError(f"invalid prefetch {prefetch!r}: true or false")
+        return self.node.thaw(str(args["id"]), prefetch)
 
     def top(self, args: dict[str, Any], emit: Emit) -> list[dict[str, Any]]:
         return self.node.top(validate.positive_float(args.get("interval") or None, "interval")

@@ -527,8 +527,11 @@ class RemoteNode:
         doc = dict(self.call("park", {"id": self.local_id(sid)}))
         return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}"}
 
-    def thaw(self, sid: str) -> dict[str, Any]:
-        doc = dict(self.call("thaw", {"id": self.local_id(sid)}))
+    def thaw(self, sid: str, prefetch: bool = False) -> dict[str, Any]:
+        args: dict[str, Any] = {"id": self.local_id(sid)}
+        if prefetch:  # only when asked: a node older than the option still thaws
+            args["prefetch"] = True
+        doc = dict(self.call("thaw", args))
         return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}"}
 
     def top(self, interval: float = 0.0) -> list[dict[str, Any]]:
