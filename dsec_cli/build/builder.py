@@ -256,8 +256,11 @@ def _import_oci_deps(specs: list[Spec], st: Store, report: BuildReport) -> None:
     """``oci:HOST/REPO:TAG`` in ``from:`` or ``layers:`` stands for the layers of that image,
     bottom first: it is imported (layers already in the store are not read again) and
     replaced by their refs; the build report pins the manifest digest it resolved to."""
-    from .ociimport import import_image
     from .spec import OCI_PREFIX
+
+    if not any(ref.startswith(OCI_PREFIX) for s in specs for ref, _ in s.deps):
+        return  # nothing to import: the importer's modules stay unloaded
+    from .ociimport import import_image
 
     layers: dict[str, list[str]] = {}
     for s in specs:
