@@ -125,6 +125,36 @@ def test_garbage_blob_is_refused(env: dict[str, str], tmp_path: Path,
     assert store_files(env) == seeded
 
 
+def _broken(how: str) -> bytes:
+    from .helpers import compress, layer_tar
+
+    plain = layer_tar([file("a", b"a" * 100_000), file("b", bytes(range(256)) * 400)])
+    gz = compress(plain, "gzip")
+    if how == "gzip-truncated":
+        return gz[:len(gz) // 2]
+    if how == "gzip-corrupt":
+        return gz[:len(gz) // 2] + bytes([gz[len(gz) // 2] ^ 0xFF]) + gz[len(gz) // 2 + 1:]
+    if how == "gzip-trailing-garbage":
+        return gz + b"garbage"
+    return plain[:60_000]  # tar-truncated: the stream ends inside a member's data
+
+
+@pytest.mark.parametrize("how", ["gzip-truncated", "gzip-corrupt", "gzip-trailing-garbage",
+                                 "tar-truncated"])
+def test_broken_stream_with_a_right_digest_is_refused(env: dict[str, str], tmp_path: Path,
+                                                      seeded: dict[str, int], how: str,
+                                                      run_dsec) -> None:  # type: ignore[no-untyped-def]
+    """A blob whose digest and diff_id match its bytes, but whose gzip or tar stream is
+    cut short or damaged, is refused as unreadable (exit 2), the store unchanged."""
+    # stored as an uncompressed layer: the blob is the bytes given, its diff_id their digest;
+    # the reader sniffs gzip by its magic whatever the media type says
+    write_layout(Image([_broken(how)], ["none"]), tmp_path / "broken")
+    p = run_dsec("import", str(tmp_path / "broken"), "--as", "broken@1", check=2)
+    assert "cannot read it as a tar stream" in _text(p.stderr), p.stderr
+    assert "Traceback" not in p.stderr
+    assert store_files(env) == seeded
+
+
 def test_oversized_config_is_refused_before_any_layer(env: dict[str, str], tmp_path: Path,
                                                       seeded: dict[str, int],
                                                       run_dsec) -> None:  # type: ignore[no-untyped-def]
