@@ -276,7 +276,7 @@ def _decompressed(raw: _Hashed) -> IO[bytes]:
     if head[:2] == GZIP_MAGIC:
         from isal import igzip  # ISA-L's inflate: about 3x zlib's (docs/oci.md)
 
-        return igzip.IGzipFile(fileobj=raw, mode="rb")  # type: ignore[arg-type]
+        return igzip.IGzipFile(fileobj=raw, mode="rb")  # type: ignore[arg-type,return-value]
     if head == ZSTD_MAGIC:
         import zstandard
 
@@ -286,9 +286,15 @@ def _decompressed(raw: _Hashed) -> IO[bytes]:
 
 
 # -- one layer --------------------------------------------------------------------------------
-def _scan_layer(tf: tarfile.TarFile, label: str, w: _Writer, params: ChunkParams,
-                spool: IO[bytes]) -> list[Entry]:
+def _scan_layer(tf: tarfile.TarFile, ahead: _Prefetch, label: str, w: _Writer,
+                params: ChunkParams, spool: IO[bytes]) -> list[Entry]:
     end = 0  # the spool's length (kept here: tell() on a buffered file is not free)
+
+    def exact(n: int) -> bytes:
+        data = ahead.read(n)
+        if len(data) < n:
+            raise tarfile.ReadError("unexpected end of data")
+        return data
 
     def on_file(tf: tarfile.TarFile, m: tarfile.TarInfo, e: Entry) -> None:
         if getattr(m, "sparse", None) and m.size > MAX_SPARSE_SIZE:
@@ -296,17 +302,23 @@ def _scan_layer(tf: tarfile.TarFile, label: str, w: _Writer, params: ChunkParams
                             f"bytes, over the limit of {MAX_SPARSE_SIZE}", path=label)
         if m.size == 0:
             return None
-        f = tf.extractfile(m)
-        assert f is not None
+        read: Callable[[int], bytes]
+        if m.sparse:  # tarfile's reader follows the data map
+            f = tf.extractfile(m)
+            assert f is not None
+            read = f.read
+        else:  # straight from the stream: one copy fewer than tarfile's file object
+            ahead.seek(m.offset_data)
+            read = exact
         if m.size < params.small_file:
             nonlocal end
-            data = f.read(m.size)
+            data = read(m.size)
             # spooled until path order is known; -1 marks "offset, length in the spool"
             e.chunks = [(-1, end, len(data))]
             spool.write(data)
             end += len(data)
         else:
-            e.chunks = chunk_stream(w, f.read, m.size, params)
+            e.chunks = chunk_stream(w, read, m.size, params)
         return None
 
     scanned = scan_members(tf, Path(label), "", on_file, devices=False)
@@ -366,7 +378,7 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
                 plain.f = _decompressed(raw)
                 ahead = _Prefetch(plain)
                 with tarfile.open(fileobj=ahead, mode="r:") as tf:  # type: ignore[call-overload]
-                    entries = _scan_layer(tf, label, w, params, spool)
+                    entries = _scan_layer(tf, ahead, label, w, params, spool)
                 ahead.drain()  # the end-of-archive padding is part of the diff_id
                 raw.drain()
             except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:

@@ -185,6 +185,34 @@ def test_uncompressed_and_zstd_layers(env: dict[str, str], tmp_path: Path) -> No
         "a": b"A" * 70000, "b": b"B", "c": b"C"}
 
 
+def test_sparse_and_plain_members_read_in_stream_order(env: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    """A GNU sparse member (read through its data map) between plain members (read straight
+    from the stream) imports with every file's bytes in place."""
+    import subprocess
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a-before").write_bytes(b"before" * 5000)
+    with open(src / "b-sparse", "wb") as fh:
+        fh.seek(300_000)
+        fh.write(b"DATA" * 1024)
+        fh.truncate(1 << 20)
+    (src / "c-after").write_bytes(b"after")
+    tar = tmp_path / "layer.tar"
+    subprocess.run(["tar", "--sparse", "--format=gnu", "-cf", str(tar), "-C", str(src),
+                    "a-before", "b-sparse", "c-after"], check=True)
+    import tarfile
+
+    with tarfile.open(tar) as tf:
+        assert [m.name for m in tf if m.sparse] == ["b-sparse"]
+    write_layout(Image([tar.read_bytes()], ["gzip"]), tmp_path / "l")
+    oci.import_image(str(tmp_path / "l"), as_ref="sparse@1")
+    images.export_image("sparse@1", tmp_path / "t")
+    for name in ("a-before", "b-sparse", "c-after"):
+        assert (tmp_path / "t" / name).read_bytes() == (src / name).read_bytes(), name
+
+
 @pytest.mark.parametrize("size", [16 << 10, 200 << 10, 256 << 10, (256 << 10) + 1, 5 << 20,
                                   (4 << 20) + 12345])
 def test_streamed_chunking_matches_whole_file_chunking(tmp_path: Path, size: int) -> None:
