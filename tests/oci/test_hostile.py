@@ -150,7 +150,8 @@ def test_broken_stream_with_a_right_digest_is_refused(env: dict[str, str], tmp_p
     # the reader sniffs gzip by its magic whatever the media type says
     write_layout(Image([_broken(how)], ["none"]), tmp_path / "broken")
     p = run_dsec("import", str(tmp_path / "broken"), "--as", "broken@1", check=2)
-    assert "cannot read it as a tar stream" in _text(p.stderr), p.stderr
+    text = _text(p.stderr)
+    assert "cannot read it as a tar stream" in text or "cannot decompress it" in text, text
     assert "Traceback" not in p.stderr
     assert store_files(env) == seeded
 

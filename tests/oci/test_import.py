@@ -307,3 +307,44 @@ def test_a_layer_is_streamed_not_held_whole(env: dict[str, str], tmp_path: Path)
     assert peak < 32 << 20, f"peak {peak >> 20} MiB"
     images.export_image("big@1", tmp_path / "t")
     assert (tmp_path / "t/big").stat().st_size == 48 << 20
+
+
+def test_a_gzip_bomb_layer_is_inflated_piecewise(env: dict[str, str], tmp_path: Path) -> None:
+    """A 64 MiB file that gzip shrinks a thousandfold is inflated a few MiB at a time:
+    Python allocations stay far below the file's size."""
+    import tracemalloc
+
+    write_layout(Image([[file("zeros", bytes(64 << 20))]], ["gzip"]), tmp_path / "l")
+    tracemalloc.start()
+    try:
+        oci.import_image(str(tmp_path / "l"), as_ref="bomb@1")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, f"peak {peak >> 20} MiB"
+    images.export_image("bomb@1", tmp_path / "t")
+    assert (tmp_path / "t/zeros").stat().st_size == 64 << 20
+
+
+def test_gzip_layer_of_several_members(env: dict[str, str], tmp_path: Path) -> None:
+    """A gzip blob made of members back to back (as parallel compressors write them) is
+    read as one stream."""
+    plain = layer_tar([file("a", b"A" * 300_000), file("b", b"B" * 50), file("c", b"C")])
+    cut_at = len(plain) // 3
+    blob = compress(plain[:cut_at], "gzip") + compress(plain[cut_at:], "gzip")
+    lay = tmp_path / "l"
+    write_layout(Image([plain]), lay)
+    # swap the single-member blob for the two-member one, re-hashing the documents
+    index = json.loads((lay / "index.json").read_text())
+    mpath = lay / "blobs/sha256" / index["manifests"][0]["digest"][7:]
+    manifest = json.loads(mpath.read_text())
+    manifest["layers"][0].update(digest=sha(blob), size=len(blob))
+    (lay / "blobs/sha256" / sha(blob)[7:]).write_bytes(blob)
+    mdata = json.dumps(manifest).encode()
+    (lay / "blobs/sha256" / sha(mdata)[7:]).write_bytes(mdata)
+    index["manifests"][0].update(digest=sha(mdata), size=len(mdata))
+    (lay / "index.json").write_text(json.dumps(index))
+    oci.import_image(str(lay), as_ref="multi@1")
+    images.export_image("multi@1", tmp_path / "t")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "t").iterdir()} == {
+        "a": b"A" * 300_000, "b": b"B" * 50, "c": b"C"}
