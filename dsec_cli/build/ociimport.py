@@ -23,6 +23,7 @@ import gzip
 import hashlib
 import json
 import logging
+import os
 import platform as _platform
 import queue
 import re
@@ -33,6 +34,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -78,6 +80,9 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 #: the most the env, workdir and annotations taken from an image config may weigh in all
 MAX_SETTINGS = 1 << 20
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
+#: layers of one image read at the same time (each on its own read-ahead thread and
+#: compression pool): enough to overlap one layer's download with another's chunking
+LAYER_WORKERS = max(1, min(4, os.cpu_count() or 1))
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
 
@@ -632,42 +637,43 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
     prog = ImportProgress(0, len(layers), 0, sum(d.size for d in layers))
     report = ImportReport(source_text, f"{name}@{version}", "", top_digest or "", want)
 
+    lock = threading.Lock()  # layers are read on several threads
+
     def tick(n: int) -> None:
-        prog.bytes_done += n
-        report.bytes_read += n
-        if progress:
-            progress(prog)
+        with lock:
+            prog.bytes_done += n
+            report.bytes_read += n
+            if progress:
+                progress(prog)
 
-    known: KnownChunks | None = None
-    staged: list[StagedLayer | ImportedLayer] = []
-    try:
-        for desc, diff_id in zip(layers, diff_ids, strict=True):
-            have = _existing_layer(store, diff_id)
-            if have is not None:
-                d, m = have
-                staged.append(ImportedLayer(m.ref, d, m.content_digest, diff_id,
-                                            desc.digest or "", m.size, m.stored_size, True))
-                prog.bytes_done += desc.size
-            else:
-                if known is None:
-                    from ..core.config import load_config
-
-                    known = KnownChunks.load(store, Path(load_config().data_dir)
-                                             / "chunk-tables")
-                # a connection that breaks mid-layer reads the layer again (transient
-                # failures only, under the one retry policy)
-                staged.append(retry.call(
-                    lambda desc=desc, diff_id=diff_id, k=known: stage_layer(  # type: ignore[misc]
-                        store, source, desc, diff_id, known=k, tick=tick),
-                    f"importing layer {desc.digest or diff_id}"))
+    def done() -> None:
+        with lock:
             prog.objects_done += 1
             if progress:
                 progress(prog)
+
+    slots: list[StagedLayer | ImportedLayer | None] = []
+    todo: list[tuple[int, Descriptor, str]] = []
+    for desc, diff_id in zip(layers, diff_ids, strict=True):
+        have = _existing_layer(store, diff_id)  # by diff_id: nothing is downloaded
+        if have is not None:
+            d, m = have
+            slots.append(ImportedLayer(m.ref, d, m.content_digest, diff_id,
+                                       desc.digest or "", m.size, m.stored_size, True))
+            prog.bytes_done += desc.size
+            done()
+        else:
+            todo.append((len(slots), desc, diff_id))
+            slots.append(None)
+    try:
+        if todo:
+            _stage_all(store, source, todo, slots, tick, done)
         # every layer verified: only now does the store change
-        for x in staged:
+        for x in slots:
+            assert x is not None
             report.layers.append(x.publish(store) if isinstance(x, StagedLayer) else x)
     finally:
-        for x in staged:
+        for x in slots:
             if isinstance(x, StagedLayer):
                 x.discard()
     ann["oci.source"] = source_text
@@ -681,6 +687,45 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
     report.manifest = digest
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _stage_all(store: Store, source: Source, todo: list[tuple[int, Descriptor, str]],
+               slots: list[StagedLayer | ImportedLayer | None],
+               tick: Callable[[int], None], done: Callable[[], None]) -> None:
+    """Read the missing layers, up to `LAYER_WORKERS` at once, into ``slots`` (in image
+    order); the first failure cancels the layers not yet started and is raised once the
+    running ones have stopped. Layers read at the same time do not reuse each other's
+    chunks (a later layer of a sequential import would): a chunk two of them share may be
+    stored twice, under one content digest all the same."""
+    from ..core.config import load_config
+
+    known = KnownChunks.load(store, Path(load_config().data_dir) / "chunk-tables")
+
+    def one(desc: Descriptor, diff_id: str) -> StagedLayer:
+        # a connection that breaks mid-layer reads the layer again (transient failures
+        # only, under the one retry policy)
+        return retry.call(lambda: stage_layer(store, source, desc, diff_id, known=known,
+                                              tick=tick),
+                          f"importing layer {desc.digest or diff_id}")
+
+    workers = min(len(todo), LAYER_WORKERS if source.concurrent_blobs else 1)
+    error: BaseException | None = None
+    with ThreadPoolExecutor(workers, thread_name_prefix="oci-import") as pool:
+        futs = [(n, pool.submit(one, desc, diff_id)) for n, desc, diff_id in todo]
+        for n, fut in futs:
+            if error is not None:
+                fut.cancel()
+            try:
+                slots[n] = fut.result()
+                done()
+            except CancelledError:
+                pass
+            except BaseException as e:  # raised below, once every thread has stopped
+                error = error or e
+                for _, later in futs:
+                    later.cancel()
+    if error is not None:
+        raise error
 
 
 def _refuse_other_image(store: Store, name: str, version: str, source_digest: str) -> None:
