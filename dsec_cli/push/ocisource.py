@@ -213,10 +213,11 @@ class ArchiveSource(Source):
             raise IntegrityError(f"{self.label}: the config is over {MAX_DOC} bytes")
         self.config = config
         # a synthesized manifest: the reader treats it as any other, layers by member path
-        doc = {"schemaVersion": 2, "mediaType": "docker-archive",
-               "config": {"digest": "sha256:" + hashlib.sha256(config).hexdigest(),
-                          "size": len(config)},
-               "layers": [{"path": p} for p in chosen["Layers"]]}
+        doc: dict[str, Any] = {
+            "schemaVersion": 2, "mediaType": "docker-archive",
+            "config": {"digest": "sha256:" + hashlib.sha256(config).hexdigest(),
+                       "size": len(config)},
+            "layers": [{"path": p} for p in chosen["Layers"]]}
         # the image is known by its config's digest there (docker's image id)
         return json.dumps(doc).encode(), "docker-archive", doc["config"]["digest"]
 
