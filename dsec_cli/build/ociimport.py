@@ -52,7 +52,7 @@ from ..format.manifest import Manifest, load_manifest
 from ..format.refs import get_ref, set_ref
 from ..format.validate import MAX_TEXT
 from ..push import retry
-from ..push.dedup import KnownChunks
+from ..push.dedup import KnownChunks, cache_table
 from ..push.ocisource import (
     INDEX_TYPES,
     MANIFEST_TYPES,
@@ -384,7 +384,9 @@ class StagedLayer:
     diff_id: str
     digest: str
 
-    def publish(self, store: Store) -> ImportedLayer:
+    def publish(self, store: Store, tables: Path | None = None) -> ImportedLayer:
+        """Packs, index, manifest, then the ref; with ``tables``, the chunk table is kept
+        there too (`push.dedup`), so the next import does not read the index back."""
         try:
             self.w.publish()  # the packs, before anything that names them
         finally:
@@ -392,6 +394,8 @@ class StagedLayer:
         digest, m = layer_manifest(store, self.index, name=LAYER_NAME, version=self.version,
                                    created_by=f"dsec import {self.digest or self.diff_id}")
         set_ref(store, LAYER_NAME, self.version, digest)
+        if tables is not None and m.index:
+            cache_table(tables, m.index, self.index)
         return ImportedLayer(m.ref, digest, m.content_digest, self.diff_id, self.digest,
                              m.size, m.stored_size, False, self.w.result_new_bytes)
 
@@ -665,13 +669,15 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
         else:
             todo.append((len(slots), desc, diff_id))
             slots.append(None)
+    tables = _chunk_tables()
     try:
         if todo:
-            _stage_all(store, source, todo, slots, tick, done)
+            _stage_all(store, source, todo, slots, tables, tick, done)
         # every layer verified: only now does the store change
         for x in slots:
             assert x is not None
-            report.layers.append(x.publish(store) if isinstance(x, StagedLayer) else x)
+            report.layers.append(x.publish(store, tables) if isinstance(x, StagedLayer)
+                                 else x)
     finally:
         for x in slots:
             if isinstance(x, StagedLayer):
@@ -689,17 +695,22 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
     return report
 
 
+def _chunk_tables() -> Path:
+    """Where this machine caches the chunk tables of a store's indexes (`push.dedup`)."""
+    from ..core.config import load_config
+
+    return Path(load_config().data_dir) / "chunk-tables"
+
+
 def _stage_all(store: Store, source: Source, todo: list[tuple[int, Descriptor, str]],
-               slots: list[StagedLayer | ImportedLayer | None],
+               slots: list[StagedLayer | ImportedLayer | None], tables: Path,
                tick: Callable[[int], None], done: Callable[[], None]) -> None:
     """Read the missing layers, up to `LAYER_WORKERS` at once, into ``slots`` (in image
     order); the first failure cancels the layers not yet started and is raised once the
     running ones have stopped. Layers read at the same time do not reuse each other's
     chunks (a later layer of a sequential import would): a chunk two of them share may be
     stored twice, under one content digest all the same."""
-    from ..core.config import load_config
-
-    known = KnownChunks.load(store, Path(load_config().data_dir) / "chunk-tables")
+    known = KnownChunks.load(store, tables)
 
     def one(desc: Descriptor, diff_id: str) -> StagedLayer:
         # a connection that breaks mid-layer reads the layer again (transient failures

@@ -348,3 +348,20 @@ def test_gzip_layer_of_several_members(env: dict[str, str], tmp_path: Path) -> N
     images.export_image("multi@1", tmp_path / "t")
     assert {p.name: p.read_bytes() for p in (tmp_path / "t").iterdir()} == {
         "a": b"A" * 300_000, "b": b"B" * 50, "c": b"C"}
+
+
+def test_imported_layers_chunk_tables_are_kept_for_the_next_import(env: dict[str, str],
+                                                                   tmp_path: Path) -> None:
+    """Each layer an import writes leaves its chunk table in the data dir, the same table a
+    later writer would build by reading the index back from the store."""
+    from dsec_cli.format.manifest import load_manifest
+
+    write_layout(base_image(), tmp_path / "l")
+    r = oci.import_image(str(tmp_path / "l"), as_ref="t@1")
+    tables = Path(env["DSEC_DATA_DIR"]) / "chunk-tables"
+    with open_store(env["DSEC_STORE"]) as st:
+        for layer in r.layers:
+            index = load_manifest(st, layer.manifest).index
+            assert index and (tables / index).is_file(), layer.ref
+        cached = KnownChunks.load(st, tables).chunks
+        assert cached and cached == KnownChunks.load(st, None).chunks
