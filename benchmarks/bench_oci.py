@@ -28,6 +28,7 @@ import hashlib
 import io
 import json
 import os
+import resource
 import shutil
 import statistics
 import tarfile
@@ -181,19 +182,28 @@ def main(argv: list[str]) -> None:
                 oci.import_image(f"{reg.url}/lib/img{i}:v1", as_ref=f"img{i}@v1",
                                  store=store, insecure=True)
 
-        # alternating, so that both see the same load; the ratio is taken within each run
-        skopeo_s, dsec_s, ratios, loads = [], [], [], []
+        def children_cpu() -> float:
+            r = resource.getrusage(resource.RUSAGE_CHILDREN)
+            return r.ru_utime + r.ru_stime
+
+        # alternating, so that both see the same load; the ratio is taken within each run.
+        # CPU seconds too (skopeo's processes, this process for dsec; the registry's own
+        # work counts for neither): what a busy machine's share of the cores multiplies
+        skopeo_s, dsec_s, ratios, loads, skopeo_cpu, dsec_cpu = [], [], [], [], [], []
         for run in range(args.runs):
             loads.append(round(os.getloadavg()[0], 2))
-            t = time.perf_counter()
+            t, c = time.perf_counter(), children_cpu()
             skopeo_all()
             skopeo_s.append(time.perf_counter() - t)
-            t = time.perf_counter()
+            skopeo_cpu.append(children_cpu() - c)
+            t, c = time.perf_counter(), time.process_time()
             dsec_all()
             dsec_s.append(time.perf_counter() - t)
+            dsec_cpu.append(time.process_time() - c)
             ratios.append(skopeo_s[-1] / dsec_s[-1])
-            print(f"run {run + 1}: load {loads[-1]}, skopeo {skopeo_s[-1]:.2f} s, dsec "
-                  f"{dsec_s[-1]:.2f} s, throughput ratio {ratios[-1]:.3f}", flush=True)
+            print(f"run {run + 1}: load {loads[-1]}, skopeo {skopeo_s[-1]:.2f} s "
+                  f"({skopeo_cpu[-1]:.2f} s CPU), dsec {dsec_s[-1]:.2f} s "
+                  f"({dsec_cpu[-1]:.2f} s CPU), throughput ratio {ratios[-1]:.3f}", flush=True)
         dedup_layout = du(work / "skopeo" / "blobs")
         stored = sum(du(work / "store" / k) for k in ("packs", "indexes", "manifests"))
         start = _first_exec(work, reg.url, [bases[0], first_app], args.runs)
@@ -208,6 +218,8 @@ def main(argv: list[str]) -> None:
             "dsec_seconds": [round(x, 2) for x in dsec_s],
             "import_throughput_vs_skopeo_per_run": [round(x, 3) for x in ratios],
             "import_throughput_vs_skopeo": round(statistics.median(ratios), 3),
+            "skopeo_cpu_seconds": [round(x, 2) for x in skopeo_cpu],
+            "dsec_cpu_seconds": [round(x, 2) for x in dsec_cpu],
             "first_exec": start,
         }
         print(json.dumps(out, indent=2))
