@@ -34,7 +34,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import CancelledError, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -695,6 +695,17 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
     return report
 
 
+class _Stopped(Exception):
+    """A layer's read given up because another layer of the image failed."""
+
+
+def _stop_on_failure(stop: threading.Event) -> Callable[[Future[StagedLayer]], None]:
+    def check(fut: Future[StagedLayer]) -> None:
+        if not fut.cancelled() and not isinstance(fut.exception(), (type(None), _Stopped)):
+            stop.set()
+    return check
+
+
 def _chunk_tables() -> Path:
     """Where this machine caches the chunk tables of a store's indexes (`push.dedup`)."""
     from ..core.config import load_config
@@ -706,33 +717,43 @@ def _stage_all(store: Store, source: Source, todo: list[tuple[int, Descriptor, s
                slots: list[StagedLayer | ImportedLayer | None], tables: Path,
                tick: Callable[[int], None], done: Callable[[], None]) -> None:
     """Read the missing layers, up to `LAYER_WORKERS` at once, into ``slots`` (in image
-    order); the first failure cancels the layers not yet started and is raised once the
-    running ones have stopped. Layers read at the same time do not reuse each other's
+    order); the first failure stops the other layers (those not started are cancelled,
+    those being read give up at their next piece) and is raised once every thread has
+    stopped. Layers read at the same time do not reuse each other's
     chunks (a later layer of a sequential import would): a chunk two of them share may be
     stored twice, under one content digest all the same."""
     known = KnownChunks.load(store, tables)
+    stop = threading.Event()  # set at the first failure: the other layers stop reading
+
+    def tick_or_stop(n: int) -> None:
+        if stop.is_set():
+            raise _Stopped
+        tick(n)
 
     def one(desc: Descriptor, diff_id: str) -> StagedLayer:
         # a connection that breaks mid-layer reads the layer again (transient failures
         # only, under the one retry policy)
         return retry.call(lambda: stage_layer(store, source, desc, diff_id, known=known,
-                                              tick=tick),
+                                              tick=tick_or_stop),
                           f"importing layer {desc.digest or diff_id}")
 
     workers = min(len(todo), LAYER_WORKERS if source.concurrent_blobs else 1)
     error: BaseException | None = None
     with ThreadPoolExecutor(workers, thread_name_prefix="oci-import") as pool:
         futs = [(n, pool.submit(one, desc, diff_id)) for n, desc, diff_id in todo]
+        for _, fut in futs:
+            fut.add_done_callback(_stop_on_failure(stop))
         for n, fut in futs:
             if error is not None:
                 fut.cancel()
             try:
                 slots[n] = fut.result()
                 done()
-            except CancelledError:
+            except (CancelledError, _Stopped):
                 pass
             except BaseException as e:  # raised below, once every thread has stopped
                 error = error or e
+                stop.set()
                 for _, later in futs:
                     later.cancel()
     if error is not None:

@@ -38,11 +38,14 @@ def seeded(env: dict[str, str], tmp_path: Path) -> dict[str, int]:
     return store_files(env)
 
 
+@pytest.mark.parametrize("which", [0, 1])
 def test_tampered_layer_is_refused_naming_its_digest(env: dict[str, str], tmp_path: Path,
-                                                     seeded: dict[str, int],
+                                                     seeded: dict[str, int], which: int,
                                                      run_dsec) -> None:  # type: ignore[no-untyped-def]
-    digests = write_layout(base_image(), tmp_path / "bad", tamper=1)
-    bad = json.loads(digests["layers"])[1]
+    """Either layer of two read side by side: the tampered one is named, the other one's
+    work is dropped, the store unchanged."""
+    digests = write_layout(base_image(), tmp_path / "bad", tamper=which)
+    bad = json.loads(digests["layers"])[which]
     p = run_dsec("import", str(tmp_path / "bad"), "--as", "bad@1", check=2)
     assert bad in _text(p.stderr) and "refused" in p.stderr
     assert store_files(env) == seeded
