@@ -281,8 +281,9 @@ class _Inflate:
     pieces of the blob: each piece costs a few calls that release the GIL, not the dozens of
     small reads of a `GzipFile`, so the thread reading a layer seldom waits for the GIL
     while the chunker holds it. Each member's CRC and length are checked by ISA-L; bytes
-    after a member that do not start another are an error, as in `gzip`. ``read`` returns
-    at most ``OUT`` bytes whatever the compression ratio (a gzip bomb is read piecewise)."""
+    after a member that do not start another are an error, as in `gzip`. ``read(n)``
+    returns at most ``n`` bytes (``OUT`` without ``n``) whatever the compression ratio (a
+    gzip bomb is read piecewise)."""
 
     PIECE = 1 << 20
     OUT = 4 << 20
@@ -307,7 +308,7 @@ class _Inflate:
                 data = self.raw.read(self.PIECE)
                 if not data:
                     raise EOFError("the gzip stream ends inside a member")
-            out: bytes = self.d.decompress(data, self.OUT)
+            out: bytes = self.d.decompress(data, n if 0 < n < self.OUT else self.OUT)
             if out:
                 return out
 
