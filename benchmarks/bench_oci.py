@@ -1,19 +1,23 @@
 """Importing a library of related OCI images, against `skopeo copy` of the same images.
 
-    python -m benchmarks oci [--tree DIR] [--images N]
+    python -m benchmarks oci [--tree DIR] [--images N] [--runs N]
 
 Makes N (default 10) images from a real tree (default /usr/lib/python3.11): three versions
 of a base layer (the tree, then 1% of its files edited, twice) and one application layer
 per image (a different slice of /usr/share, one file edited per image), gzip-compressed as
-registries hold them, pushed with skopeo to Debian's docker-registry on loopback. Then:
+registries hold them, pushed with skopeo to Debian's docker-registry on loopback. Then, ``--runs`` times (default 3), one after the other so that both see the same load:
 
-- `skopeo copy docker://... oci:LAYOUT:TAG` of every image into one OCI layout (what a
+- `skopeo copy docker://... oci:LAYOUT:TAG` of every image into one fresh OCI layout (what a
   layer-deduplicating local copy costs), timed;
-- `dsec import` of every image into a fresh file store (SDK, one run), timed.
+- `dsec import` of every image into a fresh file store (SDK), timed.
 
-Reported: import throughput against skopeo's on the same images (higher is better), dsec's
-stored bytes against the sum of the images' compressed layers and against the
-layer-deduplicated layout. Results go to benchmarks/results/oci.json.
+Reported: import throughput against skopeo's on the same images (higher is better; the
+ratio is taken within each run, the median reported, with the load average before each
+run), dsec's stored bytes against the sum of the images' compressed layers and against the
+layer-deduplicated layout. Then an imported image (busybox under the first base and
+application layers) is pushed to a dsec store served by the same registry, and a container's
+first exec on a fresh node with ``--fetch lazy`` is timed against `dsec pull` of the whole
+image plus an eager start from the copy. Results go to benchmarks/results/oci.json.
 """
 
 from __future__ import annotations
@@ -24,14 +28,16 @@ import hashlib
 import io
 import json
 import os
+import resource
 import shutil
+import statistics
 import tarfile
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import du, save, sh
+from benchmarks.common import REPO, du, save, sh
 
 DEFAULT_TREE = "/usr/lib/python3.11"
 
@@ -86,10 +92,59 @@ def _layout(path: Path, layers: list[bytes], tag: str) -> int:
     return sum(d["size"] for d in descs)
 
 
+def _start(store_url: str, state: Path, ref: str, fetch: str) -> float:
+    """A container's create and first exec on a fresh node (empty layer cache)."""
+    from dsec_cli.run.node import Node
+    from dsec_cli.run.options import CreateOptions
+
+    shutil.rmtree(state, ignore_errors=True)
+    node = Node(state, store_url)
+    t = time.perf_counter()
+    rec = node.create(ref, CreateOptions(backend="container", fetch=fetch))
+    assert node.exec(rec.id, ["/bin/true"]).exit_code == 0
+    took = time.perf_counter() - t
+    node.remove(rec.id)
+    return took
+
+
+def _first_exec(work: Path, reg_url: str, layers: list[bytes], runs: int) -> dict[str, Any]:
+    """An imported image (busybox under a base and an application layer) pushed to a store
+    served by the loopback registry; then, on fresh nodes, a container's first exec with
+    lazy fetch against `dsec pull` of the whole image plus an eager start from the copy."""
+    from dsec_cli.api import oci
+    from dsec_cli.push import api
+
+    sh(f"bash {REPO / 'layerspecs/busybox/make-rootfs.sh'}")
+    busybox = (REPO / "layerspecs/busybox/busybox-rootfs.tar").read_bytes()
+    lay = work / "src-run"
+    _layout(lay, [busybox, *layers], "v1")
+    sh(f"skopeo --insecure-policy copy --dest-tls-verify=false oci:{lay}:v1 "
+       f"docker://{reg_url}/lib/run:v1")
+    local = (work / "run-store").as_uri()
+    oci.import_image(f"{reg_url}/lib/run:v1", as_ref="run@v1", store=local, insecure=True)
+    remote = f"oci://{reg_url}/dsec/run?insecure=1"
+    api.push(["run@v1"], remote, store=local)
+    lazy, whole = [], []
+    for _ in range(runs):
+        lazy.append(_start(remote, work / "node", "run@v1", "lazy"))
+        pulled = work / "pulled"
+        shutil.rmtree(pulled, ignore_errors=True)
+        t = time.perf_counter()
+        api.pull(["run@v1"], remote, store=pulled.as_uri())
+        whole.append(time.perf_counter() - t
+                     + _start(pulled.as_uri(), work / "node", "run@v1", "eager"))
+    lz, wh = statistics.median(lazy), statistics.median(whole)
+    return {"image_bytes": sum(len(x) for x in [busybox, *layers]),
+            "lazy_first_exec_s": [round(x, 2) for x in lazy],
+            "pull_then_eager_first_exec_s": [round(x, 2) for x in whole],
+            "lazy_vs_pull_then_eager": round(lz / wh, 3)}
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks oci")
     ap.add_argument("--tree", default=DEFAULT_TREE)
     ap.add_argument("--images", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="dsec-bench-oci-", dir="/var/tmp"))
     from dsec_cli.push import testing
@@ -99,39 +154,73 @@ def main(argv: list[str]) -> None:
         bases = [_tar(Path(args.tree), v, "usr/lib/base") for v in (0, 1, 2)]
         apps = sorted(p for p in Path("/usr/share").iterdir() if p.is_dir())
         total_compressed = 0
+        first_app = b""
         for i in range(args.images):
             app = _tar(apps[i % len(apps)], i + 1, "app")
+            first_app = first_app or app
             lay = work / f"src-{i}"
             total_compressed += _layout(lay, [bases[i % 3], app], "v1")
             sh(f"skopeo --insecure-policy copy --dest-tls-verify=false oci:{lay}:v1 "
                f"docker://{reg.url}/lib/img{i}:v1")
             shutil.rmtree(lay)
-        t = time.perf_counter()
-        for i in range(args.images):
-            sh(f"skopeo --insecure-policy copy --src-tls-verify=false "
-               f"docker://{reg.url}/lib/img{i}:v1 oci:{work / 'skopeo'}:img{i}")
-        skopeo_s = time.perf_counter() - t
-        dedup_layout = du(work / "skopeo" / "blobs")
 
-        os.environ["DSEC_DATA_DIR"] = str(work / "data")
         os.environ["DOCKER_CONFIG"] = str(work / "docker")
         from dsec_cli.api import oci
 
-        store = (work / "store").as_uri()
-        t = time.perf_counter()
-        for i in range(args.images):
-            oci.import_image(f"{reg.url}/lib/img{i}:v1", as_ref=f"img{i}@v1", store=store,
-                             insecure=True)
-        dsec_s = time.perf_counter() - t
+        def skopeo_all() -> None:
+            shutil.rmtree(work / "skopeo", ignore_errors=True)
+            for i in range(args.images):
+                sh(f"skopeo --insecure-policy copy --src-tls-verify=false "
+                   f"docker://{reg.url}/lib/img{i}:v1 oci:{work / 'skopeo'}:img{i}")
+
+        def dsec_all() -> None:
+            for d in ("store", "data"):
+                shutil.rmtree(work / d, ignore_errors=True)
+            os.environ["DSEC_DATA_DIR"] = str(work / "data")
+            store = (work / "store").as_uri()
+            for i in range(args.images):
+                oci.import_image(f"{reg.url}/lib/img{i}:v1", as_ref=f"img{i}@v1",
+                                 store=store, insecure=True)
+
+        def children_cpu() -> float:
+            r = resource.getrusage(resource.RUSAGE_CHILDREN)
+            return r.ru_utime + r.ru_stime
+
+        # alternating, so that both see the same load; the ratio is taken within each run.
+        # CPU seconds too (skopeo's processes, this process for dsec; the registry's own
+        # work counts for neither): what a busy machine's share of the cores multiplies
+        skopeo_s, dsec_s, ratios, loads, skopeo_cpu, dsec_cpu = [], [], [], [], [], []
+        for run in range(args.runs):
+            loads.append(round(os.getloadavg()[0], 2))
+            t, c = time.perf_counter(), children_cpu()
+            skopeo_all()
+            skopeo_s.append(time.perf_counter() - t)
+            skopeo_cpu.append(children_cpu() - c)
+            t, c = time.perf_counter(), time.process_time()
+            dsec_all()
+            dsec_s.append(time.perf_counter() - t)
+            dsec_cpu.append(time.process_time() - c)
+            ratios.append(skopeo_s[-1] / dsec_s[-1])
+            print(f"run {run + 1}: load {loads[-1]}, skopeo {skopeo_s[-1]:.2f} s "
+                  f"({skopeo_cpu[-1]:.2f} s CPU), dsec {dsec_s[-1]:.2f} s "
+                  f"({dsec_cpu[-1]:.2f} s CPU), throughput ratio {ratios[-1]:.3f}", flush=True)
+        dedup_layout = du(work / "skopeo" / "blobs")
         stored = sum(du(work / "store" / k) for k in ("packs", "indexes", "manifests"))
+        start = _first_exec(work, reg.url, [bases[0], first_app], args.runs)
         out = {
-            "images": args.images, "tree": args.tree,
+            "images": args.images, "tree": args.tree, "runs": args.runs,
+            "load_average_per_run": loads,
             "compressed_layers_sum": total_compressed, "layer_dedup_bytes": dedup_layout,
             "dsec_stored_bytes": stored,
             "stored_vs_compressed_sum": round(stored / total_compressed, 3),
             "stored_vs_layer_dedup": round(stored / dedup_layout, 3),
-            "skopeo_seconds": round(skopeo_s, 2), "dsec_seconds": round(dsec_s, 2),
-            "import_throughput_vs_skopeo": round(skopeo_s / dsec_s, 3),
+            "skopeo_seconds": [round(x, 2) for x in skopeo_s],
+            "dsec_seconds": [round(x, 2) for x in dsec_s],
+            "import_throughput_vs_skopeo_per_run": [round(x, 3) for x in ratios],
+            "import_throughput_vs_skopeo": round(statistics.median(ratios), 3),
+            "skopeo_cpu_seconds": [round(x, 2) for x in skopeo_cpu],
+            "dsec_cpu_seconds": [round(x, 2) for x in dsec_cpu],
+            "first_exec": start,
         }
         print(json.dumps(out, indent=2))
         save("oci", out)

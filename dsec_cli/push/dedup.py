@@ -118,11 +118,18 @@ def _add_cached(store: Store, index_digest: str, known: KnownChunks,
         return
     index = load_index(store, index_digest)
     known.add_index(index)
-    if path is not None:
-        body = b"".join(_REC.pack(c.chunk_id, c.pack, c.offset, c.clen, c.ulen, c.codec)
-                        for c in index.chunks)
-        blob = struct.pack("<I", len(index.packs)) + "".join(index.packs).encode() + body
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(blob)
-        os.replace(tmp, path)
+    if cache_dir is not None:
+        cache_table(cache_dir, index_digest, index)
+
+
+def cache_table(cache_dir: Path, index_digest: str, index: LayerIndex) -> None:
+    """Keep the chunk table of an index read and validated here, or written here (a writer
+    that just stored an index saves the next `KnownChunks.load` from reading it again)."""
+    path = cache_dir / check_digest(index_digest)
+    body = b"".join(_REC.pack(c.chunk_id, c.pack, c.offset, c.clen, c.ulen, c.codec)
+                    for c in index.chunks)
+    blob = struct.pack("<I", len(index.packs)) + "".join(index.packs).encode() + body
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, path)

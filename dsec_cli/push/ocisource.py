@@ -87,6 +87,8 @@ class Source:
     reference: str = ""
     #: a local source's path (its name is the default image name)
     path: Path = Path("image")
+    #: whether several blobs may be read at once, from several threads
+    concurrent_blobs: bool = True
 
     def root(self) -> tuple[bytes, str, str | None]:
         """The top document (an index or a manifest): bytes, media type, and its digest
@@ -158,7 +160,10 @@ class LayoutSource(Source):
 # -- docker save tarball ----------------------------------------------------------------------
 class ArchiveSource(Source):
     """A `docker save` (or `skopeo copy ... docker-archive:`) tarball: ``manifest.json``
-    names the config and the layer tarballs by member path."""
+    names the config and the layer tarballs by member path. Its blobs are read one at a
+    time (members of one open archive share its file position)."""
+
+    concurrent_blobs = False
 
     def __init__(self, path: Path, tag: str = "") -> None:
         self.path = path
@@ -208,10 +213,11 @@ class ArchiveSource(Source):
             raise IntegrityError(f"{self.label}: the config is over {MAX_DOC} bytes")
         self.config = config
         # a synthesized manifest: the reader treats it as any other, layers by member path
-        doc = {"schemaVersion": 2, "mediaType": "docker-archive",
-               "config": {"digest": "sha256:" + hashlib.sha256(config).hexdigest(),
-                          "size": len(config)},
-               "layers": [{"path": p} for p in chosen["Layers"]]}
+        doc: dict[str, Any] = {
+            "schemaVersion": 2, "mediaType": "docker-archive",
+            "config": {"digest": "sha256:" + hashlib.sha256(config).hexdigest(),
+                       "size": len(config)},
+            "layers": [{"path": p} for p in chosen["Layers"]]}
         # the image is known by its config's digest there (docker's image id)
         return json.dumps(doc).encode(), "docker-archive", doc["config"]["digest"]
 

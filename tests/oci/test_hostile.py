@@ -38,11 +38,14 @@ def seeded(env: dict[str, str], tmp_path: Path) -> dict[str, int]:
     return store_files(env)
 
 
+@pytest.mark.parametrize("which", [0, 1])
 def test_tampered_layer_is_refused_naming_its_digest(env: dict[str, str], tmp_path: Path,
-                                                     seeded: dict[str, int],
+                                                     seeded: dict[str, int], which: int,
                                                      run_dsec) -> None:  # type: ignore[no-untyped-def]
-    digests = write_layout(base_image(), tmp_path / "bad", tamper=1)
-    bad = json.loads(digests["layers"])[1]
+    """Either layer of two read side by side: the tampered one is named, the other one's
+    work is dropped, the store unchanged."""
+    digests = write_layout(base_image(), tmp_path / "bad", tamper=which)
+    bad = json.loads(digests["layers"])[which]
     p = run_dsec("import", str(tmp_path / "bad"), "--as", "bad@1", check=2)
     assert bad in _text(p.stderr) and "refused" in p.stderr
     assert store_files(env) == seeded
@@ -122,6 +125,37 @@ def test_garbage_blob_is_refused(env: dict[str, str], tmp_path: Path,
     blob.write_bytes(b"\x1f\x8b" + b"\x00" * (blob.stat().st_size - 2))
     p = run_dsec("import", str(lay), "--as", "junk@1", check=2)
     assert "error:" in p.stderr and "Traceback" not in p.stderr
+    assert store_files(env) == seeded
+
+
+def _broken(how: str) -> bytes:
+    from .helpers import compress, layer_tar
+
+    plain = layer_tar([file("a", b"a" * 100_000), file("b", bytes(range(256)) * 400)])
+    gz = compress(plain, "gzip")
+    if how == "gzip-truncated":
+        return gz[:len(gz) // 2]
+    if how == "gzip-corrupt":
+        return gz[:len(gz) // 2] + bytes([gz[len(gz) // 2] ^ 0xFF]) + gz[len(gz) // 2 + 1:]
+    if how == "gzip-trailing-garbage":
+        return gz + b"garbage"
+    return plain[:60_000]  # tar-truncated: the stream ends inside a member's data
+
+
+@pytest.mark.parametrize("how", ["gzip-truncated", "gzip-corrupt", "gzip-trailing-garbage",
+                                 "tar-truncated"])
+def test_broken_stream_with_a_right_digest_is_refused(env: dict[str, str], tmp_path: Path,
+                                                      seeded: dict[str, int], how: str,
+                                                      run_dsec) -> None:  # type: ignore[no-untyped-def]
+    """A blob whose digest and diff_id match its bytes, but whose gzip or tar stream is
+    cut short or damaged, is refused as unreadable (exit 2), the store unchanged."""
+    # stored as an uncompressed layer: the blob is the bytes given, its diff_id their digest;
+    # the reader sniffs gzip by its magic whatever the media type says
+    write_layout(Image([_broken(how)], ["none"]), tmp_path / "broken")
+    p = run_dsec("import", str(tmp_path / "broken"), "--as", "broken@1", check=2)
+    text = _text(p.stderr)
+    assert "cannot read it as a tar stream" in text or "cannot decompress it" in text, text
+    assert "Traceback" not in p.stderr
     assert store_files(env) == seeded
 
 

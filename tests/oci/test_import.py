@@ -185,6 +185,34 @@ def test_uncompressed_and_zstd_layers(env: dict[str, str], tmp_path: Path) -> No
         "a": b"A" * 70000, "b": b"B", "c": b"C"}
 
 
+def test_sparse_and_plain_members_read_in_stream_order(env: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    """A GNU sparse member (read through its data map) between plain members (read straight
+    from the stream) imports with every file's bytes in place."""
+    import subprocess
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a-before").write_bytes(b"before" * 5000)
+    with open(src / "b-sparse", "wb") as fh:
+        fh.seek(300_000)
+        fh.write(b"DATA" * 1024)
+        fh.truncate(1 << 20)
+    (src / "c-after").write_bytes(b"after")
+    tar = tmp_path / "layer.tar"
+    subprocess.run(["tar", "--sparse", "--format=gnu", "-cf", str(tar), "-C", str(src),
+                    "a-before", "b-sparse", "c-after"], check=True)
+    import tarfile
+
+    with tarfile.open(tar) as tf:
+        assert [m.name for m in tf if m.sparse] == ["b-sparse"]
+    write_layout(Image([tar.read_bytes()], ["gzip"]), tmp_path / "l")
+    oci.import_image(str(tmp_path / "l"), as_ref="sparse@1")
+    images.export_image("sparse@1", tmp_path / "t")
+    for name in ("a-before", "b-sparse", "c-after"):
+        assert (tmp_path / "t" / name).read_bytes() == (src / name).read_bytes(), name
+
+
 @pytest.mark.parametrize("size", [16 << 10, 200 << 10, 256 << 10, (256 << 10) + 1, 5 << 20,
                                   (4 << 20) + 12345])
 def test_streamed_chunking_matches_whole_file_chunking(tmp_path: Path, size: int) -> None:
@@ -279,3 +307,61 @@ def test_a_layer_is_streamed_not_held_whole(env: dict[str, str], tmp_path: Path)
     assert peak < 32 << 20, f"peak {peak >> 20} MiB"
     images.export_image("big@1", tmp_path / "t")
     assert (tmp_path / "t/big").stat().st_size == 48 << 20
+
+
+def test_a_gzip_bomb_layer_is_inflated_piecewise(env: dict[str, str], tmp_path: Path) -> None:
+    """A 64 MiB file that gzip shrinks a thousandfold is inflated a few MiB at a time:
+    Python allocations stay far below the file's size."""
+    import tracemalloc
+
+    write_layout(Image([[file("zeros", bytes(64 << 20))]], ["gzip"]), tmp_path / "l")
+    tracemalloc.start()
+    try:
+        oci.import_image(str(tmp_path / "l"), as_ref="bomb@1")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, f"peak {peak >> 20} MiB"
+    images.export_image("bomb@1", tmp_path / "t")
+    assert (tmp_path / "t/zeros").stat().st_size == 64 << 20
+
+
+def test_gzip_layer_of_several_members(env: dict[str, str], tmp_path: Path) -> None:
+    """A gzip blob made of members back to back (as parallel compressors write them) is
+    read as one stream."""
+    plain = layer_tar([file("a", b"A" * 300_000), file("b", b"B" * 50), file("c", b"C")])
+    cut_at = len(plain) // 3
+    blob = compress(plain[:cut_at], "gzip") + compress(plain[cut_at:], "gzip")
+    lay = tmp_path / "l"
+    write_layout(Image([plain]), lay)
+    # swap the single-member blob for the two-member one, re-hashing the documents
+    index = json.loads((lay / "index.json").read_text())
+    mpath = lay / "blobs/sha256" / index["manifests"][0]["digest"][7:]
+    manifest = json.loads(mpath.read_text())
+    manifest["layers"][0].update(digest=sha(blob), size=len(blob))
+    (lay / "blobs/sha256" / sha(blob)[7:]).write_bytes(blob)
+    mdata = json.dumps(manifest).encode()
+    (lay / "blobs/sha256" / sha(mdata)[7:]).write_bytes(mdata)
+    index["manifests"][0].update(digest=sha(mdata), size=len(mdata))
+    (lay / "index.json").write_text(json.dumps(index))
+    oci.import_image(str(lay), as_ref="multi@1")
+    images.export_image("multi@1", tmp_path / "t")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "t").iterdir()} == {
+        "a": b"A" * 300_000, "b": b"B" * 50, "c": b"C"}
+
+
+def test_imported_layers_chunk_tables_are_kept_for_the_next_import(env: dict[str, str],
+                                                                   tmp_path: Path) -> None:
+    """Each layer an import writes leaves its chunk table in the data dir, the same table a
+    later writer would build by reading the index back from the store."""
+    from dsec_cli.format.manifest import load_manifest
+
+    write_layout(base_image(), tmp_path / "l")
+    r = oci.import_image(str(tmp_path / "l"), as_ref="t@1")
+    tables = Path(env["DSEC_DATA_DIR"]) / "chunk-tables"
+    with open_store(env["DSEC_STORE"]) as st:
+        for layer in r.layers:
+            index = load_manifest(st, layer.manifest).index
+            assert index and (tables / index).is_file(), layer.ref
+        cached = KnownChunks.load(st, tables).chunks
+        assert cached and cached == KnownChunks.load(st, None).chunks
