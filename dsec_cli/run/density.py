@@ -33,6 +33,7 @@ ACTIVE = "active"  # per-sandbox file whose mtime is the last exec's start or en
 RECLAIM = "reclaim.json"  # per-sandbox figures of the last reclaim
 KSM = Path("/sys/kernel/mm/ksm")
 PAGE = os.sysconf("SC_PAGE_SIZE")
+VM_BACKENDS = ("microvm", "vm")  # parked to a state file (backends/vm/vmpark.py)
 
 
 # -- activity ------------------------------------------------------------------------------------
@@ -93,11 +94,13 @@ def usage(node: Node, rec: SandboxRecord) -> dict[str, Any]:
         out.update(cg.memory_use())
         out["cpu_seconds"] = cg.cpu_seconds()
         pid = (rec.handle or {}).get("pid")
-        if rec.backend in ("microvm", "vm") and pid:
+        if rec.backend in VM_BACKENDS and pid and rec.status != "parked":
             out["ksm_merged"] = _ksm_merged(pid)
     last = _read_reclaim(sdir)
     out["reclaimed"] = int(last.get("reclaimed", 0))
     out["reclaimed_at"] = last.get("at")
+    if rec.status == "parked" and last.get("state_bytes"):
+        out["parked_to_file"] = int(last["state_bytes"])
     return out
 
 
@@ -134,8 +137,11 @@ def _reclaim(node: Node, rec: SandboxRecord, cg: _cgroups.Cgroup, parked: bool
 
 
 def park(node: Node, sid: str) -> dict[str, Any]:
-    """Stop a running sandbox and push its memory out; `thaw` brings it back."""
+    """Stop a running sandbox and push its memory out; `thaw` brings it back. A VM is saved
+    to a state file and its QEMU ends (backends/vm/vmpark.py)."""
     rec, b, h = node.live(sid)
+    if rec.backend in VM_BACKENDS:
+        return _park_vm(node, rec, b, h)
     cg = _cgroup(node, rec)
     if cg is None:
         raise UsageError(f"{rec.backend} sandbox {rec.id} has no cgroup to reclaim from")
@@ -151,12 +157,41 @@ def park(node: Node, sid: str) -> dict[str, Any]:
         raise
 
 
+def _park_vm(node: Node, rec: SandboxRecord, b: Any, h: Any) -> dict[str, Any]:
+    node.db.update(rec.id, status="parked")  # before the save: reconcile then knows to look
+    try:
+        figures = b.park(h)
+    except BaseException:
+        node.db.update(rec.id, status="running")  # the guest runs on (vmpark.park)
+        raise
+    doc = {"reclaimed": figures["resident_before"], "at": time.time(), "parked": True,
+           "resident_before": figures["resident_before"], "mechanism": "qemu-migrate-file",
+           "state_bytes": figures["state_bytes"]}
+    _write_reclaim(node.sandboxes_dir / rec.id, doc)
+    return {"id": rec.id, "status": "parked", **{k: v for k, v in doc.items() if k != "at"},
+            "save_seconds": figures["save_seconds"], "resident": 0}
+
+
+def _thaw_vm(node: Node, rec: SandboxRecord, b: Any, h: Any) -> dict[str, Any]:
+    def commit(state: dict[str, Any]) -> None:
+        node.db.update(rec.id, handle=state)
+
+    rec.handle = b.thaw(h, commit, (rec.spec.get("limits") or {}).get("cpu_class"))
+    node.db.update(rec.id, status="running", handle=rec.handle)
+    touch(node.sandboxes_dir / rec.id)
+    rec.status = "running"
+    return usage(node, rec)
+
+
 def thaw(node: Node, sid: str) -> dict[str, Any]:
-    """Let a parked sandbox run again (its pages come back from swap as they are used)."""
+    """Let a parked sandbox run again (its pages come back from swap as they are used; a
+    VM's from its state file)."""
     rec = node.lookup(sid)
     if rec.status != "parked":
         raise UsageError(f"sandbox {rec.id} is not parked (it is {rec.status})")
     b, h = node.backend(rec.backend), node.handle_of(rec)
+    if rec.backend in VM_BACKENDS and b.is_alive(h):
+        return _thaw_vm(node, rec, b, h)
     if not b.is_alive(h):
         node.db.update(rec.id, status="dead")
         raise SandboxError(f"sandbox {rec.id} is no longer running",
@@ -166,6 +201,16 @@ def thaw(node: Node, sid: str) -> dict[str, Any]:
     touch(node.sandboxes_dir / rec.id)
     rec.status = "running"
     return usage(node, rec)
+
+
+def recover_parked(node: Node, rec: SandboxRecord) -> str | None:
+    """After a crash mid-park or mid-thaw of a VM: no partial state file, no QEMU beside a
+    complete one (vmpark.recover); what was done, or None."""
+    if rec.backend not in VM_BACKENDS or rec.status != "parked":
+        return None
+    from ..backends.vm import vmpark
+
+    return vmpark.recover(node.backend(rec.backend), node.handle_of(rec))  # type: ignore[arg-type]
 
 
 def reclaim_idle(node: Node, after: float, dry_run: bool = False) -> list[dict[str, Any]]:
