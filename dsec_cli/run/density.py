@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import time
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -277,6 +279,42 @@ def _ksm_merged(pid: int) -> int:
         return 0
 
 
+@cache
+def criu_state() -> dict[str, Any]:
+    """Whether CRIU could checkpoint container processes here: installed, and `criu check`
+    passing on this kernel (Debian 12's criu 3.17 fails it on recent kernels). dsec does
+    not checkpoint with CRIU; this says whether a host could."""
+    exe = shutil.which("criu")
+    if exe is None:
+        return {"installed": False, "usable": False, "reason": "criu is not installed"}
+    try:
+        r = subprocess.run([exe, "check"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"installed": True, "usable": False, "reason": f"criu check: {e}"}
+    last = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or [""]
+    return {"installed": True, "usable": r.returncode == 0,
+            "reason": "criu check passed" if r.returncode == 0 else f"criu check: {last[0]}"}
+
+
+def zswap_enabled() -> bool:
+    try:
+        return Path("/sys/module/zswap/parameters/enabled").read_text().strip() in ("Y", "1")
+    except OSError:
+        return False
+
+
+def park_mechanisms(swap_total: int | None = None) -> dict[str, str]:
+    """How `park` keeps each backend's memory out of RAM on this host."""
+    if swap_total is None:
+        swap_total = _meminfo().get("SwapTotal", 0)
+    where = ("memory reclaimed to zswap, then swap" if zswap_enabled() else
+             "memory reclaimed to swap") if swap_total else \
+        "page cache dropped, anonymous memory stays (no swap)"
+    frozen = f"frozen (cgroup freezer), {where}"
+    vm = "QEMU migration of the guest to a state file, QEMU ended (all its RAM freed)"
+    return {"container": frozen, "fncall": frozen, "microvm": vm, "vm": vm}
+
+
 def host_facts() -> dict[str, Any]:
     """What this host offers for density, each with the fallback used where it is missing."""
     lay = _cgroups.layout()
@@ -306,9 +344,14 @@ def host_facts() -> dict[str, Any]:
         notes.append("no cpu controller: CPU classes are recorded but not applied")
     elif not cpu_idle:
         notes.append("no cpu.idle: the idle class gets the smallest weight instead")
+    criu = criu_state()
+    if not criu["usable"]:
+        notes.append(f"no process checkpoints ({criu['reason']}): container and fncall "
+                     "sandboxes park in place and thaw on the same node only")
     return {"cgroup_controllers": controllers, "reclaim": reclaim, "cpu_idle": cpu_idle,
             "swap_total": info.get("SwapTotal", 0), "swap_free": info.get("SwapFree", 0),
-            "ksm": ksm, "notes": notes}
+            "zswap": zswap_enabled(), "ksm": ksm,
+            "park": park_mechanisms(info.get("SwapTotal", 0)), "criu": criu, "notes": notes}
 
 
 def setup(swap: int | None = None, swap_file: Path | None = None,
