@@ -168,9 +168,15 @@ class Sandbox:
         returns its resident, reclaimed and swapped bytes. `thaw` brings it back."""
         return self.node.park(self.id)
 
-    def thaw(self) -> dict[str, Any]:
-        """Let a parked sandbox run again: same files, same processes."""
-        return self.node.thaw(self.id)
+    def thaw(self, to: str | None = None) -> dict[str, Any]:
+        """Let a parked sandbox run again: same files, same processes. With ``to``, a parked
+        VM moves to that node first (this object then names it there)."""
+        if to is None:
+            return self.node.thaw(self.id)
+        out = thaw_to(self.node, self.id, to)
+        self.node = target(None, to)
+        self.id = str(out["id"])
+        return out
 
     def fork(self, n: int) -> list[Sandbox]:
         """``n`` new sandboxes on the same node, each starting from this one's files as they
@@ -458,9 +464,29 @@ def park(sandbox_id: str, node: str | None = None,
 
 
 def thaw(sandbox_id: str, node: str | None = None,
-         state_dir: str | Path | None = None) -> dict[str, Any]:
-    """Let a parked sandbox run again."""
-    return target(sandbox_id, node, state_dir).thaw(sandbox_id)
+         state_dir: str | Path | None = None, to: str | None = None) -> dict[str, Any]:
+    """Let a parked sandbox run again; with ``to``, a parked VM moves to that cluster node
+    (or ``local``) with its files and thaws there, keeping its id: the result's ``id`` is
+    where it now is (run/migrate.py)."""
+    src = target(sandbox_id, node, state_dir)
+    if to is None:
+        return src.thaw(sandbox_id)
+    return thaw_to(src, sandbox_id, to, state_dir)
+
+
+def thaw_to(src: NodeAPI, sandbox_id: str, to: str, state_dir: str | Path | None = None
+            ) -> dict[str, Any]:
+    """Move a parked VM from node ``src`` to node ``to`` and thaw it there."""
+    validate.node_option(to, "--to")
+    if to == "auto":
+        raise UsageError("--to names a node: auto is not allowed")
+    dst = target(None, to, state_dir)
+    if getattr(src, "name", "local") == getattr(dst, "name", "local"):
+        raise UsageError(f"sandbox {sandbox_id} is already on node {to}",
+                         hint=f"dsec thaw {sandbox_id}")
+    from ..run.migrate import move
+
+    return move(src, dst, sandbox_id)
 
 
 def top(state_dir: str | Path | None = None, node: str | None = None,

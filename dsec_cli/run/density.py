@@ -166,6 +166,13 @@ def _park_vm(node: Node, rec: SandboxRecord, b: Any, h: Any) -> dict[str, Any]:
     except BaseException:
         node.db.update(rec.id, status="running")  # the guest runs on (vmpark.park)
         raise
+    cg = _cgroup(node, rec)
+    if cg is not None:  # the state file's page cache, charged to the group that wrote it
+        try:
+            cg.reclaim()
+        except DsecError as e:
+            log.warning("sandbox %s: dropping the state file's page cache failed: %s",
+                        rec.id, e)
     doc = {"reclaimed": figures["resident_before"], "at": time.time(), "parked": True,
            "resident_before": figures["resident_before"], "mechanism": "qemu-migrate-file",
            "state_bytes": figures["state_bytes"]}

@@ -92,6 +92,10 @@ def gc(node: Node, budget: int | None = None, dry_run: bool = False) -> dict[str
     from ..backends.vm.vmsnap import prune
 
     report["vm_boots_pruned"] = prune(node.root / "vm", TEMPLATE_IDLE, dry_run)
+    if not dry_run:  # files of moves to this node that never finished (migrate.py)
+        from .migrate import clean_incoming
+
+        report["incoming_removed"] = clean_incoming(node)
     t = now()
     for r in node.db.all():
         expired = r.expires is not None and r.expires <= t

@@ -490,6 +490,11 @@ class QemuBackend(AgentBackend):
         """A parked guest running again from its state file; the new handle state."""
         return vmpark.thaw(self, handle, commit, cpu_class)
 
+    def moved_state(self, old: dict[str, Any], sid: str, sdir: Path, root: Path,
+                    cgroup: str) -> dict[str, Any]:
+        """The handle state of a parked guest moved here from another node."""
+        return vmpark.moved_state(self, old, sid, sdir, root, cgroup)
+
     def pause(self, handle: SandboxHandle) -> None:
         self._require_alive(handle)
         qmp(handle.state["qmp"], "stop")

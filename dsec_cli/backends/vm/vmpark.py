@@ -281,6 +281,39 @@ def recover(b: QemuBackend, handle: SandboxHandle) -> str | None:
         return done
 
 
+def moved_state(b: QemuBackend, old: dict[str, Any], sid: str, sdir: Path, root: Path,
+                cgroup: str) -> dict[str, Any]:
+    """A parked guest whose files were moved into ``sdir`` on this node (run/migrate.py):
+    its handle state and its saved command line pointed at this node's paths, with this
+    node's QEMU, kernel and initramfs."""
+    from ..sandbox_agent import agent_binary
+    from .qemu import _default_state
+    from .vmkernel import boot_image, build_initramfs
+
+    argv = json.loads((sdir / ARGV).read_text()).get("argv")
+    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+        raise BackendError(f"{sdir / ARGV} is not a QEMU command line")
+    old_dir, old_root = str(old.get("state_dir", "")), str(old.get("root_image", ""))
+    if not old_dir or not old_root:
+        raise BackendError("the moved sandbox's state names no state dir or root image")
+    kernel = b._kernel()
+    paths = {"-kernel": str(boot_image(kernel, b.vm_dir / "kernel")),
+             "-initrd": str(build_initramfs(kernel, b.vm_dir / "initramfs",
+                                            agent=agent_binary()))}
+    out = [b._qemu_binary()]
+    for prev, a in zip(argv, argv[1:], strict=False):
+        if prev in paths:
+            out.append(paths[prev])
+        else:
+            out.append(a.replace(old_root, str(root)).replace(old_dir + "/", f"{sdir}/"))
+    (sdir / ARGV).write_text(json.dumps({"argv": out}))
+    state = {**old, **_default_state(sid, str(sdir)), "cgroup": cgroup,
+             "root_image": str(root)}
+    state.pop("pid", None)
+    state.pop("start_time", None)
+    return state
+
+
 def remove_files(sdir: Path) -> None:
     for name in (STATE, STATE + ".tmp", ARGV, ARGV + ".tmp", LOCK):
         (sdir / name).unlink(missing_ok=True)
