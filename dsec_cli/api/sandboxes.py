@@ -175,7 +175,7 @@ class Sandbox:
             return self.node.thaw(self.id)
         out = thaw_to(self.node, self.id, to)
         self.node = target(None, to)
-        self.id = str(out["id"])
+        self._rec = self.node.lookup(str(out["id"]))
         return out
 
     def fork(self, n: int) -> list[Sandbox]:

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_parked_vm_thaws_on_another_node(client: SshCluster) -> None:
-    from dsec_cli.api.sandboxes import thaw
+    from dsec_cli.api.sandboxes import Sandbox, thaw
     from dsec_cli.run.cluster.registry import get_node
 
     n1, n2 = get_node("node1"), get_node("node2")
@@ -63,6 +63,14 @@ def test_parked_vm_thaws_on_another_node(client: SshCluster) -> None:
         assert r.exit_code == 0, r.stderr
         assert r.stdout.decode() == f"moved\nsleep 100000 \n{host}\n"
         assert n2.lookup(moved).status == "running"
+        # and back, through the SDK's Sandbox: the object follows it
+        sb = Sandbox._wrap(n2.lookup(moved), n2)
+        sb.park()
+        sb.thaw(to="node1")
+        assert sb.id == rec.id and sb.read_file("/root/f") == b"moved\n"
+        assert [s.id for s in n2.sandboxes()] == []
+        assert not (state2 / "sandboxes" / local).exists()
+        sb.node.remove(sb.id)
     finally:
         for n, sid in ((n2, moved), (n1, rec.id)):
             try:
