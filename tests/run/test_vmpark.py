@@ -159,6 +159,9 @@ def test_a_thaw_killed_midway_is_recovered(node: Node, vm: SandboxRecord,
 def test_rm_of_a_parked_vm_leaves_nothing(node: Node, vm: SandboxRecord) -> None:
     node.park(vm.id)
     assert (sdir(node, vm) / vmpark.STATE).is_file()
+    # its unflushed writes are in the saved RAM: a snapshot waits for a thaw
+    with pytest.raises(UsageError, match="parked"):
+        node.snapshot(vm.id, "parked-snap@1")
     node.remove(vm.id)
     assert not sdir(node, vm).exists() and _find_qemu(vm.id) is None
     assert not Path(f"/tmp/dsec-vm-{vm.id}").exists()

@@ -505,6 +505,10 @@ class QemuBackend(AgentBackend):
 
     def snapshot_diff(self, handle: SandboxHandle) -> Path:
         """Flush the guest's writes, stop it, copy ``upper/`` off its disk, let it run on."""
+        if vmpark.saved(handle) and not self._running(handle):
+            # writes the guest had not flushed are in its saved RAM, not on its disk yet
+            raise UsageError(f"sandbox {handle.sandbox_id} is parked to a state file",
+                             hint=f"dsec thaw {handle.sandbox_id}, then snapshot it")
         self._require_alive(handle)
         was_paused = self.is_paused(handle)
         if was_paused:
