@@ -29,6 +29,9 @@ def test_parked_vm_thaws_on_another_node(client: SshCluster) -> None:
     n1, n2 = get_node("node1"), get_node("node2")
     state1, state2 = (next(n.state_dir for n in client.nodes if n.name == name)
                       for name in ("node1", "node2"))
+    # each node says how it parks (dsec node check --json: result.density.park)
+    facts = n2.info()["density"]
+    assert "state file" in facts["park"]["microvm"] and "usable" in facts["criu"]
     rec = n1.create(IMAGE, CreateOptions(backend="microvm", memory=256 << 20))
     local = rec.id.split("/", 1)[1]
     moved = f"node2/{local}"
