@@ -134,13 +134,14 @@ def park(b: QemuBackend, handle: SandboxHandle) -> dict[str, Any]:
         time.sleep(0.5)
         t0 = time.monotonic()
         try:
-            vmsnap.save(st["qmp"], tmp, b.boot_timeout)
+            _save(st["qmp"], tmp, b.boot_timeout)
             _pause_for_tests("vm_park")
             _fsync(tmp)
             os.rename(tmp, final)
             _fsync(sdir)
         except BaseException:
             tmp.unlink(missing_ok=True)
+            _done(tmp).unlink(missing_ok=True)
             try:
                 qmp(st["qmp"], "cont")  # never left stopped by a park that failed
             except QMPError:
@@ -151,6 +152,33 @@ def park(b: QemuBackend, handle: SandboxHandle) -> dict[str, Any]:
         size = final.stat().st_size
     return {"resident_before": before, "state_bytes": size,
             "save_seconds": round(saved_at - t0, 3)}
+
+
+def _done(tmp: Path) -> Path:
+    return tmp.with_name(tmp.name + ".done")
+
+
+def _save(qmp_path: str, tmp: Path, timeout: float) -> None:
+    """Stop the guest and migrate it into ``tmp``; returns once the writer has written the
+    whole stream (QEMU reports the migration complete when it has sent it down the pipe,
+    which can be before ``cat`` has written its last bytes: the shell marks the end)."""
+    done = _done(tmp)
+    done.unlink(missing_ok=True)
+    qmp(qmp_path, "stop")
+    q = vmsnap._quote
+    qmp(qmp_path, "migrate", {"uri": f"exec:cat > {q(tmp)} && : > {q(done)}"})
+    deadline = time.monotonic() + timeout
+    while True:
+        info = qmp(qmp_path, "query-migrate") or {}
+        status = info.get("status")
+        if status == "completed" and done.exists():
+            done.unlink()
+            return
+        if status in ("failed", "cancelled"):
+            raise BackendError(f"saving the parked VM failed: {info.get('error-desc', status)}")
+        if time.monotonic() > deadline:
+            raise BackendError(f"saving the parked VM took over {timeout:.0f}s")
+        time.sleep(0.05)
 
 
 def _end_qemu(st: dict[str, Any], pid: int | None) -> None:
@@ -269,7 +297,7 @@ def recover(b: QemuBackend, handle: SandboxHandle) -> str | None:
             return None
         sdir = Path(handle.state["state_dir"])
         done = None
-        for name in (STATE + ".tmp", ARGV + ".tmp"):
+        for name in (STATE + ".tmp", STATE + ".tmp.done", ARGV + ".tmp"):
             if (sdir / name).exists():
                 (sdir / name).unlink()
                 done = "partial state removed"
@@ -315,5 +343,5 @@ def moved_state(b: QemuBackend, old: dict[str, Any], sid: str, sdir: Path, root:
 
 
 def remove_files(sdir: Path) -> None:
-    for name in (STATE, STATE + ".tmp", ARGV, ARGV + ".tmp", LOCK):
+    for name in (STATE, STATE + ".tmp", STATE + ".tmp.done", ARGV, ARGV + ".tmp", LOCK):
         (sdir / name).unlink(missing_ok=True)
