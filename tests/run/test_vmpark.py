@@ -92,7 +92,10 @@ def test_park_ends_qemu_and_thaw_brings_back_files_and_processes(
     assert top[vm.id]["parked_to_file"] == out["state_bytes"]
     with pytest.raises(UsageError, match="parked"):
         node.exec(vm.id, ["true"])
-    node.thaw(vm.id)
+    # thawed by one process, the first exec from another
+    doc = json.loads(dsec(node_env, "thaw", vm.id, "--json").stdout)
+    assert doc["status"] == "running"
+    assert dsec(node_env, "exec", vm.id, "--", "cat", "/root/kept").stdout == b"kept\n"
     assert node.lookup(vm.id).status == "running"
     assert not state.exists() and not (sdir(node, vm) / vmpark.ARGV).exists()
     assert qemu_pid(node, vm) != pid and alive(qemu_pid(node, vm))
