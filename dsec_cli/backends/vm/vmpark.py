@@ -127,6 +127,7 @@ def park(b: QemuBackend, handle: SandboxHandle) -> dict[str, Any]:
         meta = sdir / ARGV
         meta_tmp = sdir / (ARGV + ".tmp")
         meta_tmp.write_text(json.dumps({"argv": argv}))
+        _fsync(meta_tmp)  # on disk before the state file it goes with
         os.replace(meta_tmp, meta)
         # the guest's agent port must not hold a connection when it is saved: after the
         # thaw the host end is a fresh socket (as for a snapshot boot's template)
