@@ -65,6 +65,12 @@ def same_inside(node: Node, rec: SandboxRecord) -> None:
     assert r.stdout.decode() == "kept\nsleep 100000 "
 
 
+def empty_group(node: Node, rec: SandboxRecord) -> None:
+    """Nothing left in the sandbox's cgroup (an ended QEMU leaves it once reaped)."""
+    cg = _cgroups.Cgroup(f"{node.cgroup_parent}/{rec.id}")
+    wait_for(lambda: cg.procs() == [], "the sandbox's cgroup to empty", 60)
+
+
 def wait_for(cond: Any, what: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -81,7 +87,7 @@ def test_park_ends_qemu_and_thaw_brings_back_files_and_processes(
     assert out["resident_before"] > 0 and out["state_bytes"] > 0
     # QEMU is gone and its memory with it; the guest is in the state file
     assert not alive(pid) and _find_qemu(vm.id) is None
-    assert _cgroups.Cgroup(f"{node.cgroup_parent}/{vm.id}").procs() == []
+    empty_group(node, vm)
     state = sdir(node, vm) / vmpark.STATE
     assert state.stat().st_size == out["state_bytes"]
     # a parked VM is parked, not dead, for reconcile, ps and top
@@ -154,7 +160,7 @@ def test_a_thaw_killed_midway_is_recovered(node: Node, vm: SandboxRecord,
     assert vm.id in report.get("park_recovered", [])
     assert not alive(half) and _find_qemu(vm.id) is None
     assert state.is_file() and node.lookup(vm.id).status == "parked"
-    assert _cgroups.Cgroup(f"{node.cgroup_parent}/{vm.id}").procs() == []
+    empty_group(node, vm)
     node.thaw(vm.id)
     same_inside(node, vm)
 
