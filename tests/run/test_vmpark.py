@@ -1,7 +1,8 @@
 """VM park to a state file (backends/vm/vmpark.py) against a real microvm guest: park ends
 QEMU and gives its memory back, thaw brings back the same files and the same processes (same
 pids), a park or thaw killed midway is recovered by reconcile with nothing left behind, and
-rm of a parked VM removes its state file. One guest boot for the whole module."""
+rm of a parked VM removes its state file. Two guest boots: one microvm shared by the module,
+one q35 `vm`."""
 
 from __future__ import annotations
 
@@ -186,3 +187,23 @@ def _qemu_status(node: Node, rec: SandboxRecord) -> str | None:
                 or {}).get("status")
     except (QMPError, KeyError):
         return None
+
+
+def test_a_q35_vm_parks_and_thaws_too(node: Node) -> None:
+    """The `vm` backend (q35, virtio-pci) goes through the same park and thaw."""
+    rec = node.create(IMAGE, CreateOptions(backend="vm", memory=256 << 20))
+    try:
+        r = node.exec(rec.id, ["sh", "-c", "echo q35 > /root/kept; "
+                                           "sleep 100000 >/dev/null 2>&1 & echo $!"])
+        assert r.exit_code == 0, r.stderr
+        bg = int(r.stdout.strip())
+        pid = qemu_pid(node, rec)
+        out = node.park(rec.id)
+        assert out["state_bytes"] > 0 and not alive(pid) and _find_qemu(rec.id) is None
+        node.thaw(rec.id)
+        r = node.exec(rec.id, ["sh", "-c", f"cat /root/kept; tr '\\0' ' ' < /proc/{bg}/cmdline"])
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.decode() == "q35\nsleep 100000 "
+    finally:
+        node.remove(rec.id)
+    assert _find_qemu(rec.id) is None and not sdir(node, rec).exists()
