@@ -168,10 +168,17 @@ class Sandbox:
         returns its resident, reclaimed and swapped bytes. `thaw` brings it back."""
         return self.node.park(self.id)
 
-    def thaw(self, prefetch: bool = False) -> dict[str, Any]:
+    def thaw(self, prefetch: bool = False, to: str | None = None) -> dict[str, Any]:
         """Let a parked sandbox run again: same files, same processes. ``prefetch`` also
-        reads its memory back from swap now, so its next commands do not wait for it."""
-        return self.node.thaw(self.id, prefetch)
+        reads its memory back from swap now, so its next commands do not wait for it. With
+        ``to``, a parked VM moves to that node first (this object then names it there)."""
+        if to is None:
+            return self.node.thaw(self.id, prefetch)
+        _no_prefetch_with_to(prefetch)
+        out = thaw_to(self.node, self.id, to)
+        self.node = target(None, to)
+        self._rec = self.node.lookup(str(out["id"]))
+        return out
 
     def fork(self, n: int) -> list[Sandbox]:
         """``n`` new sandboxes on the same node, each starting from this one's files as they
@@ -459,9 +466,37 @@ def park(sandbox_id: str, node: str | None = None,
 
 
 def thaw(sandbox_id: str, node: str | None = None,
-         state_dir: str | Path | None = None, prefetch: bool = False) -> dict[str, Any]:
-    """Let a parked sandbox run again (``prefetch``: its memory read back from swap now)."""
-    return target(sandbox_id, node, state_dir).thaw(sandbox_id, prefetch)
+         state_dir: str | Path | None = None, prefetch: bool = False,
+         to: str | None = None) -> dict[str, Any]:
+    """Let a parked sandbox run again (``prefetch``: its memory read back from swap now);
+    with ``to``, a parked VM moves to that cluster node (or ``local``) with its files and
+    thaws there, keeping its id: the result's ``id`` is where it now is (run/migrate.py)."""
+    src = target(sandbox_id, node, state_dir)
+    if to is None:
+        return src.thaw(sandbox_id, prefetch)
+    _no_prefetch_with_to(prefetch)
+    return thaw_to(src, sandbox_id, to, state_dir)
+
+
+def _no_prefetch_with_to(prefetch: bool) -> None:
+    if prefetch:
+        raise UsageError("--prefetch does not go with --to: a VM thawed from its state file "
+                         "has all its memory loaded")
+
+
+def thaw_to(src: NodeAPI, sandbox_id: str, to: str, state_dir: str | Path | None = None
+            ) -> dict[str, Any]:
+    """Move a parked VM from node ``src`` to node ``to`` and thaw it there."""
+    validate.node_option(to, "--to")
+    if to == "auto":
+        raise UsageError("--to names a node: auto is not allowed")
+    dst = target(None, to, state_dir)
+    if getattr(src, "name", "local") == getattr(dst, "name", "local"):
+        raise UsageError(f"sandbox {sandbox_id} is already on node {to}",
+                         hint=f"dsec thaw {sandbox_id}")
+    from ..run.migrate import move
+
+    return move(src, dst, sandbox_id)
 
 
 def top(state_dir: str | Path | None = None, node: str | None = None,

@@ -15,7 +15,8 @@ from .sandbox import JsonOpt, NodeOpt, SandboxArg, StateOpt
 def _mem_line(doc: dict[str, Any]) -> str:
     return (f"{doc['id']} {doc.get('status', '')}: resident "
             f"{human_bytes(doc.get('resident', 0))}, reclaimed "
-            f"{human_bytes(doc.get('reclaimed', 0))}, swapped {human_bytes(doc.get('swapped', 0))}")
+            f"{human_bytes(doc.get('reclaimed', 0))}, swapped {human_bytes(doc.get('swapped', 0))}"
+            + (f", state file {human_bytes(doc['state_bytes'])}" if doc.get("state_bytes") else ""))
 
 
 def _rows(docs: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
@@ -63,16 +64,22 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def thaw(sandbox: SandboxArg, json_out: JsonOpt = False, state_dir: StateOpt = None,
-             node: NodeOpt = None, prefetch: Annotated[bool, typer.Option(
+             node: NodeOpt = None,
+             prefetch: Annotated[bool, typer.Option(
                  "--prefetch", help="also read its memory back from swap now, ahead of "
-                 "need (a running sandbox's too)")] = False) -> None:
+                 "need (a running sandbox's too)")] = False,
+             to: Annotated[str | None, typer.Option(  # noqa: UP007
+                 "--to", help="move a parked VM to this cluster node (or local) and thaw it "
+                              "there, keeping its id")] = None) -> None:
         """Let a parked sandbox run again: the same files and processes."""
         from ..api.sandboxes import thaw as thaw_sandbox
 
-        out = thaw_sandbox(sandbox, node, state_dir, prefetch)
+        out = thaw_sandbox(sandbox, node, state_dir, prefetch, to)
         if json_out:
             print_json(out)
         else:
+            if to is not None:
+                typer.echo(f"moved to {out['id']}")
             typer.echo(_mem_line(out))
 
     @app.command()

@@ -133,6 +133,8 @@ def _host(facts: dict[str, Any], json_out: bool) -> None:
     typer.echo("ksm:      " + ("not in this kernel" if not ksm["available"] else
                                f"{'on' if ksm.get('run') else 'off'}, saving "
                                f"{human_bytes(ksm.get('saved_bytes', 0))}"))
+    for backend, how in facts.get("park", {}).items():
+        typer.echo(f"park {backend + ':':11s}{how}")
     for note in facts["notes"]:
         typer.echo(f"note: {note}")
 

@@ -85,6 +85,19 @@ class NodeAPI(Protocol):
         also reads its memory back from swap now (a running one's too)."""
         ...
 
+    # -- moving a parked VM to another node (run/migrate.py) --------------------------------
+    def park_export(self, sid: str) -> dict[str, Any]:
+        """Where a parked VM's files are, and its row: what another node imports."""
+        ...
+
+    def park_incoming(self, sid: str) -> str:
+        """An empty directory on this node for a moving sandbox's files."""
+        ...
+
+    def park_import(self, exported: dict[str, Any]) -> Any:
+        """The moved files become this node's parked sandbox, with the same id."""
+        ...
+
     def top(self, interval: float = 0.0) -> list[dict[str, Any]]:
         """Per sandbox: CPU, resident, reclaimed and swapped memory, class, idle time."""
         ...

@@ -17,8 +17,10 @@ import errno
 import json
 import logging
 import os
+import shutil
 import subprocess
 import time
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,7 @@ ACTIVE = "active"  # per-sandbox file whose mtime is the last exec's start or en
 RECLAIM = "reclaim.json"  # per-sandbox figures of the last reclaim
 KSM = Path("/sys/kernel/mm/ksm")
 PAGE = os.sysconf("SC_PAGE_SIZE")
+VM_BACKENDS = ("microvm", "vm")  # parked to a state file (backends/vm/vmpark.py)
 
 
 # -- activity ------------------------------------------------------------------------------------
@@ -95,11 +98,13 @@ def usage(node: Node, rec: SandboxRecord) -> dict[str, Any]:
         out.update(cg.memory_use())
         out["cpu_seconds"] = cg.cpu_seconds()
         pid = (rec.handle or {}).get("pid")
-        if rec.backend in ("microvm", "vm") and pid:
+        if rec.backend in VM_BACKENDS and pid and rec.status != "parked":
             out["ksm_merged"] = _ksm_merged(pid)
     last = _read_reclaim(sdir)
     out["reclaimed"] = int(last.get("reclaimed", 0))
     out["reclaimed_at"] = last.get("at")
+    if rec.status == "parked" and last.get("state_bytes"):
+        out["parked_to_file"] = int(last["state_bytes"])
     return out
 
 
@@ -136,8 +141,11 @@ def _reclaim(node: Node, rec: SandboxRecord, cg: _cgroups.Cgroup, parked: bool
 
 
 def park(node: Node, sid: str) -> dict[str, Any]:
-    """Stop a running sandbox and push its memory out; `thaw` brings it back."""
+    """Stop a running sandbox and push its memory out; `thaw` brings it back. A VM is saved
+    to a state file and its QEMU ends (backends/vm/vmpark.py)."""
     rec, b, h = node.live(sid)
+    if rec.backend in VM_BACKENDS:
+        return _park_vm(node, rec, b, h)
     cg = _cgroup(node, rec)
     if cg is None:
         raise UsageError(f"{rec.backend} sandbox {rec.id} has no cgroup to reclaim from")
@@ -153,12 +161,48 @@ def park(node: Node, sid: str) -> dict[str, Any]:
         raise
 
 
+def _park_vm(node: Node, rec: SandboxRecord, b: Any, h: Any) -> dict[str, Any]:
+    node.db.update(rec.id, status="parked")  # before the save: reconcile then knows to look
+    try:
+        figures = b.park(h)
+    except BaseException:
+        node.db.update(rec.id, status="running")  # the guest runs on (vmpark.park)
+        raise
+    cg = _cgroup(node, rec)
+    if cg is not None:  # the state file's page cache, charged to the group that wrote it
+        try:
+            cg.reclaim()
+        except DsecError as e:
+            log.warning("sandbox %s: dropping the state file's page cache failed: %s",
+                        rec.id, e)
+    doc = {"reclaimed": figures["resident_before"], "at": time.time(), "parked": True,
+           "resident_before": figures["resident_before"], "mechanism": "qemu-migrate-file",
+           "state_bytes": figures["state_bytes"]}
+    _write_reclaim(node.sandboxes_dir / rec.id, doc)
+    return {"id": rec.id, "status": "parked", **{k: v for k, v in doc.items() if k != "at"},
+            "save_seconds": figures["save_seconds"], "resident": 0}
+
+
+def _thaw_vm(node: Node, rec: SandboxRecord, b: Any, h: Any) -> dict[str, Any]:
+    def commit(state: dict[str, Any]) -> None:
+        node.db.update(rec.id, handle=state)
+
+    rec.handle = b.thaw(h, commit, (rec.spec.get("limits") or {}).get("cpu_class"))
+    node.db.update(rec.id, status="running", handle=rec.handle)
+    touch(node.sandboxes_dir / rec.id)
+    rec.status = "running"
+    return usage(node, rec)
+
+
 def thaw(node: Node, sid: str) -> dict[str, Any]:
-    """Let a parked sandbox run again (its pages come back from swap as they are used)."""
+    """Let a parked sandbox run again (its pages come back from swap as they are used; a
+    VM's from its state file)."""
     rec = node.lookup(sid)
     if rec.status != "parked":
         raise UsageError(f"sandbox {rec.id} is not parked (it is {rec.status})")
     b, h = node.backend(rec.backend), node.handle_of(rec)
+    if rec.backend in VM_BACKENDS and b.is_alive(h):
+        return _thaw_vm(node, rec, b, h)
     if not b.is_alive(h):
         node.db.update(rec.id, status="dead")
         raise SandboxError(f"sandbox {rec.id} is no longer running",
@@ -253,6 +297,14 @@ def prefetch(cg: _cgroups.Cgroup, settle: float = 30.0) -> int:
             break
         time.sleep(0.05)
     return asked
+def recover_parked(node: Node, rec: SandboxRecord) -> str | None:
+    """After a crash mid-park or mid-thaw of a VM: no partial state file, no QEMU beside a
+    complete one (vmpark.recover); what was done, or None."""
+    if rec.backend not in VM_BACKENDS or rec.status != "parked":
+        return None
+    from ..backends.vm import vmpark
+
+    return vmpark.recover(node.backend(rec.backend), node.handle_of(rec))  # type: ignore[arg-type]
 
 
 def reclaim_idle(node: Node, after: float, dry_run: bool = False) -> list[dict[str, Any]]:
@@ -319,6 +371,42 @@ def _ksm_merged(pid: int) -> int:
         return 0
 
 
+@cache
+def criu_state() -> dict[str, Any]:
+    """Whether CRIU could checkpoint container processes here: installed, and `criu check`
+    passing on this kernel (Debian 12's criu 3.17 fails it on recent kernels). dsec does
+    not checkpoint with CRIU; this says whether a host could."""
+    exe = shutil.which("criu")
+    if exe is None:
+        return {"installed": False, "usable": False, "reason": "criu is not installed"}
+    try:
+        r = subprocess.run([exe, "check"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"installed": True, "usable": False, "reason": f"criu check: {e}"}
+    last = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or [""]
+    return {"installed": True, "usable": r.returncode == 0,
+            "reason": "criu check passed" if r.returncode == 0 else f"criu check: {last[0]}"}
+
+
+def zswap_enabled() -> bool:
+    try:
+        return Path("/sys/module/zswap/parameters/enabled").read_text().strip() in ("Y", "1")
+    except OSError:
+        return False
+
+
+def park_mechanisms(swap_total: int | None = None) -> dict[str, str]:
+    """How `park` keeps each backend's memory out of RAM on this host."""
+    if swap_total is None:
+        swap_total = _meminfo().get("SwapTotal", 0)
+    where = ("memory reclaimed to zswap, then swap" if zswap_enabled() else
+             "memory reclaimed to swap") if swap_total else \
+        "page cache dropped, anonymous memory stays (no swap)"
+    frozen = f"frozen (cgroup freezer), {where}"
+    vm = "QEMU migration of the guest to a state file, QEMU ended (all its RAM freed)"
+    return {"container": frozen, "fncall": frozen, "microvm": vm, "vm": vm}
+
+
 def host_facts() -> dict[str, Any]:
     """What this host offers for density, each with the fallback used where it is missing."""
     lay = _cgroups.layout()
@@ -348,9 +436,14 @@ def host_facts() -> dict[str, Any]:
         notes.append("no cpu controller: CPU classes are recorded but not applied")
     elif not cpu_idle:
         notes.append("no cpu.idle: the idle class gets the smallest weight instead")
+    criu = criu_state()
+    if not criu["usable"]:
+        notes.append(f"no process checkpoints ({criu['reason']}): container and fncall "
+                     "sandboxes park in place and thaw on the same node only")
     return {"cgroup_controllers": controllers, "reclaim": reclaim, "cpu_idle": cpu_idle,
             "swap_total": info.get("SwapTotal", 0), "swap_free": info.get("SwapFree", 0),
-            "ksm": ksm, "notes": notes}
+            "zswap": zswap_enabled(), "ksm": ksm,
+            "park": park_mechanisms(info.get("SwapTotal", 0)), "criu": criu, "notes": notes}
 
 
 def setup(swap: int | None = None, swap_file: Path | None = None,

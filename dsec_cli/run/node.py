@@ -402,6 +402,24 @@ class Node:
             return density.prewarm(self, sid)
         return density.thaw(self, sid)
 
+    def park_export(self, sid: str) -> dict[str, Any]:
+        """Where a parked VM's files are, and its row (run/migrate.py)."""
+        from . import migrate
+
+        return migrate.export_parked(self, sid)
+
+    def park_incoming(self, sid: str) -> str:
+        """An empty directory for a moving sandbox's files (run/migrate.py)."""
+        from . import migrate
+
+        return migrate.incoming(self, sid)
+
+    def park_import(self, exported: dict[str, Any]) -> SandboxRecord:
+        """The moved files become this node's parked sandbox (run/migrate.py)."""
+        from . import migrate
+
+        return migrate.import_parked(self, exported)
+
     def top(self, interval: float = 0.0) -> list[dict[str, Any]]:
         """Per sandbox: CPU, resident, reclaimed and swapped memory, class, idle time."""
         return density.top(self, interval)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends import SandboxHandle, _cgroups, _rootfs
 from ..core.errors import NotFoundError
+from .density import recover_parked
 from .images import unmount_lazy
 from .pins import unpin
 from .state import now
@@ -44,6 +45,8 @@ def reconcile(node: Node) -> dict[str, list[str]]:
                 node.db.delete(r.id)
                 report["aborted"].append(r.id)
         elif r.status in ("running", "paused", "parked"):
+            if recover_parked(node, r):
+                report.setdefault("park_recovered", []).append(r.id)
             if not node.backend(r.backend).is_alive(node.handle_of(r)):
                 node.db.update(r.id, status="dead")
                 report["dead"].append(r.id)
@@ -89,6 +92,10 @@ def gc(node: Node, budget: int | None = None, dry_run: bool = False) -> dict[str
     from ..backends.vm.vmsnap import prune
 
     report["vm_boots_pruned"] = prune(node.root / "vm", TEMPLATE_IDLE, dry_run)
+    if not dry_run:  # files of moves to this node that never finished (migrate.py)
+        from .migrate import clean_incoming
+
+        report["incoming_removed"] = clean_incoming(node)
     t = now()
     for r in node.db.all():
         expired = r.expires is not None and r.expires <= t

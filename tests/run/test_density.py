@@ -309,6 +309,21 @@ def test_node_check_reports_host_facilities(node_env: dict[str, str]) -> None:
     doc = json.loads(dsec(node_env, "node", "check", "--host", "--json").stdout)
     assert doc["cgroup_controllers"]["memory"] in ("v1", "v2")
     assert "swap_total" in doc and "ksm" in doc and isinstance(doc["notes"], list)
+    # how each backend parks here, and whether CRIU could checkpoint (it is not used)
+    assert set(doc["park"]) == {"container", "fncall", "microvm", "vm"}
+    assert "state file" in doc["park"]["microvm"] and "freezer" in doc["park"]["container"]
+    assert ("swap" in doc["park"]["container"]) and (doc["swap_total"] > 0) == \
+        ("reclaimed to" in doc["park"]["container"])
+    import shutil
+
+    criu = shutil.which("criu")
+    assert doc["criu"]["installed"] == (criu is not None)
+    if criu is not None:
+        ok = subprocess.run([criu, "check"], capture_output=True).returncode == 0
+        assert doc["criu"]["usable"] == ok
+    else:
+        assert not doc["criu"]["usable"]
+    assert any("criu" in n for n in doc["notes"]) == (not doc["criu"]["usable"])
 
 
 def test_swap_setup_refuses_bad_input_and_leaves_nothing(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ from ..base import (
 )
 from ..sandbox_agent import agent_binary
 from ..sandbox_agent.client import AgentClient, AgentError
-from . import qemu_accel, vmimage, vmsnap
+from . import qemu_accel, vmimage, vmpark, vmsnap
 from .qemu_qmp import QMPError, qmp
 from .vmkernel import Kernel, boot_image, build_initramfs, find_kernel
 
@@ -365,7 +365,7 @@ class QemuBackend(AgentBackend):
             if client is not None:
                 return client
             retry = min(retry * 2, AGENT_RETRY)
-            if not self.is_alive(handle):
+            if not self._running(handle):
                 raise SandboxError("QEMU exited")
             if time.monotonic() >= deadline:
                 raise SandboxError(f"the guest agent did not answer within {timeout:.0f}s "
@@ -394,7 +394,7 @@ class QemuBackend(AgentBackend):
 
         threading.Thread(target=ping, daemon=True).start()
         while not done.wait(0.1):
-            if not self.is_alive(handle) or time.monotonic() > deadline:
+            if not self._running(handle) or time.monotonic() > deadline:
                 client.close()
                 done.wait(5)
                 return None
@@ -433,6 +433,8 @@ class QemuBackend(AgentBackend):
                 pid = int(Path(st["pidfile"]).read_text().strip())
             except (OSError, ValueError):
                 pid = _find_qemu(handle.sandbox_id)
+        elif vmpark.saved(handle) and not self._is_our_qemu(handle, pid):
+            pid = _find_qemu(handle.sandbox_id)  # a thaw killed before its row was written
         if pid and self._is_our_qemu(handle, pid):
             try:
                 qmp(st["qmp"], "quit", timeout=2)
@@ -452,6 +454,8 @@ class QemuBackend(AgentBackend):
         shutil.rmtree(st["run_dir"], ignore_errors=True)
         if st.get("disk"):
             Path(st["disk"]).unlink(missing_ok=True)
+        if st.get("state_dir"):
+            vmpark.remove_files(Path(st["state_dir"]))
 
     def _is_our_qemu(self, handle: SandboxHandle, pid: int) -> bool:
         """True if `pid` is still this sandbox's QEMU (not a reused pid)."""
@@ -464,8 +468,10 @@ class QemuBackend(AgentBackend):
                 and _proc_start(pid) is not None)
 
     def is_alive(self, handle: SandboxHandle) -> bool:
+        """QEMU runs the guest, or the guest is parked to a complete state file (vmpark)."""
         pid = handle.state.get("pid")
-        return isinstance(pid, int) and self._is_our_qemu(handle, pid)
+        return (isinstance(pid, int) and self._is_our_qemu(handle, pid)) or \
+            vmpark.saved(handle)
 
     def is_paused(self, handle: SandboxHandle) -> bool:
         try:
@@ -473,6 +479,21 @@ class QemuBackend(AgentBackend):
         except QMPError:
             return False
         return bool(status) and not status.get("running", True)
+
+    # -- park to a file (vmpark.py) ------------------------------------------------------------
+    def park(self, handle: SandboxHandle) -> dict[str, Any]:
+        """Save the running guest to a state file beside its disk; QEMU exits."""
+        return vmpark.park(self, handle)
+
+    def thaw(self, handle: SandboxHandle, commit: Any, cpu_class: str | None = None
+             ) -> dict[str, Any]:
+        """A parked guest running again from its state file; the new handle state."""
+        return vmpark.thaw(self, handle, commit, cpu_class)
+
+    def moved_state(self, old: dict[str, Any], sid: str, sdir: Path, root: Path,
+                    cgroup: str) -> dict[str, Any]:
+        """The handle state of a parked guest moved here from another node."""
+        return vmpark.moved_state(self, old, sid, sdir, root, cgroup)
 
     def pause(self, handle: SandboxHandle) -> None:
         self._require_alive(handle)
@@ -484,6 +505,10 @@ class QemuBackend(AgentBackend):
 
     def snapshot_diff(self, handle: SandboxHandle) -> Path:
         """Flush the guest's writes, stop it, copy ``upper/`` off its disk, let it run on."""
+        if vmpark.saved(handle) and not self._running(handle):
+            # writes the guest had not flushed are in its saved RAM, not on its disk yet
+            raise UsageError(f"sandbox {handle.sandbox_id} is parked to a state file",
+                             hint=f"dsec thaw {handle.sandbox_id}, then snapshot it")
         self._require_alive(handle)
         was_paused = self.is_paused(handle)
         if was_paused:
@@ -507,10 +532,15 @@ class QemuBackend(AgentBackend):
         return {"pid": st.get("pid"), "machine": self.machine.split(",")[0],
                 "accel": st.get("accel"), "network": st.get("network"),
                 "root_image": st.get("root_image"), "console": st.get("console"),
-                "paused": self.is_paused(handle) if self.is_alive(handle) else False}
+                "paused": self.is_paused(handle) if self._running(handle) else False,
+                "parked_to": str(vmpark.state_file(handle)) if vmpark.saved(handle) else None}
+
+    def _running(self, handle: SandboxHandle) -> bool:
+        pid = handle.state.get("pid")
+        return isinstance(pid, int) and self._is_our_qemu(handle, pid)
 
     def _require_alive(self, handle: SandboxHandle) -> None:
-        if not self.is_alive(handle):
+        if not self._running(handle):
             raise SandboxError(f"sandbox {handle.sandbox_id} is not running (its QEMU is gone)",
                                hint=f"see its console log: {handle.state.get('console')}")
 

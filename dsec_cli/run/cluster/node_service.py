@@ -141,6 +141,34 @@ class NodeService:
             raise UsageError(f"invalid prefetch {prefetch!r}: true or false")
         return self.node.thaw(str(args["id"]), prefetch)
 
+    def park_export(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.node.park_export(str(args["id"]))
+
+    def park_incoming(self, args: dict[str, Any], emit: Emit) -> str:
+        return self.node.park_incoming(str(args["id"]))
+
+    def park_import(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        exported = args["exported"]
+        if not isinstance(exported, dict):
+            raise UsageError("park_import: exported must be an object")
+        # the moved sandbox counts against this node's capacity as a create would
+        rec = exported.get("record")
+        spec = rec.get("spec") if isinstance(rec, dict) else None
+        limits = spec.get("limits") if isinstance(spec, dict) else None
+        lim = limits if isinstance(limits, dict) else {}
+
+        def num(v: Any) -> Any:
+            return v if isinstance(v, int | float) and not isinstance(v, bool) and v > 0 \
+                else None
+
+        cls = lim.get("cpu_class") if lim.get("cpu_class") in ("latency", "batch", "idle") \
+            else None
+        token = self.admission.reserve(num(lim.get("cpus")), num(lim.get("memory")), cls)
+        try:
+            return to_wire(self.node.park_import(exported))
+        finally:
+            self.admission.release(token)
+
     def top(self, args: dict[str, Any], emit: Emit) -> list[dict[str, Any]]:
         return self.node.top(validate.positive_float(args.get("interval") or None, "interval")
                              or 0.0)
@@ -173,7 +201,7 @@ class NodeService:
 
     OPS = ("hello", "info", "create", "exec", "put", "get", "lookup", "remove", "pause",
            "resume", "describe", "snapshot", "fork", "ps", "gc", "job", "park", "thaw",
-           "top")
+           "top", "park_export", "park_incoming", "park_import")
 
     def handle(self, msg: dict[str, Any], emit: Emit) -> Any:
         op = msg.get("op")

@@ -534,6 +534,15 @@ class RemoteNode:
         doc = dict(self.call("thaw", args))
         return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}"}
 
+    def park_export(self, sid: str) -> dict[str, Any]:
+        return dict(self.call("park_export", {"id": self.local_id(sid)}))
+
+    def park_incoming(self, sid: str) -> str:
+        return str(self.call("park_incoming", {"id": self.local_id(sid)}))
+
+    def park_import(self, exported: dict[str, Any]) -> RemoteRecord:
+        return self._rec(self.call("park_import", {"exported": exported}))
+
     def top(self, interval: float = 0.0) -> list[dict[str, Any]]:
         rows = self.call("top", {"interval": interval}, timeout=self.timeout + interval)
         return [{**r, "id": f"{self.name}/{r['id']}", "node": self.name} for r in rows]
