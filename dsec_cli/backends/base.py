@@ -161,9 +161,15 @@ class Backend(abc.ABC):
         raise UsageError(f"{self.name} sandboxes cannot be snapshotted")
 
     def set_egress(self, handle: SandboxHandle, rules: list[str]) -> None:
-        """Replace a running sandbox's egress allowlist (network "allowlist" only)."""
-        raise UsageError(f"{self.name} sandboxes have no egress allowlist: use the "
-                         "container backend with network allowlist")
+        """Replace a running sandbox's egress allowlist (network "allowlist" only): the
+        host-side filter of its link (backends/egress.py), the same for every backend."""
+        eg = handle.state.get("egress")
+        if not eg:
+            raise UsageError(f"sandbox {handle.sandbox_id} was not created with network "
+                             "allowlist: its egress cannot change")
+        from . import egress
+
+        egress.set_rules(eg, rules)
 
     def is_alive(self, handle: SandboxHandle) -> bool:
         return True

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 #: /30 links are carved from this shared-address range, one per sandbox
 POOL = ipaddress.ip_network("100.64.0.0/10")
+#: a VM's tap and the bridge joining it to the link, inside the VM's own namespace
+TAP, BRIDGE = "tap0", "br0"
 
 
 def parse_rule(rule: str) -> tuple[str, int | None]:
@@ -58,11 +60,6 @@ def parse_rule(rule: str) -> tuple[str, int | None]:
     return dest, port
 
 
-def names(sandbox_id: str) -> dict[str, str]:
-    h = hashlib.sha256(sandbox_id.encode()).hexdigest()[:9]
-    return {"host_if": f"dse{h}", "peer_if": f"dsp{h}", "chain": f"DSEC-{h}"}
-
-
 def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     r = subprocess.run(argv, capture_output=True, text=True)
     if check and r.returncode != 0:
@@ -82,13 +79,47 @@ def _pick_subnet(sandbox_id: str) -> ipaddress.IPv4Network:
     raise BackendError("no free egress link address")
 
 
-def attach(sandbox_id: str, pid: int, rules: list[str], state_dir: Path) -> dict[str, Any]:
-    """Give the sandbox whose init is ``pid`` its link and the host-side filter."""
+def names(sandbox_id: str) -> dict[str, str]:
+    h = hashlib.sha256(sandbox_id.encode()).hexdigest()[:9]
+    return {"host_if": f"dse{h}", "peer_if": f"dsp{h}", "chain": f"DSEC-{h}",
+            "netns": f"dsec-{h}"}
+
+
+def make_netns(sandbox_id: str) -> str:
+    """A named network namespace for a VM's QEMU (``/run/netns/dsec-<h>``) holding the tap
+    the guest's NIC uses; `attach` with ``guest=True`` bridges it to the link. Nothing in it
+    has an address: QEMU's process has no network of its own, the guest only the link."""
+    n = names(sandbox_id)
+    _run(["ip", "netns", "add", n["netns"]])
+    ns = ["ip", "netns", "exec", n["netns"]]
+    for key in ("all", "default"):  # before any interface exists, so none gets IPv6
+        _run([*ns, "sysctl", "-q", "-w", f"net.ipv6.conf.{key}.disable_ipv6=1"])
+    _run(["ip", "-n", n["netns"], "link", "set", "lo", "up"])
+    _run(["ip", "-n", n["netns"], "tuntap", "add", "dev", TAP, "mode", "tap"])
+    _run(["ip", "-n", n["netns"], "link", "add", BRIDGE, "type", "bridge"])
+    _run(["ip", "-n", n["netns"], "link", "set", TAP, "master", BRIDGE])
+    return n["netns"]
+
+
+def netns_argv(sandbox_id: str) -> list[str]:
+    """The prefix that runs a command in the VM's namespace (network only, no other)."""
+    return ["nsenter", f"--net=/run/netns/{names(sandbox_id)['netns']}", "--"]
+
+
+def attach(sandbox_id: str, where: int | str, rules: list[str], state_dir: Path,
+           guest: bool = False) -> dict[str, Any]:
+    """Give the sandbox its link and the host-side filter. ``where``: the pid of a process
+    in the sandbox's network namespace, or the name of one (`make_netns`). ``guest``: the
+    sandbox end is bridged to the namespace's tap and the VM's guest sets its address itself
+    (`guest_setup`); else it becomes ``eth0`` there, addressed and routed."""
     n = names(sandbox_id)
     net = _pick_subnet(sandbox_id)
     gw, addr = str(net[1]), str(net[2])
     state = {**n, "gateway": gw, "address": addr, "state_dir": str(state_dir)}
-    ns = ["nsenter", "-t", str(pid), "-n"]
+    if isinstance(where, str):
+        ns = ["ip", "netns", "exec", where]
+    else:
+        ns = ["nsenter", "-t", str(where), "-n"]
     # the link first (so `attached` sees a half-made setup), then the filter, and only then
     # does the link reach the sandbox and come up
     _run(["ip", "link", "add", n["host_if"], "type", "veth", "peer", "name", n["peer_if"]])
@@ -99,16 +130,37 @@ def attach(sandbox_id: str, pid: int, rules: list[str], state_dir: Path) -> dict
         for hook in ("INPUT", "FORWARD"):
             _run([tool, "-w", "-I", hook, "-i", n["host_if"], "-j", n["chain"]])
     _run(["sysctl", "-q", "-w", f"net.ipv6.conf.{n['host_if']}.disable_ipv6=1"])
-    _run(["ip", "link", "set", n["peer_if"], "netns", str(pid)])
+    _run(["ip", "link", "set", n["peer_if"], "netns", str(where)])
     _run(["ip", "addr", "add", f"{gw}/30", "dev", n["host_if"]])
     _run(["ip", "link", "set", n["host_if"], "up"])
-    _run([*ns, "ip", "link", "set", n["peer_if"], "name", "eth0"])
-    _run([*ns, "sysctl", "-q", "-w", "net.ipv6.conf.eth0.disable_ipv6=1"], check=False)
-    _run([*ns, "ip", "addr", "add", f"{addr}/30", "dev", "eth0"])
-    _run([*ns, "ip", "link", "set", "eth0", "up"])
-    _run([*ns, "ip", "route", "add", "default", "via", gw])
+    if guest:
+        for dev in (n["peer_if"], TAP, BRIDGE):
+            if dev == n["peer_if"]:
+                _run([*ns, "ip", "link", "set", dev, "master", BRIDGE])
+            _run([*ns, "ip", "link", "set", dev, "up"])
+    else:
+        _run([*ns, "ip", "link", "set", n["peer_if"], "name", "eth0"])
+        _run([*ns, "sysctl", "-q", "-w", "net.ipv6.conf.eth0.disable_ipv6=1"], check=False)
+        _run([*ns, "ip", "addr", "add", f"{addr}/30", "dev", "eth0"])
+        _run([*ns, "ip", "link", "set", "eth0", "up"])
+        _run([*ns, "ip", "route", "add", "default", "via", gw])
     set_rules(state, rules)
     return state
+
+
+def guest_setup(state: dict[str, Any]) -> list[str]:
+    """The command a VM's guest runs (as root, once booted) to use its link."""
+    return ["sh", "-c", f"ip link set eth0 up && ip addr add {state['address']}/30 dev eth0 "
+            f"&& ip route add default via {state['gateway']}"]
+
+
+def describe(sandbox_state: dict[str, Any]) -> dict[str, Any]:
+    """What `describe` shows of a sandbox's egress (nothing without an allowlist)."""
+    eg = sandbox_state.get("egress")
+    if not eg:
+        return {}
+    return {"egress": {"rules": eg.get("rules", []), "gateway": eg["gateway"],
+                       "address": eg["address"], "dropped": dropped(eg)}}
 
 
 def set_rules(state: dict[str, Any], rules: list[str]) -> None:
@@ -153,14 +205,19 @@ def dropped(state: dict[str, Any]) -> int:
 
 
 def attached(sandbox_id: str) -> bool:
-    """Whether the host still holds the sandbox's link."""
-    return Path("/sys/class/net", names(sandbox_id)["host_if"]).exists()
+    """Whether the host still holds the sandbox's link or namespace."""
+    n = names(sandbox_id)
+    return Path("/sys/class/net", n["host_if"]).exists() or \
+        Path("/run/netns", n["netns"]).exists()
 
 
 def detach(sandbox_id: str) -> None:
-    """Remove the link and the filter (idempotent; works from the sandbox id alone)."""
+    """Remove the link, the filter and a VM's namespace (idempotent; works from the sandbox
+    id alone)."""
     n = names(sandbox_id)
     _run(["ip", "link", "del", n["host_if"]], check=False)
+    if Path("/run/netns", n["netns"]).exists():
+        _run(["ip", "netns", "del", n["netns"]], check=False)
     for tool in ("iptables", "ip6tables"):
         for hook in ("INPUT", "FORWARD"):
             while _run([tool, "-w", "-D", hook, "-i", n["host_if"], "-j", n["chain"]],
