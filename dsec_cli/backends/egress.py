@@ -9,9 +9,11 @@ by ip6tables. Changing its own routes, addresses or sending raw packets gets the
 nothing: the filter matches on the interface, not on what a packet claims.
 
 Rules: ``host:PORT`` (this node, reached at the gateway address: the sandbox's default
-route, reported by `describe`), ``IP:PORT`` (another machine: needs forwarding on the node),
-``host`` (every port of this node). An empty list is egress none. Every change is appended
-to the sandbox's ``egress.jsonl`` (host side); `describe` reports the dropped packets.
+route, reported by `describe`), ``IP:PORT`` (another machine, TCP: redirected to the
+sandbox's relay on the host, egress_proxy.py, so the node forwards nothing and needs no
+``ip_forward``), ``host`` (every port of this node). An empty list is egress none. Every
+change is appended to the sandbox's ``egress.jsonl`` (host side); `describe` reports the
+dropped packets.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import hashlib
 import ipaddress
 import json
 import logging
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -51,6 +55,9 @@ def parse_rule(rule: str) -> tuple[str, int | None]:
                              "or an IPv4 address (names are not resolved)") from None
         if ip.version != 4:
             raise UsageError(f"invalid egress rule {rule!r}: IPv6 egress is not offered")
+        if ip.is_loopback or ip.is_unspecified or ip.is_multicast or ip in POOL:
+            raise UsageError(f"invalid egress rule {rule!r}: not another machine's address "
+                             "(this node is `host:PORT`)")
     try:
         port = int(port_text)
         if not 1 <= port <= 65535:
@@ -164,25 +171,39 @@ def describe(sandbox_state: dict[str, Any]) -> dict[str, Any]:
 
 
 def set_rules(state: dict[str, Any], rules: list[str]) -> None:
-    """Replace the allowlist (an empty list: nothing leaves); logged beside the sandbox."""
+    """Replace the allowlist (an empty list: nothing leaves); logged beside the sandbox.
+    ``IP:PORT`` rules go through the sandbox's relay on the host (egress_proxy.py), started
+    with the first one: the host forwards nothing."""
     parsed = [parse_rule(r) for r in rules]
-    chain, iface = state["chain"], state["host_if"]
+    chain, iface, gw = state["chain"], state["host_if"], state["gateway"]
+    remote = [(d, p) for d, p in parsed if d != "host"]
+    if remote:
+        _ensure_relay(state)
     accept: list[list[str]] = []
+    redirect: list[list[str]] = []
     for dest, port in parsed:
-        ip = state["gateway"] if dest == "host" else dest
-        spec = ["-d", ip]
-        if port is not None:
-            spec += ["-p", "tcp", "--dport", str(port)]
-        accept.append(spec)
-    if any(d != "host" for d, _ in parsed) and \
-            Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() != "1":
-        raise UsageError("egress to another machine needs forwarding on this node "
-                         "(net.ipv4.ip_forward=1); only `host` rules work here")
+        if dest == "host":
+            spec = ["-d", gw]
+            if port is not None:
+                spec += ["-p", "tcp", "--dport", str(port)]
+            accept.append(spec)
+            continue
+        to = ["-d", dest, "-p", "tcp", "--dport", str(port)]
+        redirect.append([*to, "-j", "DNAT", "--to-destination",
+                         f"{gw}:{state['relay']['port']}"])
+        # only what a rule redirected: the relay port reached directly is dropped
+        accept.append(["-d", gw, "-p", "tcp", "--dport", str(state["relay"]["port"]),
+                       "-m", "conntrack", "--ctorigdst", dest, "--ctorigdstport", str(port)])
     # fail closed while the rules change: a DROP on top, the old rules out, the new ones in
     # below it, then the DROP on top goes
     _run(["iptables", "-w", "-I", chain, "1", "-j", "DROP"])
     while _run(["iptables", "-w", "-D", chain, "2"], check=False).returncode == 0:
         pass
+    if redirect or state.get("relay"):
+        _ensure_nat(chain, iface)
+        _run(["iptables", "-w", "-t", "nat", "-F", chain])
+        for spec in redirect:
+            _run(["iptables", "-w", "-t", "nat", "-A", chain, "-i", iface, *spec])
     for spec in accept:
         _run(["iptables", "-w", "-A", chain, "-i", iface, *spec, "-j", "ACCEPT"])
     _run(["iptables", "-w", "-A", chain, "-j", "DROP"])
@@ -192,6 +213,26 @@ def set_rules(state: dict[str, Any], rules: list[str]) -> None:
         f.write(json.dumps(entry) + "\n")
     state["rules"] = list(rules)
     log.info("egress of %s: %s", state["host_if"], ", ".join(rules) or "none")
+
+
+def _ensure_relay(state: dict[str, Any]) -> None:
+    from . import egress_proxy
+
+    relay = state.get("relay")
+    if relay and relay.get("pid") in egress_proxy.find(state["host_if"]):
+        return
+    port, pid = egress_proxy.start(state["host_if"], state["gateway"])
+    state["relay"] = {"port": port, "pid": pid}
+
+
+def _ensure_nat(chain: str, iface: str) -> None:
+    """The sandbox's nat chain (same name as its filter chain), jumped to from PREROUTING
+    for its interface only."""
+    if _run(["iptables", "-w", "-t", "nat", "-L", chain, "-n"], check=False).returncode != 0:
+        _run(["iptables", "-w", "-t", "nat", "-N", chain])
+    hook = ["PREROUTING", "-i", iface, "-j", chain]
+    if _run(["iptables", "-w", "-t", "nat", "-C", *hook], check=False).returncode != 0:
+        _run(["iptables", "-w", "-t", "nat", "-I", *hook])
 
 
 def dropped(state: dict[str, Any]) -> int:
@@ -225,3 +266,15 @@ def detach(sandbox_id: str) -> None:
                 pass
         _run([tool, "-w", "-F", n["chain"]], check=False)
         _run([tool, "-w", "-X", n["chain"]], check=False)
+    while _run(["iptables", "-w", "-t", "nat", "-D", "PREROUTING", "-i", n["host_if"], "-j",
+                n["chain"]], check=False).returncode == 0:
+        pass
+    _run(["iptables", "-w", "-t", "nat", "-F", n["chain"]], check=False)
+    _run(["iptables", "-w", "-t", "nat", "-X", n["chain"]], check=False)
+    from . import egress_proxy
+
+    for pid in egress_proxy.find(n["host_if"]):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

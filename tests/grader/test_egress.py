@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from dsec_cli.api.sandboxes import Sandbox
-from dsec_cli.backends import egress
+from dsec_cli.backends import egress, egress_proxy
 from dsec_cli.core.errors import UsageError
 
 from .conftest import TASK
@@ -114,11 +114,12 @@ def _probe(sb: Sandbox, gw: str, allowed: int, other: int, want: int = 0) -> lis
 def _leftovers(sid: str) -> list[str]:
     n = egress.names(sid)
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    rules = "".join(subprocess.run([t, "-w", "-S"], capture_output=True, text=True).stdout
-                    for t in ("iptables", "ip6tables"))
+    rules = "".join(subprocess.run([*t, "-w", "-S"], capture_output=True, text=True).stdout
+                    for t in (["iptables"], ["ip6tables"], ["iptables", "-t", "nat"]))
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [x for x in (n["host_if"], n["chain"], n["netns"])
-            if x in links or x in rules or x in netns.split()]
+    relays = [f"relay {p}" for p in egress_proxy.find(n["host_if"])]
+    return relays + [x for x in (n["host_if"], n["chain"], n["netns"])
+                     if x in links or x in rules or x in netns.split()]
 
 
 #: what the probe reports where the wall holds; fncall sandboxes hold no capability, so a raw
@@ -166,7 +167,8 @@ def test_egress_none_is_the_default_and_rules_are_checked(servers: tuple[int, in
         assert r.stdout.strip() in (b"0", b"")
         with pytest.raises(UsageError, match="not created with network allowlist"):
             sb.set_egress([f"host:{allowed}"])
-    for bad in ("host:0", "host:x", "example.com:80", "::1:80", "10.0.0.1"):
+    for bad in ("host:0", "host:x", "example.com:80", "::1:80", "10.0.0.1", "127.0.0.1:80",
+                "100.64.0.1:80"):
         with pytest.raises(UsageError, match="invalid egress rule"):
             Sandbox(TASK, network="allowlist", egress=[bad])
     with pytest.raises(UsageError, match="need network allowlist"):
@@ -223,3 +225,100 @@ def test_cli_run_refuses_bad_egress_naming_it(grade_env: dict[str, str],
     assert after.returncode == 0, after.stderr
     ids = [[r["id"] for r in json.loads(p.stdout)] for p in (before, after)]
     assert ids[1] == ids[0]  # nothing was made
+
+
+REMOTE_SERVER = """
+import socket, sys, threading
+def serve(srv):
+    while True:
+        c, addr = srv.accept()
+        c.sendall(("from:" + addr[0]).encode())
+        c.close()
+ports = []
+for _ in range(2):
+    srv = socket.socket()
+    srv.bind(("0.0.0.0", 0))
+    srv.listen(16)
+    ports.append(srv.getsockname()[1])
+    threading.Thread(target=serve, args=(srv,), daemon=True).start()
+print(*ports, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def remote_machine() -> Iterator[tuple[str, str, int, int]]:
+    """Another machine: a network namespace behind a veth of this host, on a /30 of the
+    benchmarking range no interface here uses, serving two TCP ports (each answers with the
+    address the connection came from). Nothing routes from it back to any sandbox.
+    (host's address, its address, allowed port, other port)"""
+    tag = os.urandom(3).hex()
+    ns, a, b = f"dsect{tag}", f"dsta{tag}", f"dstb{tag}"
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    base = next(f"198.18.{i // 64}.{i % 64 * 4}" for i in
+                (int.from_bytes(os.urandom(2), "big") % 16384 for _ in range(1000))
+                if f"198.18.{i // 64}.{i % 64 * 4 + 1}/" not in used)
+    prefix, last = base.rsplit(".", 1)
+    here, there = f"{prefix}.{int(last) + 1}", f"{prefix}.{int(last) + 2}"
+    server = None
+    try:
+        for argv in (["ip", "netns", "add", ns],
+                     ["ip", "link", "add", a, "type", "veth", "peer", "name", b, "netns", ns],
+                     ["ip", "addr", "add", f"{here}/30", "dev", a],
+                     ["ip", "link", "set", a, "up"],
+                     ["ip", "-n", ns, "addr", "add", f"{there}/30", "dev", b],
+                     ["ip", "-n", ns, "link", "set", b, "up"],
+                     ["ip", "-n", ns, "link", "set", "lo", "up"]):
+            subprocess.run(argv, check=True, capture_output=True)
+        server = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c",
+                                   REMOTE_SERVER], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert server.stdout is not None
+        p1, p2 = map(int, server.stdout.readline().split())
+        yield here, there, p1, p2
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "link", "del", a], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+REMOTE_PROBE = """
+import socket, sys
+out = []
+for host, port in zip(sys.argv[1::2], sys.argv[2::2]):
+    try:
+        s = socket.create_connection((host, int(port)), timeout=10)
+        out.append(s.recv(100).decode() or "closed")
+        s.close()
+    except OSError:
+        out.append("blocked")
+print(*out)
+"""
+
+
+def test_ip_rules_reach_another_machine_through_the_host_relay(
+        remote_machine: tuple[str, str, int, int]) -> None:
+    """`IP:PORT` works with the host's ip_forward as it is (off here): the relay on the host
+    opens the connection, so the other machine sees the host's address, never the sandbox's;
+    the other port, and the relay reached directly, stay blocked."""
+    here, there, allowed, other = remote_machine
+    with Sandbox(TASK, network="allowlist") as sb:
+        sb.write_file("/tmp/remote.py", REMOTE_PROBE)
+
+        def probe(*targets: object) -> list[str]:
+            r = sb.exec(["python3", "/tmp/remote.py", *map(str, targets)], timeout=300)
+            assert r.exit_code == 0, r.stderr
+            return r.stdout.decode().split()
+
+        assert probe(there, allowed) == ["blocked"]
+        sb.set_egress([f"{there}:{allowed}"])
+        relay = sb.node.handle_of(sb.node.lookup(sb.id)).state["egress"]["relay"]
+        gw = sb.info()["egress"]["gateway"]
+        assert probe(there, allowed, there, other, gw, relay["port"]) == [
+            f"from:{here}", "blocked", "blocked"]
+        sb.set_egress([])
+        assert probe(there, allowed) == ["blocked"]
+        sid = sb.id
+    assert _leftovers(sid) == []
