@@ -18,6 +18,7 @@ dropped packets.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import json
@@ -233,6 +234,22 @@ def _ensure_nat(chain: str, iface: str) -> None:
     hook = ["PREROUTING", "-i", iface, "-j", chain]
     if _run(["iptables", "-w", "-t", "nat", "-C", *hook], check=False).returncode != 0:
         _run(["iptables", "-w", "-t", "nat", "-I", *hook])
+
+
+@functools.lru_cache(maxsize=1)  # asked with every node `info`: the tools do not come and go
+def host_facts() -> dict[str, Any]:
+    """What allowlists need of this host, and what is missing (`dsec node check --host`):
+    iproute2, iptables and ip6tables (with the nat table and conntrack match), nsenter, and
+    /dev/net/tun for the VM backends. Not ``ip_forward``: the host forwards nothing."""
+    import shutil
+
+    tools = {t: shutil.which(t) is not None for t in ("ip", "iptables", "ip6tables", "nsenter")}
+    nat = tools["iptables"] and _run(["iptables", "-w", "-t", "nat", "-S", "PREROUTING"],
+                                     check=False).returncode == 0
+    tun = Path("/dev/net/tun").exists()
+    missing = [t for t, ok in tools.items() if not ok] + \
+        ([] if nat else ["the iptables nat table"]) + ([] if tun else ["/dev/net/tun (VMs)"])
+    return {"tools": tools, "nat": nat, "tun": tun, "ready": not missing, "missing": missing}
 
 
 def dropped(state: dict[str, Any]) -> int:

@@ -133,6 +133,9 @@ def _host(facts: dict[str, Any], json_out: bool) -> None:
     typer.echo("ksm:      " + ("not in this kernel" if not ksm["available"] else
                                f"{'on' if ksm.get('run') else 'off'}, saving "
                                f"{human_bytes(ksm.get('saved_bytes', 0))}"))
+    eg = facts.get("egress") or {}
+    typer.echo("egress:   " + ("allowlists ready (ip_forward not needed)" if eg.get("ready")
+                               else "allowlists need " + ", ".join(eg.get("missing", []))))
     for note in facts["notes"]:
         typer.echo(f"note: {note}")
 

@@ -261,9 +261,15 @@ def host_facts() -> dict[str, Any]:
         notes.append("no cpu controller: CPU classes are recorded but not applied")
     elif not cpu_idle:
         notes.append("no cpu.idle: the idle class gets the smallest weight instead")
+    from ..backends.egress import host_facts as egress_facts
+
+    egress = egress_facts()
+    if egress["missing"]:
+        notes.append("network allowlist unavailable: missing " + ", ".join(egress["missing"])
+                     + " (scripts/setup.sh installs iproute2 and iptables)")
     return {"cgroup_controllers": controllers, "reclaim": reclaim, "cpu_idle": cpu_idle,
             "swap_total": info.get("SwapTotal", 0), "swap_free": info.get("SwapFree", 0),
-            "ksm": ksm, "notes": notes}
+            "ksm": ksm, "egress": egress, "notes": notes}
 
 
 def setup(swap: int | None = None, swap_file: Path | None = None,

@@ -322,3 +322,12 @@ def test_ip_rules_reach_another_machine_through_the_host_relay(
         assert probe(there, allowed) == ["blocked"]
         sid = sb.id
     assert _leftovers(sid) == []
+
+
+def test_node_check_says_what_allowlists_need(grade_env: dict[str, str]) -> None:
+    p = _dsec(grade_env, "node", "check", "--host", "--json", via_typer=True)
+    assert p.returncode == 0, p.stderr
+    eg = json.loads(p.stdout)["egress"]
+    assert eg["ready"] and eg["missing"] == [] and eg["nat"] and eg["tun"]
+    p = _dsec(grade_env, "node", "check", "--host", via_typer=True)
+    assert "egress:   allowlists ready (ip_forward not needed)" in p.stdout, p.stdout
