@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,3 +102,38 @@ def test_cli_grades_and_changes_egress_on_the_node(client: SshCluster) -> None:
         bad = _dsec("egress", sb.id, "example.com:80")
         assert bad.returncode == 2 and "example.com:80" in bad.stderr
         assert _node_ids(client) == {sb.id.split("/", 1)[1]}
+
+
+def test_client_killed_midway_the_node_finishes_and_removes_the_fork(
+        client: SshCluster) -> None:
+    """The grade is the node's work: a client killed once the fork exists does not stop it;
+    the node scores, journals and removes the fork, leaving no marker."""
+    state = client.nodes[0].state_dir
+    journal = state / "grading" / "journal.jsonl"
+    with Sandbox(TASK, node="node1") as sb:
+        local = sb.id.split("/", 1)[1]
+        sb.write_file("/testbed/calc.py", GOLD)
+        graded = len(journal.read_text().splitlines()) if journal.exists() else 0
+        code = "import sys\nfrom dsec_cli.cli import main\nsys.argv = ['dsec', *sys.argv[1:]]\n" \
+               "main()\n"
+        proc = subprocess.Popen([sys.executable, "-c", code, "grade", sb.id, "--grader", GRADER],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and _node_ids(client) == {local}:
+                assert proc.poll() is None, "the grade ended before its fork was seen"
+                time.sleep(0.1)
+            assert _node_ids(client) != {local}, "no scoring fork appeared on the node"
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and (
+                _node_ids(client) != {local} or list((state / "grading").glob("*.json"))):
+            time.sleep(0.5)
+        assert _node_ids(client) == {local}  # the fork is gone
+        assert not list((state / "grading").glob("*.json"))  # no grade left unfinished
+        lines = journal.read_text().splitlines()
+        assert len(lines) == graded + 1 and json.loads(lines[-1])["reward"] == 1.0
+        assert sb.exec("echo alive").stdout == b"alive\n"  # not left paused
