@@ -27,6 +27,8 @@ from pathlib import Path
 
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
 CONNECT_TIMEOUT = 30.0
+#: connections relayed at once per sandbox; more are closed at once (a thread each, on the host)
+MAX_CONNECTIONS = 256
 MODULE = "dsec_cli.backends.egress_proxy"
 
 
@@ -81,21 +83,23 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
 
 
 def _relay(conn: socket.socket, gateway: str) -> None:
+    up = None
     try:
         host, port = _original_dst(conn)
         if host == gateway:  # reached directly, not redirected by a rule: nothing to relay
             return
         up = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
         up.settimeout(None)
+        t = threading.Thread(target=_pipe, args=(up, conn), daemon=True)
+        t.start()
+        _pipe(conn, up)
+        t.join()
     except OSError:
+        pass
+    finally:
         conn.close()
-        return
-    t = threading.Thread(target=_pipe, args=(up, conn), daemon=True)
-    t.start()
-    _pipe(conn, up)
-    t.join()
-    conn.close()
-    up.close()
+        if up is not None:
+            up.close()
 
 
 def _watch(host_if: str) -> None:
@@ -119,9 +123,20 @@ def main(host_if: str, gateway: str) -> None:
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     threading.Thread(target=_watch, args=(host_if,), daemon=True).start()
+    slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def one(conn: socket.socket) -> None:
+        try:
+            _relay(conn, gateway)
+        finally:
+            slots.release()
+
     while True:
         conn, _ = srv.accept()
-        threading.Thread(target=_relay, args=(conn, gateway), daemon=True).start()
+        if not slots.acquire(blocking=False):
+            conn.close()
+            continue
+        threading.Thread(target=one, args=(conn,), daemon=True).start()
 
 
 if __name__ == "__main__":
