@@ -178,6 +178,7 @@ class ContainerBackend(CgroupAgentBackend):
 
                 handle.state["egress"] = egress.attach(spec.sandbox_id, pid, list(spec.egress),
                                                        sdir)
+                self.pin_names(handle)
         except BaseException:
             self.destroy(handle)
             raise

@@ -24,6 +24,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -40,25 +41,31 @@ POOL = ipaddress.ip_network("100.64.0.0/10")
 TAP, BRIDGE = "tap0", "br0"
 
 
+#: a DNS name as a rule's destination: RFC 1123 labels, the last one not all digits
+NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)*"
+                  r"[A-Za-z0-9]*[A-Za-z][A-Za-z0-9-]*")
+#: marks the lines of a sandbox's /etc/hosts that pin its rules' names
+PIN_MARK = "# dsec egress"
+
+
 def parse_rule(rule: str) -> tuple[str, int | None]:
-    """``host``, ``host:PORT`` or ``IPV4:PORT`` -> (destination, port or None)."""
+    """``host``, ``host:PORT``, ``IPV4:PORT`` or ``NAME:PORT`` -> (destination, port or
+    None). A name is only checked here; `resolve` looks it up."""
     if rule == "host":
         return "host", None
     dest, sep, port_text = rule.rpartition(":")
     if not sep or not dest:
-        raise UsageError(f"invalid egress rule {rule!r}: expected host, host:PORT or "
-                         "IPV4:PORT")
+        raise UsageError(f"invalid egress rule {rule!r}: expected host, host:PORT, "
+                         "IPV4:PORT or NAME:PORT")
     if dest != "host":
         try:
             ip = ipaddress.ip_address(dest)
         except ValueError:
-            raise UsageError(f"invalid egress rule {rule!r}: the destination must be `host` "
-                             "or an IPv4 address (names are not resolved)") from None
-        if ip.version != 4:
-            raise UsageError(f"invalid egress rule {rule!r}: IPv6 egress is not offered")
-        if ip.is_loopback or ip.is_unspecified or ip.is_multicast or ip in POOL:
-            raise UsageError(f"invalid egress rule {rule!r}: not another machine's address "
-                             "(this node is `host:PORT`)")
+            if not NAME.fullmatch(dest) or dest.endswith("-") or "-." in dest:
+                raise UsageError(f"invalid egress rule {rule!r}: the destination must be "
+                                 "`host`, an IPv4 address or a host name") from None
+        else:
+            _check_ip(rule, ip)
     try:
         port = int(port_text)
         if not 1 <= port <= 65535:
@@ -66,6 +73,50 @@ def parse_rule(rule: str) -> tuple[str, int | None]:
     except ValueError:
         raise UsageError(f"invalid egress rule {rule!r}: port must be 1-65535") from None
     return dest, port
+
+
+def _check_ip(rule: str, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:
+    if ip.version != 4:
+        raise UsageError(f"invalid egress rule {rule!r}: IPv6 egress is not offered")
+    if ip.is_loopback or ip.is_unspecified or ip.is_multicast or ip in POOL:
+        raise UsageError(f"invalid egress rule {rule!r}: not another machine's address "
+                         "(this node is `host:PORT`)")
+
+
+def is_name(dest: str) -> bool:
+    if dest == "host":
+        return False
+    try:
+        ipaddress.ip_address(dest)
+    except ValueError:
+        return True
+    return False
+
+
+def resolve(rule: str, name: str) -> list[str]:
+    """The IPv4 addresses of ``name``, looked up on the host now (the sandbox's own DNS stays
+    blocked; its /etc/hosts gets them pinned)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError as e:
+        raise UsageError(f"egress rule {rule!r}: cannot resolve {name} on this node: "
+                         f"{e.strerror or e}") from None
+    ips = sorted({str(i[4][0]) for i in infos})
+    for ip in ips:
+        _check_ip(f"{rule} ({name} is {ip})", ipaddress.ip_address(ip))
+    if not ips:
+        raise UsageError(f"egress rule {rule!r}: {name} has no IPv4 address")
+    return ips
+
+
+def hosts_file(old: bytes, pins: dict[str, list[str]]) -> bytes:
+    """A sandbox's /etc/hosts with its pinned names replaced by ``pins``."""
+    keep = [ln for ln in old.decode("utf-8", "replace").splitlines()
+            if not ln.rstrip().endswith(PIN_MARK)]
+    add = [f"{ip} {name} {PIN_MARK}" for name, ips in sorted(pins.items()) for ip in ips]
+    return ("\n".join(keep + add) + "\n").encode()
 
 
 def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -168,14 +219,23 @@ def describe(sandbox_state: dict[str, Any]) -> dict[str, Any]:
     if not eg:
         return {}
     return {"egress": {"rules": eg.get("rules", []), "gateway": eg["gateway"],
-                       "address": eg["address"], "dropped": dropped(eg)}}
+                       "address": eg["address"], "pins": eg.get("pins", {}),
+                       "dropped": dropped(eg)}}
 
 
 def set_rules(state: dict[str, Any], rules: list[str]) -> None:
     """Replace the allowlist (an empty list: nothing leaves); logged beside the sandbox.
     ``IP:PORT`` rules go through the sandbox's relay on the host (egress_proxy.py), started
     with the first one: the host forwards nothing."""
-    parsed = [parse_rule(r) for r in rules]
+    parsed: list[tuple[str, int | None]] = []
+    pins: dict[str, list[str]] = {}
+    for rule in rules:
+        dest, port = parse_rule(rule)
+        if is_name(dest):
+            pins[dest] = resolve(rule, dest)
+            parsed += [(ip, port) for ip in pins[dest]]
+        else:
+            parsed.append((dest, port))
     chain, iface, gw = state["chain"], state["host_if"], state["gateway"]
     remote = [(d, p) for d, p in parsed if d != "host"]
     if remote:
@@ -213,6 +273,7 @@ def set_rules(state: dict[str, Any], rules: list[str]) -> None:
     with open(Path(state["state_dir"]) / "egress.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
     state["rules"] = list(rules)
+    state["pins"] = pins
     log.info("egress of %s: %s", state["host_if"], ", ".join(rules) or "none")
 
 

@@ -174,7 +174,7 @@ def test_egress_none_is_the_default_and_rules_are_checked(servers: tuple[int, in
         assert r.stdout.strip() in (b"0", b"")
         with pytest.raises(UsageError, match="not created with network allowlist"):
             sb.set_egress([f"host:{allowed}"])
-    for bad in ("host:0", "host:x", "example.com:80", "::1:80", "10.0.0.1", "127.0.0.1:80",
+    for bad in ("host:0", "host:x", "bad_name.test:80", "::1:80", "10.0.0.1", "127.0.0.1:80",
                 "100.64.0.1:80"):
         with pytest.raises(UsageError, match="invalid egress rule"):
             Sandbox(TASK, network="allowlist", egress=[bad])
@@ -221,8 +221,8 @@ def test_cli_run_refuses_bad_egress_naming_it(grade_env: dict[str, str],
     assert before.returncode == 0, before.stderr
     for argv, named in (
             (["--network", "allowlist", "--egress", "host:70000"], "host:70000"),
-            (["--network", "allowlist", "--egress", "host:1", "--egress", "example.com:80"],
-             "example.com:80"),
+            (["--network", "allowlist", "--egress", "host:1", "--egress", "bad_name.test:80"],
+             "bad_name.test:80"),
             (["--egress", "host:8080"], "host:8080"),  # without --network allowlist
     ):
         p = _dsec(grade_env, "run", "-d", *argv, TASK, via_typer=via_typer)
@@ -340,3 +340,51 @@ def test_node_check_says_what_allowlists_need(grade_env: dict[str, str]) -> None
     assert eg["ready"] and eg["missing"] == [] and eg["nat"] and eg["tun"]
     p = _dsec(grade_env, "node", "check", "--host", via_typer=True)
     assert "egress:   allowlists ready (ip_forward not needed)" in p.stdout, p.stdout
+
+
+NAME_SETTER = """
+import json, sys
+from dsec_cli.api.sandboxes import Sandbox
+from dsec_cli.core.errors import UsageError
+sb = Sandbox.attach(sys.argv[1])
+try:
+    sb.set_egress(["loop.test:80"])
+    print("accepted")
+except UsageError as e:
+    print("refused", e.message.replace(" ", "_"))
+print(json.dumps(sb.set_egress(["mirror.test:" + sys.argv[2]])))
+"""
+
+
+def test_name_rules_resolve_on_the_host_and_are_pinned_inside(
+        remote_machine: tuple[str, str, int, int], tmp_path: Path) -> None:
+    """`NAME:PORT` is looked up on the host when set (here in a private mount namespace whose
+    /etc/hosts names the other machine, so nothing of the host changes), the addresses go
+    through the relay and are pinned in the sandbox's /etc/hosts, DNS stays blocked; a name
+    of this host's loopback or one that does not resolve is refused and changes nothing."""
+    here, there, allowed, other = remote_machine
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 loop.test\n{there} mirror.test\n")
+    with Sandbox(TASK, network="allowlist", egress=[]) as sb:
+        sb.write_file("/tmp/remote.py", REMOTE_PROBE)
+        p = subprocess.run(["unshare", "-m", "sh", "-c",
+                            'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts),
+                            sys.executable, "-c", NAME_SETTER, sb.id, str(allowed)],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        first, second = p.stdout.splitlines()
+        assert first.startswith("refused") and "loop.test" in first, first
+        out = json.loads(second)
+        assert out["rules"] == [f"mirror.test:{allowed}"]
+        assert out["pins"] == {"mirror.test": [there]}
+        assert f"{there} mirror.test" in sb.read_file("/etc/hosts").decode()
+        r = sb.exec(["python3", "/tmp/remote.py", "mirror.test", str(allowed), "30",
+                     "mirror.test", str(other), "3", there, str(other), "3"], timeout=300)
+        assert r.stdout.decode().split() == [f"from:{here}", "blocked", "blocked"], r.stderr
+        with pytest.raises(UsageError, match="cannot resolve"):
+            sb.set_egress(["no-such-name.invalid:80"])
+        assert sb.info()["egress"]["rules"] == [f"mirror.test:{allowed}"]  # unchanged
+        sb.set_egress([])  # the pins go with the rules
+        assert "mirror.test" not in sb.read_file("/etc/hosts").decode()
+        sid = sb.id
+    assert _leftovers(sid) == []

@@ -99,8 +99,8 @@ def test_cli_grades_and_changes_egress_on_the_node(client: SshCluster) -> None:
                                text=True).stdout
         assert "--dport 10 " in rules + " " and "--dport 9 " not in rules + " "
         assert sb.info()["egress"]["rules"] == ["host:10"]
-        bad = _dsec("egress", sb.id, "example.com:80")
-        assert bad.returncode == 2 and "example.com:80" in bad.stderr
+        bad = _dsec("egress", sb.id, "bad_name.test:80")
+        assert bad.returncode == 2 and "bad_name.test:80" in bad.stderr
         assert _node_ids(client) == {sb.id.split("/", 1)[1]}
 
 

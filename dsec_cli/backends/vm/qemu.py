@@ -366,6 +366,7 @@ class QemuBackend(AgentBackend):
         if r.exit_code != 0:
             raise SandboxError(f"configuring the network of sandbox {handle.sandbox_id} "
                                f"failed: {r.stderr.decode(errors='replace').strip()}")
+        self.pin_names(handle)
 
     def _set_identity(self, handle: SandboxHandle, spec: SandboxSpec) -> None:
         """Hostname, a CRNG reseeded from host randomness, a fresh machine id: what a
