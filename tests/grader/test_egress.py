@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -387,4 +389,37 @@ def test_name_rules_resolve_on_the_host_and_are_pinned_inside(
         sb.set_egress([])  # the pins go with the rules
         assert "mirror.test" not in sb.read_file("/etc/hosts").decode()
         sid = sb.id
+    assert _leftovers(sid) == []
+
+
+@pytest.mark.slow
+def test_vm_create_killed_midway_leaves_no_link_namespace_or_qemu(node: Any) -> None:
+    """kill -9 of a process creating a microvm with an allowlist, once its QEMU runs in the
+    sandbox's namespace: the node's reconcile removes QEMU, the namespace, the link and the
+    chains."""
+    from dsec_cli.backends.vm.qemu import _find_qemu
+
+    code = ("import sys; from dsec_cli.api.sandboxes import Sandbox\n"
+            "Sandbox(sys.argv[1], 'microvm', network='allowlist', egress=['host:9'])\n")
+    before = {r.id for r in node.db.all()}
+    p = subprocess.Popen([sys.executable, "-c", code, TASK], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    sid = ""
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            new = {r.id for r in node.db.all()} - before
+            sid = next(iter(new), "")
+            if sid and Path("/run/netns", egress.names(sid)["netns"]).exists() \
+                    and _find_qemu(sid) is not None:
+                break
+            assert p.poll() is None, "the create ended before its QEMU was seen"
+            time.sleep(0.1)
+        assert sid and _find_qemu(sid) is not None, "no QEMU started in the namespace"
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
+    assert sid not in {r.id for r in node.sandboxes()}  # reconciled: the create was aborted
+    assert _find_qemu(sid) is None
     assert _leftovers(sid) == []
