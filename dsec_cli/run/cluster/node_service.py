@@ -167,6 +167,7 @@ class NodeService:
         from ..grade import grade
 
         timeout = validate.positive_float(args.get("timeout"), "--timeout")
+        validate.image(str(args["grader"]), "--grader")
         return to_wire(grade(self.node, str(args["id"]), str(args["grader"]),
                              backend=str(args.get("backend") or "container"),
                              timeout=timeout))
