@@ -75,14 +75,11 @@ def git_check(ref: str, path: str, store: str | Store | None = None) -> GitCheck
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _local(sandbox_id: str, state_dir: str | Path | None) -> Node:
+def _node(sandbox_id: str, state_dir: str | Path | None) -> Any:
+    """This node, or the cluster node (a `RemoteNode`) a ``NODE/ID`` sandbox is on."""
     from .sandboxes import target
 
-    node = target(sandbox_id, None, state_dir)
-    if not isinstance(node, Node):
-        raise UsageError(f"sandbox {sandbox_id} is on a cluster node: grade it on that node "
-                         "(`ssh NODE dsec grade ...`)")
-    return node
+    return target(sandbox_id, None, state_dir)
 
 
 def grade(sandbox_id: str, grader: str, *, timeout: float | str | None = None,
@@ -90,20 +87,25 @@ def grade(sandbox_id: str, grader: str, *, timeout: float | str | None = None,
     """Score a sandbox in a fork started from the grader image ``grader`` (the task image's
     layers and the hidden tests): only the agent's changes on the task's patch surface are
     taken; the grader's command runs with its own limits and no network. The fork is
-    removed whatever happens."""
+    removed whatever happens. A cluster sandbox (``NODE/ID``) is graded on its node."""
     from ..core import validate
     from ..run.grade import grade as _grade
 
     validate.image(grader, "--grader")
     secs = None if timeout is None else float(timeout) if isinstance(timeout, int | float) \
         else validate.duration(timeout, "--timeout")
-    return _grade(_local(sandbox_id, state_dir), sandbox_id, grader, backend=backend,
-                  timeout=secs)
+    node = _node(sandbox_id, state_dir)
+    if not isinstance(node, Node):
+        return node.grade(sandbox_id, grader, backend=backend, timeout=secs)  # type: ignore
+    return _grade(node, sandbox_id, grader, backend=backend, timeout=secs)
 
 
 def start_task(sandbox_id: str, state_dir: str | Path | None = None) -> dict[str, Any]:
     """Record the protected paths' digests now: grading reports what changed since."""
     from ..run.grade import start_task as _start
 
-    return _start(_local(sandbox_id, state_dir), sandbox_id)
+    node = _node(sandbox_id, state_dir)
+    if not isinstance(node, Node):
+        return node.start_task(sandbox_id)  # type: ignore[attr-defined]
+    return _start(node, sandbox_id)
 

@@ -203,9 +203,9 @@ class Sandbox:
         """Replace what this sandbox may reach (``[]``: nothing); logged beside it."""
         from ..run.network import set_egress
 
-        if not hasattr(self.node, "backend"):
-            raise UsageError("egress of a cluster node's sandbox is changed on that node")
-        return set_egress(self.node, self.id, rules)  # type: ignore[arg-type]
+        if not isinstance(self.node, Node):  # a cluster node changes it on its side
+            return self.node.set_egress(self.id, list(rules))  # type: ignore[attr-defined]
+        return set_egress(self.node, self.id, rules)
 
     def start_task(self) -> dict[str, Any]:
         """Record the task's protected paths now; `grade` reports what changed since."""

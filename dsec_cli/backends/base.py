@@ -9,12 +9,15 @@ database keeps, so a restarted dsec process can exec into, reconcile or destroy 
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar, Literal, Protocol
 
-from ..core.errors import UsageError
+from ..core.errors import DsecError, UsageError
+
+log = logging.getLogger(__name__)
 
 #: called with ("stdout" | "stderr", bytes) as output arrives
 OutputCallback = Callable[[str, bytes], None]
@@ -161,9 +164,37 @@ class Backend(abc.ABC):
         raise UsageError(f"{self.name} sandboxes cannot be snapshotted")
 
     def set_egress(self, handle: SandboxHandle, rules: list[str]) -> None:
-        """Replace a running sandbox's egress allowlist (network "allowlist" only)."""
-        raise UsageError(f"{self.name} sandboxes have no egress allowlist: use the "
-                         "container backend with network allowlist")
+        """Replace a running sandbox's egress allowlist (network "allowlist" only): the
+        host-side filter of its link (backends/egress.py), the same for every backend."""
+        eg = handle.state.get("egress")
+        if not eg:
+            raise UsageError(f"sandbox {handle.sandbox_id} was not created with network "
+                             "allowlist: its egress cannot change")
+        from . import egress
+
+        egress.set_rules(eg, rules)
+        self.pin_names(handle)
+
+    def pin_names(self, handle: SandboxHandle) -> None:
+        """Write the allowlist's names, as the host resolved them, into the sandbox's
+        /etc/hosts (through its agent, in its own view; earlier pins replaced). A sandbox
+        whose /etc is read-only (fncall) keeps its file: its rules hold, names do not
+        resolve inside."""
+        eg = handle.state.get("egress") or {}
+        if not eg.get("pins") and not eg.get("pinned"):
+            return
+        from . import egress
+
+        try:
+            try:
+                old = self.get_file(handle, "/etc/hosts")
+            except DsecError:
+                old = b""
+            self.put_file(handle, "/etc/hosts", egress.hosts_file(old, eg.get("pins", {})))
+            eg["pinned"] = bool(eg.get("pins"))
+        except DsecError as e:
+            log.warning(
+                "sandbox %s: egress names not pinned in /etc/hosts: %s", handle.sandbox_id, e)
 
     def is_alive(self, handle: SandboxHandle) -> bool:
         return True

@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..core.errors import BackendError, UsageError
+from ..core.errors import BackendError
 from . import _cgroups, _rootfs, seccomp
 from .agented import AGENT_SOCKET_FD, CgroupAgentBackend, bind_agent_socket
 from .base import (
@@ -178,6 +178,7 @@ class ContainerBackend(CgroupAgentBackend):
 
                 handle.state["egress"] = egress.attach(spec.sandbox_id, pid, list(spec.egress),
                                                        sdir)
+                self.pin_names(handle)
         except BaseException:
             self.destroy(handle)
             raise
@@ -246,22 +247,9 @@ class ContainerBackend(CgroupAgentBackend):
         out = {"pid": handle.state.get("pid"), "cgroup": handle.state["cgroup"],
                "runtime": "runc", "network": handle.state.get("network"),
                "paused": cg.frozen(), **cg.counters()}
-        eg = handle.state.get("egress")
-        if eg:
-            from . import egress
-
-            out["egress"] = {"rules": eg.get("rules", []), "gateway": eg["gateway"],
-                             "address": eg["address"], "dropped": egress.dropped(eg)}
-        return out
-
-    def set_egress(self, handle: SandboxHandle, rules: list[str]) -> None:
-        eg = handle.state.get("egress")
-        if not eg:
-            raise UsageError(f"sandbox {handle.sandbox_id} was not created with network "
-                             "allowlist: its egress cannot change")
         from . import egress
 
-        egress.set_rules(eg, rules)
+        return {**out, **egress.describe(handle.state)}
 
     def _runc(self, st: dict[str, Any], *args: str, check: bool = True) -> str:
         argv = [runc_binary(), "--root", st["runc_root"], *args]

@@ -62,6 +62,19 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def _in_netns(bwrap_pid: int) -> int:
+    """A process of the sandbox's own network namespace (bwrap itself stays in the host's):
+    where the egress link goes."""
+    host = os.readlink(f"/proc/{bwrap_pid}/ns/net")
+    for p in descendants(bwrap_pid):
+        try:
+            if os.readlink(f"/proc/{p}/ns/net") != host:
+                return p
+        except OSError:
+            continue
+    raise BackendError(f"bwrap {bwrap_pid} made no network namespace")
+
+
 class FncallBackend(CgroupAgentBackend):
     name: ClassVar[str] = "fncall"
 
@@ -101,6 +114,11 @@ class FncallBackend(CgroupAgentBackend):
                 cg.add(p)
             if lim.cpu_class:
                 cg.apply_class(lim.cpu_class)
+            if spec.network == "allowlist":
+                from . import egress
+
+                handle.state["egress"] = egress.attach(spec.sandbox_id, _in_netns(pid),
+                                                       list(spec.egress), sdir)
         except BaseException:
             self.destroy(handle)
             raise
@@ -185,6 +203,10 @@ class FncallBackend(CgroupAgentBackend):
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
+        from . import egress
+
+        if st.get("network") == "allowlist" or egress.attached(handle.sandbox_id):
+            egress.detach(handle.sandbox_id)  # also after a create killed midway
         if st.get("rootfs"):
             _rootfs.umount(Path(st["rootfs"]))
 
@@ -193,6 +215,9 @@ class FncallBackend(CgroupAgentBackend):
                          "use the container backend to snapshot")
 
     def describe(self, handle: SandboxHandle) -> dict[str, Any]:
+        from . import egress
+
         cg = _cgroups.Cgroup(handle.state["cgroup"])
         return {"pid": handle.state.get("pid"), "runtime": "bwrap", "paused": cg.frozen(),
-                "network": handle.state.get("network"), **cg.counters()}
+                "network": handle.state.get("network"), **cg.counters(),
+                **egress.describe(handle.state)}

@@ -104,7 +104,7 @@ def register(app: typer.Typer) -> None:
     def egress(
         sandbox: Annotated[str, typer.Argument(help="a sandbox created with network allowlist")],
         rules: Annotated[list[str] | None, typer.Argument(
-            help="host, host:PORT or IPV4:PORT; none given: nothing may leave",
+            help="host, host:PORT, IPV4:PORT or NAME:PORT; none given: nothing may leave",
             show_default=False)] = None,
         as_json: Annotated[bool, _JSON] = False,
     ) -> None:

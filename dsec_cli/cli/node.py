@@ -135,6 +135,9 @@ def _host(facts: dict[str, Any], json_out: bool) -> None:
                                f"{human_bytes(ksm.get('saved_bytes', 0))}"))
     for backend, how in facts.get("park", {}).items():
         typer.echo(f"park {backend + ':':11s}{how}")
+    eg = facts.get("egress") or {}
+    typer.echo("egress:   " + ("allowlists ready (ip_forward not needed)" if eg.get("ready")
+                               else "allowlists need " + ", ".join(eg.get("missing", []))))
     for note in facts["notes"]:
         typer.echo(f"note: {note}")
 

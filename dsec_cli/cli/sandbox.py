@@ -80,8 +80,8 @@ def register(app: typer.Typer) -> None:
             help="none (loopback only) | host | allowlist (only what --egress names)")
                            ] = "none",
         egress: Annotated[list[str] | None, typer.Option(  # noqa: UP007
-            "--egress", help="with --network allowlist: host:PORT (this node) or IPV4:PORT "
-                             "the sandbox may reach (repeatable)")] = None,
+            "--egress", help="with --network allowlist: host:PORT (this node), IPV4:PORT or "
+                             "NAME:PORT the sandbox may reach (repeatable)")] = None,
         disk: Annotated[str | None, typer.Option(  # noqa: UP007
             help="what the sandbox may write, e.g. 1G (past it: ENOSPC inside)")] = None,
         env: EnvOpt = None,

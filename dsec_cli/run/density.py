@@ -440,10 +440,17 @@ def host_facts() -> dict[str, Any]:
     if not criu["usable"]:
         notes.append(f"no process checkpoints ({criu['reason']}): container and fncall "
                      "sandboxes park in place and thaw on the same node only")
+    from ..backends.egress import host_facts as egress_facts
+
+    egress = egress_facts()
+    if egress["missing"]:
+        notes.append("network allowlist unavailable: missing " + ", ".join(egress["missing"])
+                     + " (scripts/setup.sh installs iproute2 and iptables)")
     return {"cgroup_controllers": controllers, "reclaim": reclaim, "cpu_idle": cpu_idle,
             "swap_total": info.get("SwapTotal", 0), "swap_free": info.get("SwapFree", 0),
             "zswap": zswap_enabled(), "ksm": ksm,
-            "park": park_mechanisms(info.get("SwapTotal", 0)), "criu": criu, "notes": notes}
+            "park": park_mechanisms(info.get("SwapTotal", 0)), "criu": criu, "egress": egress,
+            "notes": notes}
 
 
 def setup(swap: int | None = None, swap_file: Path | None = None,

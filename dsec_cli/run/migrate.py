@@ -75,6 +75,9 @@ def export_parked(node: Node, sid: str) -> dict[str, Any]:
     if rec.status != "parked" or not vmpark.saved(h):
         raise UsageError(f"sandbox {rec.id} is not parked to a state file (it is {rec.status})",
                          hint=f"dsec park {rec.id}")
+    if h.state.get("network") == "allowlist":
+        raise UsageError(f"sandbox {rec.id} has an egress allowlist, whose network namespace "
+                         "and host-side filter are this node's: it cannot move")
     job = _job_of(node, rec.id)
     if job is not None:
         raise UsageError(f"sandbox {rec.id} belongs to job {job}, whose journal is kept on "

@@ -62,9 +62,6 @@ class CreateOptions:
         if self.network == "allowlist":
             from ..backends.egress import parse_rule
 
-            if self.backend != "container":
-                raise UsageError(f"network allowlist is offered by the container backend, "
-                                 f"not {self.backend}")
             for rule in self.egress:
                 parse_rule(rule)
         if self.workdir is not None and not self.workdir.startswith("/"):

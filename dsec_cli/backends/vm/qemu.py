@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from ...core.config import env, load_config
 from ...core.errors import BackendError, SandboxError, UsageError
-from .. import _cgroups
+from .. import _cgroups, egress
 from ..agented import AgentBackend
 from ..base import (
     BackendContext,
@@ -161,8 +161,9 @@ class QemuBackend(AgentBackend):
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", spec.sandbox_id):
             raise UsageError(f"invalid sandbox id {spec.sandbox_id!r}: use letters, digits, "
                              "'.', '_' and '-' (at most 64)")
-        if spec.network not in ("none", "host"):
-            raise UsageError(f"unknown network policy {spec.network!r}: choose none or host")
+        if spec.network not in ("none", "host", "allowlist"):
+            raise UsageError(f"unknown network policy {spec.network!r}: choose none, host or "
+                             "allowlist")
         lim = spec.limits
         if lim.memory is not None and lim.memory < MIN_MEMORY:
             raise UsageError(f"memory limit {lim.memory} bytes is too small for a VM "
@@ -209,6 +210,11 @@ class QemuBackend(AgentBackend):
                 "-device", f"{self.balloon_dev},free-page-reporting=on"]
         if spec.network == "host":
             argv += ["-netdev", "user,id=net0", "-device", f"{self.net_dev},netdev=net0"]
+        elif spec.network == "allowlist":
+            # the tap of the VM's own namespace, bridged to its filtered link (egress.py):
+            # QEMU is started in that namespace (`_launch`)
+            argv += ["-netdev", f"tap,id=net0,ifname={egress.TAP},script=no,downscript=no",
+                     "-device", f"{self.net_dev},netdev=net0"]
         if snap:
             # a new generation id per restore: where the guest's firmware tables expose it
             # (q35), the kernel reseeds its CRNG the moment the guest resumes
@@ -240,6 +246,13 @@ class QemuBackend(AgentBackend):
         return kernel, initramfs, root
 
     def _launch(self, spec: SandboxSpec, st: dict[str, Any], argv: list[str]) -> None:
+        if spec.network == "allowlist":
+            # the link and its filter exist before the guest does; rules as asked (none
+            # for a template's boot: what a snapshot keeps must not depend on them)
+            egress.make_netns(spec.sandbox_id)
+            st["egress"] = egress.attach(spec.sandbox_id, egress.names(spec.sandbox_id)["netns"],
+                                         list(spec.egress), spec.state_dir, guest=True)
+            argv = [*egress.netns_argv(spec.sandbox_id), *argv]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         if proc.returncode != 0:
             raise BackendError(f"QEMU could not start sandbox {spec.sandbox_id}: "
@@ -267,6 +280,8 @@ class QemuBackend(AgentBackend):
             st["accel"], st["root_image"] = acc["accel"], str(root)
             self._launch(spec, st, self._argv(spec, st, kernel, initramfs, root, disk, snap))
             self._wait_ready(handle)
+            if not snap:
+                self._use_link(handle)
         except BaseException:
             self.destroy(handle)
             raise
@@ -297,7 +312,8 @@ class QemuBackend(AgentBackend):
                 return tdir
             work = vmsnap.build_dir(self.vm_dir, spec.sandbox_id)
             tspec = dataclasses.replace(spec, sandbox_id=_template_id(spec.sandbox_id),
-                                        state_dir=work / "vm", hostname="sandbox", env={})
+                                        state_dir=work / "vm", hostname="sandbox", env={},
+                                        egress=())
             out = work / "out"
             out.mkdir(parents=True, exist_ok=True)
             (out / "key.json").write_text(doc + "\n")
@@ -334,10 +350,23 @@ class QemuBackend(AgentBackend):
             vmsnap.wait_restored(st["qmp"], self.boot_timeout, lambda: self.is_alive(handle))
             self._wait_ready(handle, RESTORED_RETRY)
             self._set_identity(handle, spec)
+            self._use_link(handle)
         except BaseException:
             self.destroy(handle)
             raise
         return handle
+
+    def _use_link(self, handle: SandboxHandle) -> None:
+        """An allowlist guest's eth0 gets its address and route (not on the kernel command
+        line: a restored guest shares its template's)."""
+        eg = handle.state.get("egress")
+        if not eg:
+            return
+        r = self.client(handle).exec(egress.guest_setup(eg), {}, "/", b"", 60)
+        if r.exit_code != 0:
+            raise SandboxError(f"configuring the network of sandbox {handle.sandbox_id} "
+                               f"failed: {r.stderr.decode(errors='replace').strip()}")
+        self.pin_names(handle)
 
     def _set_identity(self, handle: SandboxHandle, spec: SandboxSpec) -> None:
         """Hostname, a CRNG reseeded from host randomness, a fresh machine id: what a
@@ -456,6 +485,8 @@ class QemuBackend(AgentBackend):
             Path(st["disk"]).unlink(missing_ok=True)
         if st.get("state_dir"):
             vmpark.remove_files(Path(st["state_dir"]))
+        if st.get("network") == "allowlist" or egress.attached(handle.sandbox_id):
+            egress.detach(handle.sandbox_id)  # also after a create killed midway
 
     def _is_our_qemu(self, handle: SandboxHandle, pid: int) -> bool:
         """True if `pid` is still this sandbox's QEMU (not a reused pid)."""
@@ -533,7 +564,8 @@ class QemuBackend(AgentBackend):
                 "accel": st.get("accel"), "network": st.get("network"),
                 "root_image": st.get("root_image"), "console": st.get("console"),
                 "paused": self.is_paused(handle) if self._running(handle) else False,
-                "parked_to": str(vmpark.state_file(handle)) if vmpark.saved(handle) else None}
+                "parked_to": str(vmpark.state_file(handle)) if vmpark.saved(handle) else None,
+                **egress.describe(st)}
 
     def _running(self, handle: SandboxHandle) -> bool:
         pid = handle.state.get("pid")

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...core.errors import BackendError, SandboxError
-from .. import _cgroups
+from .. import _cgroups, egress
 from ..base import SandboxHandle
 from . import vmsnap
 from .qemu_qmp import QMPError, qmp
@@ -223,6 +223,8 @@ def thaw(b: QemuBackend, handle: SandboxHandle, commit: Callable[[dict[str, Any]
         Path(st["run_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
         for name in ("qmp", "agent_sock", "pidfile"):
             Path(st[name]).unlink(missing_ok=True)
+        if st.get("network") == "allowlist":  # back into its namespace, behind its filter
+            argv = [*egress.netns_argv(handle.sandbox_id), *argv]
         try:
             _start(st, argv + ["-S", "-incoming", f"exec:cat {vmsnap._quote(final)}"],
                    cpu_class)

@@ -193,6 +193,29 @@ class NodeService:
     def gc(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         return self.node.gc(args.get("budget"), bool(args.get("dry_run")))
 
+    # -- the grader plane (docs/grader.md): run on the sandbox's own node ----------------------
+    def grade(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        from ..grade import grade
+
+        timeout = validate.positive_float(args.get("timeout"), "--timeout")
+        validate.image(str(args["grader"]), "--grader")
+        return to_wire(grade(self.node, str(args["id"]), str(args["grader"]),
+                             backend=str(args.get("backend") or "container"),
+                             timeout=timeout))
+
+    def start_task(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        from ..grade import start_task
+
+        return start_task(self.node, str(args["id"]))
+
+    def egress(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        from ..network import set_egress
+
+        rules = args.get("rules")
+        if not isinstance(rules, list) or not all(isinstance(r, str) for r in rules):
+            raise UsageError("egress rules must be a list of strings")
+        return set_egress(self.node, str(args["id"]), rules)
+
     def job(self, args: dict[str, Any], emit: Emit) -> Any:
         """A job request (run/cluster/jobs.py): leases, rollouts, journaled execs, replay."""
         from .jobs import serve
@@ -201,7 +224,8 @@ class NodeService:
 
     OPS = ("hello", "info", "create", "exec", "put", "get", "lookup", "remove", "pause",
            "resume", "describe", "snapshot", "fork", "ps", "gc", "job", "park", "thaw",
-           "top", "park_export", "park_incoming", "park_import")
+           "top", "park_export", "park_incoming", "park_import", "grade", "start_task",
+           "egress")
 
     def handle(self, msg: dict[str, Any], emit: Emit) -> Any:
         op = msg.get("op")

@@ -563,6 +563,28 @@ class RemoteNode:
         out["copies"] = [self._rec(d) for d in out.get("copies", [])]
         return out
 
+    def grade(self, sid: str, grader: str, *, backend: str = "container",
+              timeout: float | None = None) -> Any:
+        """Score a sandbox of this node on the node itself (`run.grade.grade` there): its
+        fork is made, run and removed there, also if this client goes away midway."""
+        from ..grade import GradeResult
+
+        res = from_wire(GradeResult, self.call("grade", {
+            "id": self.local_id(sid), "grader": grader, "backend": backend,
+            "timeout": timeout}))
+        res.sandbox = f"{self.name}/{res.sandbox}"
+        if res.fork:
+            res.fork = f"{self.name}/{res.fork}"
+        return res
+
+    def start_task(self, sid: str) -> dict[str, Any]:
+        out = dict(self.call("start_task", {"id": self.local_id(sid)}))
+        out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
+        return out
+
+    def set_egress(self, sid: str, rules: list[str]) -> dict[str, Any]:
+        return dict(self.call("egress", {"id": self.local_id(sid), "rules": list(rules)}))
+
     def fetch_stats(self, rec: RemoteRecord) -> dict[str, Any] | None:
         """A lazily fetched sandbox's fetch figures, as its node reports them (None for
         eagerly fetched ones, without asking the node)."""
