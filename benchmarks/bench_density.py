@@ -21,18 +21,15 @@ quotes them with the load they were measured under.
 from __future__ import annotations
 
 import argparse
+import math
 import os
-import shutil
+import resource
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from .common import save
+from .common import busybox_node, meminfo, node_run, save
 
-REPO = Path(__file__).resolve().parents[1]
 IMAGE = "busybox@1.35-1"
 
 
@@ -58,39 +55,37 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--idle", type=int, default=8)
     ap.add_argument("--hold", type=int, default=64, help="MiB each idle sandbox touches")
     ap.add_argument("--vms", type=int, default=0, help="idle microvms for the KSM phase")
+    ap.add_argument("--held", type=int, default=0, metavar="N",
+                    help="instead: hold N idle 1 GiB sandboxes with reclamation on")
+    ap.add_argument("--step", type=int, default=25, help="--held: sandboxes per ramp batch")
+    ap.add_argument("--floor", type=int, default=2048,
+                    help="--held: MiB of MemAvailable below which the ramp stops")
+    ap.add_argument("--idle-after", type=float, default=2.0,
+                    help="--held: seconds without exec after which idle reclaim takes a batch")
     ap.add_argument("--label", default="")
     args = ap.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-density-", dir="/var/tmp"))
-    os.environ.update({"DSEC_STATE_DIR": str(tmp / "node"), "DSEC_STORE": (tmp / "store").as_uri(),
-                       "XDG_DATA_HOME": str(tmp / "data"), "XDG_CONFIG_HOME": str(tmp / "cfg")})
-    swap = None
-    try:
-        from dsec_cli.run import density
-
-        if not density.host_facts()["swap_total"]:
-            swap = tmp / "bench.swap"
-            density.add_swap(swap, (args.idle * args.hold + 256) << 20)
-        res = run(args, tmp)
-        res["swap_made_for_run"] = swap is not None
-        name = "density" + (f"-{args.label}" if args.label else "")
+    if args.held:
+        if args.held < 1 or args.step < 1 or args.hold < 1:
+            ap.error("--held, --step and --hold must be positive")
+        swap = held_swap(args.held, args.hold)
+    else:
+        swap = (args.idle * args.hold + 256) << 20
+    tmp = busybox_node("dsec-bench-density-", config=True)
+    with node_run(tmp, swap=swap) as made:
+        if args.held:
+            res = held(args)
+            name = "density-held"
+        else:
+            res = run(args)
+            name = "density"
+        res["swap_made_for_run"] = made is not None
+        name += f"-{args.label}" if args.label else ""
         print(save(name, res))
-    finally:
-        from dsec_cli.run.node import Node
-
-        node = Node()
-        for r in node.db.all():
-            node.remove(r.id)
-        if swap is not None:
-            density.remove_swap(swap)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
-    from dsec_cli.build.builder import build
+def run(args: argparse.Namespace) -> dict[str, Any]:
     from dsec_cli.run.node import CreateOptions, Node
 
-    build([REPO / "layerspecs/busybox/busybox.yaml"], os.environ["DSEC_STORE"])
     node = Node()
     lat = node.create(IMAGE, CreateOptions(cpu_class="latency")).id
     plain = node.create(IMAGE, CreateOptions()).id
@@ -181,3 +176,158 @@ def ksm_phase(node: Any, n: int) -> dict[str, Any]:
             (density.KSM / "run").write_text("2")
         for k, v in saved.items():
             (density.KSM / k).write_text(v)
+
+
+# -- held: how many idle sandboxes one node keeps alive ------------------------------------------
+MiB = 1 << 20
+DECLARED = 1 << 30  # what each held sandbox declares
+
+
+def held_swap(n: int, hold: int) -> int:
+    """Swap for n sandboxes' held memory, their agents' and shells' own pages, and 1 GiB."""
+    return n * (hold + 2) * MiB + 1024 * MiB
+
+
+def _mem_used() -> int:
+    m = meminfo()
+    return m["MemTotal"] - m["MemAvailable"]
+
+
+def _swap_used() -> int:
+    m = meminfo()
+    return m["SwapTotal"] - m["SwapFree"]
+
+
+def _raise_nofile(need: int) -> None:
+    """One agent connection per sandbox stays open in this process: lift the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise SystemExit(f"open files limit {hard} is under the {need} this run needs "
+                             "(one agent connection per sandbox): raise it (ulimit -Hn)")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def held(args: argparse.Namespace) -> dict[str, Any]:
+    """Ramp up to ``args.held`` idle container sandboxes, each declaring 1 GiB and holding
+    ``args.hold`` MiB of random bytes, in batches of ``args.step``: a batch is created
+    (admitted by the node's capacity with a memory overcommit ratio written to its
+    capacity.yaml), fills its memory, and once idle the node's idle-reclaim policy pushes it
+    out to swap. The ramp stops early, saying why, if MemAvailable would go under
+    ``args.floor`` MiB, swap runs short or admission refuses. Then the memory figures, and
+    every sandbox is checked: it answers an exec and its holder is still there."""
+    from dsec_cli.backends import _cgroups
+    from dsec_cli.core.errors import DsecError
+    from dsec_cli.run import density
+    from dsec_cli.run.cluster.admission import Admission
+    from dsec_cli.run.node import CreateOptions, Node
+
+    n, hold, floor = args.held, args.hold, args.floor * MiB
+    _raise_nofile(n + 1024)
+    node = Node()
+    ratio = max(1, math.ceil(n * DECLARED * 1.05 / meminfo()["MemTotal"]))
+    (node.root / "capacity.yaml").write_text(f"memory_overcommit: {ratio}\n")
+    adm = Admission(node)
+    fill = ["sh", "-c", f"(dd if=/dev/urandom bs={hold}M count=1 iflag=fullblock | "
+                        "sleep 1000000) >/dev/null 2>&1 &"]
+
+    def cgroup(sid: str) -> _cgroups.Cgroup:
+        return _cgroups.Cgroup(f"{node.cgroup_parent}/{sid}")
+
+    def create() -> str:
+        token = adm.reserve(None, DECLARED, "idle")
+        try:
+            return node.create(IMAGE, CreateOptions(cpu_class="idle", memory=DECLARED),
+                               from_pool=False, sid=token).id
+        finally:
+            adm.release(token)
+
+    base_used, base_swap = _mem_used(), _swap_used()
+    base_rss = _rss_self()
+    load0 = os.getloadavg()
+    ids: list[str] = []
+    stopped = ""
+    create_s = reclaim_s = 0.0
+    t_start = time.monotonic()
+    while len(ids) < n and not stopped:
+        step = min(args.step, n - len(ids))
+        batch: list[str] = []
+        for _ in range(step):
+            m = meminfo()
+            if m["MemAvailable"] < floor + 2 * hold * MiB:
+                stopped = f"MemAvailable {m['MemAvailable'] >> 20} MiB reached the floor"
+            elif m["SwapFree"] < 2 * hold * MiB:
+                stopped = f"swap nearly full ({m['SwapFree'] >> 20} MiB free)"
+            if stopped:
+                break
+            t0 = time.perf_counter()
+            try:
+                sid = create()
+            except DsecError as e:
+                stopped = f"create refused: {e}"
+                break
+            create_s += time.perf_counter() - t0
+            node.exec(sid, fill)
+            batch.append(sid)
+        ids += batch
+        deadline = time.monotonic() + 120 + 2 * len(batch)
+        for sid in batch:  # every holder has its bytes before the batch is reclaimed
+            while cgroup(sid).memory_use().get("anon", 0) < (hold - 4) * MiB:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"sandbox {sid} did not fill {hold} MiB in time")
+                time.sleep(0.1)
+        time.sleep(args.idle_after)  # the batch has been idle that long: the policy takes it
+        t0 = time.perf_counter()
+        density.reclaim_idle(node, args.idle_after)
+        reclaim_s += time.perf_counter() - t0
+        print(f"{len(ids)} held, MemAvailable {meminfo()['MemAvailable'] >> 20} MiB, "
+              f"swap used {(_swap_used() - base_swap) >> 20} MiB", flush=True)
+    ramp_s = time.monotonic() - t_start
+    time.sleep(5)  # settles: nothing in the sandboxes runs, so nothing comes back
+    used = _mem_used() - base_used
+    usage = {sid: cgroup(sid).memory_use() for sid in ids}
+    group = sum(u.get("resident", 0) for u in usage.values())
+    swapped = sum(u.get("swapped", 0) for u in usage.values())
+    swap_used = _swap_used() - base_swap
+    load1 = os.getloadavg()
+    # measured: now every sandbox must answer and still hold its bytes (in RAM or swap)
+    alive, dead = 0, []
+    for sid in ids:
+        try:
+            r = node.exec(sid, ["pidof", "dd"], timeout=60)
+            ok = r.exit_code == 0 and r.stdout.strip() != b""
+        except DsecError:
+            ok = False
+        u = usage[sid]
+        if ok and u.get("resident", 0) + u.get("swapped", 0) >= (hold - 4) * MiB:
+            alive += 1
+        else:
+            dead.append(sid)
+    total_s = time.monotonic() - t_start
+    res: dict[str, Any] = {
+        "asked": n, "created": len(ids), "alive": alive, "not_alive": dead[:20],
+        "stopped_early": stopped or None, "declared_mib_each": DECLARED >> 20,
+        "hold_mib_each": hold, "memory_overcommit": ratio,
+        "host_used_delta_mib": round(used / MiB, 1),
+        "per_sandbox_host_mib": round(used / max(1, alive) / MiB, 2),
+        "cgroup_resident_total_mib": round(group / MiB, 1),
+        "per_sandbox_cgroup_mib": round(group / max(1, len(ids)) / MiB, 2),
+        "cgroup_swapped_total_mib": round(swapped / MiB, 1),
+        "swap_used_delta_mib": round(swap_used / MiB, 1),
+        "bench_process_rss_delta_mib": round((_rss_self() - base_rss) / MiB, 1),
+        "create_per_s": round(len(ids) / create_s, 2) if create_s else None,
+        "ramp_s": round(ramp_s, 1), "reclaim_s": round(reclaim_s, 1),
+        "total_s": round(total_s, 1),
+        "loadavg_start": [round(x, 2) for x in load0],
+        "loadavg_end": [round(x, 2) for x in load1]}
+    for k, v in res.items():
+        print(f"{k}: {v}")
+    return res
+
+
+def _rss_self() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    return 0
