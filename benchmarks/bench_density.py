@@ -1,7 +1,10 @@
 """Density benchmark (on demand, as root): latency-class exec under a saturating batch load,
-and memory given back by idle sandboxes.
+memory given back by idle sandboxes, KSM on idle VMs, and how many idle sandboxes one node
+holds.
 
-    python -m benchmarks density [--n 300] [--batch 4] [--idle 8] [--hold 64]
+    python -m benchmarks density [--n 300] [--batch 4] [--idle 8] [--hold 64] [--vms 3]
+    python -m benchmarks density --vms 3 --ksm-only
+    python -m benchmarks density --held 1000 [--step 25] [--floor 2048]
 
 1. A ``latency``-class container and a default (``batch``) container, both idle: the warm
    exec round trip of ``true`` (p50/p99), unloaded.
@@ -11,11 +14,22 @@ and memory given back by idle sandboxes.
    peer in the same run, the default-class one.
 3. The idle sandboxes reclaimed (node gc's idle policy, to a swap file made for the run when
    the host has no swap): resident bytes before and after.
-4. With ``--vms N``: N idle 512 MiB microvms, their QEMUs' resident memory with KSM off, then
-   with KSM on (scanning fast) once merging settles; the host's KSM settings are restored.
+4. With ``--vms N``: N idle 512 MiB microvms with KSM off, then N new ones after
+   `node setup --ksm`, merging settled (two full scans, then stable): their QEMUs' Pss and
+   the host's used memory, per VM. The host's KSM settings are restored.
 
-Writes benchmarks/results/density[-LABEL].json and prints the figures; docs/benchmarks.md
-quotes them with the load they were measured under.
+``--held N`` instead: N idle container sandboxes, each declaring 1 GiB (admitted under a
+memory overcommit ratio written to the node's capacity.yaml) and holding ``--hold`` MiB of
+random bytes, ramped in batches of ``--step``, each batch pushed to swap by the idle-reclaim
+policy once idle. The ramp stops early (and says why) if MemAvailable would fall under
+``--floor`` MiB. Then: how many answer an exec and still hold their bytes, host memory used
+(MemTotal - MemAvailable over the start, and the sum of the sandboxes' cgroups), per
+sandbox, swap used, create rate and times. A swap file is made for the run when the host has
+none (refused if the disk cannot take it); sandboxes and swap file are removed after, also
+on Ctrl-C.
+
+Writes benchmarks/results/density[-held][-LABEL].json and prints the figures;
+docs/benchmarks.md quotes them with the load they were measured under.
 """
 
 from __future__ import annotations
@@ -28,9 +42,10 @@ import statistics
 import time
 from typing import Any
 
-from .common import busybox_node, meminfo, node_run, save
+from .common import busybox_node, meminfo, node_run, remove_sandboxes, save
 
 IMAGE = "busybox@1.35-1"
+MiB = 1 << 20
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -55,6 +70,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--idle", type=int, default=8)
     ap.add_argument("--hold", type=int, default=64, help="MiB each idle sandbox touches")
     ap.add_argument("--vms", type=int, default=0, help="idle microvms for the KSM phase")
+    ap.add_argument("--ksm-only", action="store_true", help="only the KSM phase (--vms)")
     ap.add_argument("--held", type=int, default=0, metavar="N",
                     help="instead: hold N idle 1 GiB sandboxes with reclamation on")
     ap.add_argument("--step", type=int, default=25, help="--held: sandboxes per ramp batch")
@@ -68,6 +84,10 @@ def main(argv: list[str]) -> None:
         if args.held < 1 or args.step < 1 or args.hold < 1:
             ap.error("--held, --step and --hold must be positive")
         swap = held_swap(args.held, args.hold)
+    elif args.ksm_only:
+        if args.vms < 1:
+            ap.error("--ksm-only needs --vms N")
+        swap = 0
     else:
         swap = (args.idle * args.hold + 256) << 20
     tmp = busybox_node("dsec-bench-density-", config=True)
@@ -75,6 +95,12 @@ def main(argv: list[str]) -> None:
         if args.held:
             res = held(args)
             name = "density-held"
+        elif args.ksm_only:
+            from dsec_cli.run.node import Node
+
+            res = {"ksm": ksm_phase(Node(), args.vms)}
+            print("ksm", res["ksm"])
+            name = "density-ksm"
         else:
             res = run(args)
             name = "density"
@@ -140,35 +166,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def ksm_phase(node: Any, n: int) -> dict[str, Any]:
+    """n idle 512 MiB microvms on the node as it is with KSM off, then n new ones after
+    `node setup --ksm` (VMs booted while KSM runs zero what their guests free), each fleet
+    measured once idle (and, with KSM, once merging settled): the QEMUs' proportional
+    resident memory (Pss: a merged page counts once over its sharers) and the host's
+    MemTotal - MemAvailable over what it was before the fleet. KSM's settings are restored."""
     from dsec_cli.run import density
-    from dsec_cli.run.node import CreateOptions
 
-    names = ("run", "pages_to_scan", "sleep_millisecs")
-    saved = {k: (density.KSM / k).read_text().strip() for k in names}
+    names = ("run", "pages_to_scan", "sleep_millisecs", "use_zero_pages")
+    saved = {k: (density.KSM / k).read_text().strip() for k in names
+             if (density.KSM / k).exists()}
     try:
         (density.KSM / "run").write_text("2")  # off, nothing merged
-        vms = [node.create(IMAGE, CreateOptions(backend="microvm", memory=512 << 20)).id
-               for _ in range(n)]
-        time.sleep(10)  # boot settles, freed pages reported back
-
-        def resident() -> int:
-            return sum(d.get("resident", 0) for d in node.top() if d["id"] in vms)
-
-        off = resident()
+        off = _vm_fleet(node, n, merge=False)
         density.setup(ksm=True, ksm_pages=4000)
         (density.KSM / "sleep_millisecs").write_text("10")
-        last, stable = -1, 0
-        deadline = time.monotonic() + 120
-        while stable < 3 and time.monotonic() < deadline:  # merging settles
-            time.sleep(2)
-            now = density.ksm_state()["pages_sharing"]
-            stable = stable + 1 if now == last else 0
-            last = now
-        on = resident()
-        return {"vms": n, "memory_mib": 512, "resident_ksm_off_mib": round(off / n / 2**20, 1),
-                "resident_ksm_on_mib": round(on / n / 2**20, 1),
-                "saved_fraction": round(1 - on / off, 3) if off else None,
-                "ksm_saved_mib_total": round(density.ksm_state()["saved_bytes"] / 2**20, 1)}
+        on = _vm_fleet(node, n, merge=True)
+        return {"vms": n, "memory_mib": 512, "ksm_off": off, "ksm_on": on,
+                "saved_fraction_pss": round(1 - on["pss_mib"] / off["pss_mib"], 3),
+                "saved_fraction_host": round(1 - on["host_used_delta_mib"]
+                                             / off["host_used_delta_mib"], 3)
+                if off["host_used_delta_mib"] > 0 else None}
     finally:
         for r in node.db.all():
             node.remove(r.id)
@@ -178,8 +196,56 @@ def ksm_phase(node: Any, n: int) -> dict[str, Any]:
             (density.KSM / k).write_text(v)
 
 
+def _vm_fleet(node: Any, n: int, merge: bool) -> dict[str, Any]:
+    """Boot n idle microvms, measure them (per VM, MiB), remove them."""
+    from dsec_cli.run import density
+    from dsec_cli.run.node import CreateOptions
+
+    def used() -> int:
+        m = meminfo()
+        return m["MemTotal"] - m["MemAvailable"]
+
+    before = used()
+    t0 = time.monotonic()
+    vms = [node.create(IMAGE, CreateOptions(backend="microvm", memory=512 << 20))
+           for _ in range(n)]
+    boot_s = time.monotonic() - t0
+    time.sleep(20)  # boot settles, freed pages reported back
+    waited = 0.0
+    if merge:  # two full scans at least (the first only finds candidates), then stable
+        t1 = time.monotonic()
+        scans0 = density.ksm_state()["full_scans"]
+        last, stable = -1, 0
+        while time.monotonic() - t1 < 300:
+            time.sleep(2)
+            k = density.ksm_state()
+            stable = stable + 1 if k["saved_bytes"] == last else 0
+            last = k["saved_bytes"]
+            if k["full_scans"] >= scans0 + 2 and stable >= 3:
+                break
+        waited = time.monotonic() - t1
+    pss = sum(_pss(r.handle["pid"]) for r in vms)
+    group = sum(d.get("resident", 0) for d in node.top() if d["id"] in {r.id for r in vms})
+    delta = used() - before
+    k = density.ksm_state()
+    for r in vms:
+        node.remove(r.id)
+    return {"pss_mib": round(pss / n / MiB, 1), "host_used_delta_mib": round(delta / n / MiB, 1),
+            "cgroup_resident_mib": round(group / n / MiB, 1), "boot_s": round(boot_s, 1),
+            "merge_wait_s": round(waited, 1), "loadavg_1m": round(os.getloadavg()[0], 2),
+            "ksm_saved_mib_total": round(k.get("saved_bytes", 0) / MiB, 1) if merge else 0,
+            "ksm_full_scans": k.get("full_scans")}
+
+
+def _pss(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) << 10
+    return 0
+
+
 # -- held: how many idle sandboxes one node keeps alive ------------------------------------------
-MiB = 1 << 20
 DECLARED = 1 << 30  # what each held sandbox declares
 
 
@@ -304,12 +370,18 @@ def held(args: argparse.Namespace) -> dict[str, Any]:
         else:
             dead.append(sid)
     total_s = time.monotonic() - t_start
+    # the same figure once they are gone: what else on the host changed meanwhile (another
+    # process's memory moves MemAvailable too)
+    remove_sandboxes()
+    time.sleep(5)
+    drift = _mem_used() - base_used
     res: dict[str, Any] = {
         "asked": n, "created": len(ids), "alive": alive, "not_alive": dead[:20],
         "stopped_early": stopped or None, "declared_mib_each": DECLARED >> 20,
         "hold_mib_each": hold, "memory_overcommit": ratio,
         "host_used_delta_mib": round(used / MiB, 1),
         "per_sandbox_host_mib": round(used / max(1, alive) / MiB, 2),
+        "host_used_delta_after_removal_mib": round(drift / MiB, 1),
         "cgroup_resident_total_mib": round(group / MiB, 1),
         "per_sandbox_cgroup_mib": round(group / max(1, len(ids)) / MiB, 2),
         "cgroup_swapped_total_mib": round(swapped / MiB, 1),

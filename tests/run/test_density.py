@@ -390,3 +390,31 @@ def test_node_setup_swap_through_the_cli(node_env: dict[str, str]) -> None:
         p = dsec(node_env, "node", "setup", *bad, "--swap-file", str(path), check=2)
         assert bad[0].encode() in p.stderr
         assert not path.exists()
+
+
+def test_containers_work_while_the_caller_holds_over_1024_files(node: Node, made: list[str]
+                                                                 ) -> None:
+    """A process holding a thousand sandboxes keeps an agent connection to each: the fds it
+    then opens are numbered past 1024, where select() cannot wait on them."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        rec = node.create(IMAGE, CreateOptions(memory=256 << 20))  # waits on a pipe > 1024
+        made.append(rec.id)
+        r = node.exec(rec.id, ["true"])
+        assert r.exit_code == 0
+        pid = rec.handle["pid"]
+        node.remove(rec.id)  # waits on the init's pidfd > 1024
+        made.remove(rec.id)
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
