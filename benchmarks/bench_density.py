@@ -12,8 +12,8 @@ holds.
    both cores saturated), and ``--idle`` idle containers each holding ``--hold`` MiB of
    private memory: the same round trips again, for the latency-class sandbox and, as the
    peer in the same run, the default-class one.
-3. The idle sandboxes reclaimed (node gc's idle policy, to a swap file made for the run when
-   the host has no swap): resident bytes before and after.
+3. The idle sandboxes reclaimed (node gc's idle policy, to a swap file made for the run
+   unless the host has enough swap free): resident bytes before and after.
 4. With ``--vms N``: N idle 512 MiB microvms with KSM off, then N new ones after
    `node setup --ksm`, merging settled (two full scans, then stable): their QEMUs' Pss and
    the host's used memory, per VM. The host's KSM settings are restored.
@@ -24,8 +24,8 @@ random bytes, ramped in batches of ``--step``, each batch pushed to swap by the 
 policy once idle. The ramp stops early (and says why) if MemAvailable would fall under
 ``--floor`` MiB. Then: how many answer an exec and still hold their bytes, host memory used
 (MemTotal - MemAvailable over the start, and the sum of the sandboxes' cgroups), per
-sandbox, swap used, create rate and times. A swap file is made for the run when the host has
-none (refused if the disk cannot take it); sandboxes and swap file are removed after, also
+sandbox, swap used, create rate and times. A swap file is made for the run unless the host has
+that much swap free (refused if the disk cannot take it); sandboxes and swap file are removed after, also
 on Ctrl-C.
 
 Writes benchmarks/results/density[-held][-LABEL].json and prints the figures;
@@ -210,7 +210,17 @@ def _vm_fleet(node: Any, n: int, merge: bool) -> dict[str, Any]:
     vms = [node.create(IMAGE, CreateOptions(backend="microvm", memory=512 << 20))
            for _ in range(n)]
     boot_s = time.monotonic() - t0
-    time.sleep(20)  # boot settles, freed pages reported back
+    overridden = 0  # KSM is host-wide: another process may switch it meanwhile
+
+    def hold_ksm() -> None:
+        nonlocal overridden
+        if (density.KSM / "run").read_text().strip() != ("1" if merge else "2"):
+            overridden += 1
+            (density.KSM / "run").write_text("1" if merge else "2")
+
+    for _ in range(10):  # boot settles, freed pages reported back
+        time.sleep(2)
+        hold_ksm()
     waited = 0.0
     if merge:  # two full scans at least (the first only finds candidates), then stable
         t1 = time.monotonic()
@@ -218,12 +228,14 @@ def _vm_fleet(node: Any, n: int, merge: bool) -> dict[str, Any]:
         last, stable = -1, 0
         while time.monotonic() - t1 < 300:
             time.sleep(2)
+            hold_ksm()
             k = density.ksm_state()
             stable = stable + 1 if k["saved_bytes"] == last else 0
             last = k["saved_bytes"]
             if k["full_scans"] >= scans0 + 2 and stable >= 3:
                 break
         waited = time.monotonic() - t1
+    hold_ksm()
     pss = sum(_pss(r.handle["pid"]) for r in vms)
     group = sum(d.get("resident", 0) for d in node.top() if d["id"] in {r.id for r in vms})
     delta = used() - before
@@ -234,7 +246,7 @@ def _vm_fleet(node: Any, n: int, merge: bool) -> dict[str, Any]:
             "cgroup_resident_mib": round(group / n / MiB, 1), "boot_s": round(boot_s, 1),
             "merge_wait_s": round(waited, 1), "loadavg_1m": round(os.getloadavg()[0], 2),
             "ksm_saved_mib_total": round(k.get("saved_bytes", 0) / MiB, 1) if merge else 0,
-            "ksm_full_scans": k.get("full_scans")}
+            "ksm_full_scans": k.get("full_scans"), "ksm_switched_by_others": overridden}
 
 
 def _pss(pid: int) -> int:

@@ -2,8 +2,9 @@
 
 Each run: a container declaring 1 GiB starts a process holding ``--hold`` MiB of random
 bytes (anonymous memory), then `park` (freeze, push the memory out to swap) and `thaw` are
-timed, and the first exec after thaw. A swap file is made for the run when the host has
-none, and removed after. Figures: park and thaw latency (median), memory given back.
+timed, and the first exec after thaw. A swap file is made for the run unless the host has
+enough swap free, and removed after. Figures: park and thaw latency (median), memory given
+back.
 
     python -m benchmarks park [--hold 512] [--runs 3]
 """

@@ -112,18 +112,19 @@ def meminfo() -> dict[str, int]:
 
 
 def swap_for_run(where: Path, size: int, reserve: int = 2 * GiB) -> Path | None:
-    """A swap file of ``size`` bytes under ``where`` when the host has no swap on (None when
-    it has). Refuses (SystemExit naming the figures) where the filesystem has less than
-    ``size`` plus ``reserve`` free: a full disk would stop everything else on the host."""
-    from dsec_cli.run import density
-
-    if density.host_facts()["swap_total"]:
+    """A swap file of ``size`` bytes under ``where`` unless the host already has that much
+    swap free (None then; a smaller swap someone else may turn off is not relied on).
+    Refuses (SystemExit naming the figures) where the filesystem has less than ``size`` plus
+    ``reserve`` free: a full disk would stop everything else on the host."""
+    if meminfo().get("SwapFree", 0) >= size:
         return None
     free = shutil.disk_usage(where).free
     if free < size + reserve:
         raise SystemExit(f"a swap file of {size / GiB:.1f} GiB is needed for this run but "
                          f"{where} has {free / GiB:.1f} GiB free (keeping {reserve / GiB:.0f} "
                          "GiB spare): free disk space, add swap, or run fewer sandboxes")
+    from dsec_cli.run import density
+
     path = where / "bench.swap"
     density.add_swap(path, size)
     return path
@@ -171,8 +172,8 @@ def remove_swap(path: Path) -> None:
 
 @contextmanager
 def node_run(tmp: Path, swap: int = 0) -> Iterator[Path | None]:
-    """The body runs with a swap file of ``swap`` bytes made for it when the host has none
-    (yielded; None otherwise); afterwards, also on an exception, Ctrl-C or SIGTERM, every
+    """The body runs with a swap file of ``swap`` bytes made for it unless the host has that
+    much swap free (the file yielded; None otherwise); afterwards, also on an exception, Ctrl-C or SIGTERM, every
     sandbox of the node is removed, then the swap file, then ``tmp``. A second Ctrl-C does
     not interrupt the clean-up."""
     import signal
