@@ -184,9 +184,14 @@ def ksm_phase(node: Any, n: int) -> dict[str, Any]:
         on = _vm_fleet(node, n, merge=True)
         return {"vms": n, "memory_mib": 512, "ksm_off": off, "ksm_on": on,
                 "saved_fraction_pss": round(1 - on["pss_mib"] / off["pss_mib"], 3),
+                "saved_fraction_pss_anon": round(1 - on["pss_anon_mib"] / off["pss_anon_mib"],
+                                                 3),
+                "saved_fraction_guest_ram": round(1 - on["guest_ram_pss_mib"]
+                                                  / off["guest_ram_pss_mib"], 3),
+                # None where other processes moved MemAvailable more than the VMs did
                 "saved_fraction_host": round(1 - on["host_used_delta_mib"]
                                              / off["host_used_delta_mib"], 3)
-                if off["host_used_delta_mib"] > 0 else None}
+                if 0 < on["host_used_delta_mib"] <= off["host_used_delta_mib"] * 2 else None}
     finally:
         for r in node.db.all():
             node.remove(r.id)
@@ -226,35 +231,52 @@ def _vm_fleet(node: Any, n: int, merge: bool) -> dict[str, Any]:
         t1 = time.monotonic()
         scans0 = density.ksm_state()["full_scans"]
         last, stable = -1, 0
-        while time.monotonic() - t1 < 300:
+        while time.monotonic() - t1 < 300:  # stable: these VMs' Pss, not the host's counters
             time.sleep(2)
             hold_ksm()
-            k = density.ksm_state()
-            stable = stable + 1 if k["saved_bytes"] == last else 0
-            last = k["saved_bytes"]
-            if k["full_scans"] >= scans0 + 2 and stable >= 3:
+            now = sum(_pss(r.handle["pid"])["Pss"] for r in vms)
+            stable = stable + 1 if abs(now - last) < n * MiB // 2 else 0
+            last = now
+            if density.ksm_state()["full_scans"] >= scans0 + 2 and stable >= 3:
                 break
         waited = time.monotonic() - t1
     hold_ksm()
-    pss = sum(_pss(r.handle["pid"]) for r in vms)
+    pss = [_pss(r.handle["pid"], ram=512 << 20) for r in vms]
     group = sum(d.get("resident", 0) for d in node.top() if d["id"] in {r.id for r in vms})
     delta = used() - before
     k = density.ksm_state()
     for r in vms:
         node.remove(r.id)
-    return {"pss_mib": round(pss / n / MiB, 1), "host_used_delta_mib": round(delta / n / MiB, 1),
+    return {**{f"{k.lower()}_mib": round(sum(p[k] for p in pss) / n / MiB, 1)
+               for k in ("Pss", "Pss_Anon", "Guest_RAM_Pss")},
+            "host_used_delta_mib": round(delta / n / MiB, 1),
             "cgroup_resident_mib": round(group / n / MiB, 1), "boot_s": round(boot_s, 1),
             "merge_wait_s": round(waited, 1), "loadavg_1m": round(os.getloadavg()[0], 2),
             "ksm_saved_mib_total": round(k.get("saved_bytes", 0) / MiB, 1) if merge else 0,
             "ksm_full_scans": k.get("full_scans"), "ksm_switched_by_others": overridden}
 
 
-def _pss(pid: int) -> int:
+def _pss(pid: int, ram: int = 0) -> dict[str, int]:
+    """A process's proportional resident bytes (a page shared by n processes, a KSM-merged
+    one among them, counts 1/n), its anonymous part, and with ``ram`` the part in its
+    mappings of exactly that size (a VM's guest RAM)."""
+    out = {"Pss": 0, "Pss_Anon": 0, "Guest_RAM_Pss": 0}
     with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) << 10
-    return 0
+            key = line.split(":")[0]
+            if key in out:
+                out[key] = int(line.split()[1]) << 10
+    if ram:
+        size = 0
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split()
+                if head and "-" in head[0] and ":" not in head[0]:
+                    lo, hi = (int(x, 16) for x in head[0].split("-"))
+                    size = hi - lo
+                elif head and head[0] == "Pss:" and size == ram:
+                    out["Guest_RAM_Pss"] += int(head[1]) << 10
+    return out
 
 
 # -- held: how many idle sandboxes one node keeps alive ------------------------------------------
