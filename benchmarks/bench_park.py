@@ -2,8 +2,9 @@
 
 Each run: a container declaring 1 GiB starts a process holding ``--hold`` MiB of random
 bytes (anonymous memory), then `park` (freeze, push the memory out to swap) and `thaw` are
-timed, and the first exec after thaw. A swap file is made for the run when the host has
-none, and removed after. Figures: park and thaw latency (median), memory given back.
+timed, and the first exec after thaw. A swap file is made for the run unless the host has
+enough swap free, and removed after. Figures: park and thaw latency (median), memory given
+back.
 
 Then (unless ``--vm-runs 0``) a microvm of ``--vm-memory`` MiB whose guest holds
 ``--vm-hold`` MiB of random bytes (in its /dev/shm): park (QEMU migration to a state file, QEMU ended) and thaw
@@ -18,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import time
 from typing import Any
 
-from .common import busybox_node, save
+from .common import busybox_node, node_run, save
 
 
 def main(argv: list[str]) -> None:
@@ -36,14 +36,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--vm-runs", type=int, default=1, help="VM park/thaw cycles (0: none)")
     args = ap.parse_args(argv)
     tmp = busybox_node("dsec-bench-park-", config=True)
-    from dsec_cli.run import density
     from dsec_cli.run.node import Node
 
-    swap = None
-    try:
-        if not density.host_facts()["swap_total"]:
-            swap = tmp / "bench.swap"
-            density.add_swap(swap, (args.hold + 512) << 20)
+    with node_run(tmp, swap=(args.hold + 512) << 20) as swap:
         res = run(Node(), args)
         res["swap_made_for_run"] = swap is not None
         if args.vm_runs:
@@ -51,13 +46,6 @@ def main(argv: list[str]) -> None:
             compare(res)
         res["loadavg"] = list(os.getloadavg())
         print(save("park", res))
-    finally:
-        node = Node()
-        for r in node.db.all():
-            node.remove(r.id)
-        if swap is not None:
-            density.remove_swap(swap)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run(node: Any, args: argparse.Namespace) -> dict[str, Any]:

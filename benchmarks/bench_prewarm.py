@@ -15,12 +15,11 @@ the host has none, and removed after.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import time
 from typing import Any
 
-from .common import busybox_node, save
+from .common import busybox_node, node_run, save
 
 IMAGE = "busybox@1.35-1"
 
@@ -31,24 +30,12 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args(argv)
     tmp = busybox_node("dsec-bench-prewarm-", config=True)
-    from dsec_cli.run import density
     from dsec_cli.run.node import Node
 
-    swap = None
-    try:
-        if not density.host_facts()["swap_total"]:
-            swap = tmp / "bench.swap"
-            density.add_swap(swap, (args.hold + 512) << 20)
+    with node_run(tmp, swap=(args.hold + 512) << 20) as swap:
         res = run(Node(), args)
         res["swap_made_for_run"] = swap is not None
         print(save("prewarm", res))
-    finally:
-        node = Node()
-        for r in node.db.all():
-            node.remove(r.id)
-        if swap is not None:
-            density.remove_swap(swap)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _holder(node: Any, hold: int) -> Any:

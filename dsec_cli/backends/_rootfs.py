@@ -262,11 +262,18 @@ def bwrap_walls(seccomp_fd: int) -> list[str]:
             "--seccomp", str(seccomp_fd)]
 
 
+def readable(fd: int, timeout: float) -> bool:
+    """Whether fd becomes readable (or hung up) within timeout seconds. poll, not select:
+    a process holding one agent connection per sandbox has fds numbered past select's 1024."""
+    p = select.poll()
+    p.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(p.poll(max(0, int(timeout * 1000))))
+
+
 def wait_ready(read_fd: int, timeout: float, what: str) -> None:
     """Wait for the agent's ready byte on a pipe; EOF means it died before serving."""
     try:
-        r, _, _ = select.select([read_fd], [], [], timeout)
-        if not r:
+        if not readable(read_fd, timeout):
             raise BackendError(f"{what}: the sandbox agent did not start within {timeout:.0f}s")
         if os.read(read_fd, 1) != b"R":
             raise BackendError(f"{what}: the sandbox agent exited before it was ready")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -273,7 +272,7 @@ def _kill_init(pid: int, cg: _cgroups.Cgroup) -> None:
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         except ProcessLookupError:
             return
-        select.select([pidfd], [], [], 10)
+        _rootfs.readable(pidfd, 10)  # a pidfd is readable once the process is gone
     finally:
         os.close(pidfd)
 def _runc_message(text: str) -> str:

@@ -354,12 +354,14 @@ def ksm_state() -> dict[str, Any]:
     if not (KSM / "run").exists():
         return {"available": False}
     out: dict[str, Any] = {"available": True}
-    for name in ("run", "pages_to_scan", "sleep_millisecs", "pages_shared", "pages_sharing"):
+    for name in ("run", "pages_to_scan", "sleep_millisecs", "pages_shared", "pages_sharing",
+                 "use_zero_pages", "ksm_zero_pages", "full_scans"):
         try:
             out[name] = int((KSM / name).read_text())
         except (OSError, ValueError):
             pass
-    out["saved_bytes"] = out.get("pages_sharing", 0) * PAGE
+    # pages merged with the zero page (use_zero_pages) are saved too
+    out["saved_bytes"] = (out.get("pages_sharing", 0) + out.get("ksm_zero_pages", 0)) * PAGE
     return out
 
 
@@ -467,6 +469,10 @@ def setup(swap: int | None = None, swap_file: Path | None = None,
         try:
             if ksm_pages is not None:
                 (KSM / "pages_to_scan").write_text(str(ksm_pages))
+            if ksm and (KSM / "use_zero_pages").exists():
+                # guests zero what they free (init_on_free, set on VMs booted while KSM
+                # runs): such pages are merged with the kernel's zero page, costing nothing
+                (KSM / "use_zero_pages").write_text("1")
             if ksm is not None:
                 (KSM / "run").write_text("1" if ksm else "0")
         except OSError as e:

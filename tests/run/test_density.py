@@ -348,7 +348,7 @@ def ksm_on() -> Iterator[None]:
     from dsec_cli.run import density
 
     saved = {n: (density.KSM / n).read_text().strip()
-             for n in ("run", "pages_to_scan", "sleep_millisecs")}
+             for n in ("run", "pages_to_scan", "sleep_millisecs", "use_zero_pages")}
     out = setup_node(ksm=True, ksm_pages=4000)
     assert out["ksm"]["run"] == 1 and out["host"]["ksm"]["pages_to_scan"] == 4000
     try:
@@ -360,15 +360,33 @@ def ksm_on() -> Iterator[None]:
             (density.KSM / name).write_text(value)
 
 
+def mergeable_bytes(pid: int) -> int:
+    """Bytes of a process's mappings marked MADV_MERGEABLE ("mg" in smaps' VmFlags)."""
+    total = size = 0
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0]:
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            size = hi - lo
+        elif line.startswith("VmFlags:") and "mg" in head[1:]:
+            total += size
+    return total
+
+
 def test_ksm_merges_identical_vm_memory_and_reports_it(node: Node, made: list[str],
                                                        ksm_on: None) -> None:
     from dsec_cli.run import density
 
+    assert density.ksm_state()["use_zero_pages"] == 1  # zeroed guest pages cost nothing
     for _ in range(2):
         rec = node.create(IMAGE, CreateOptions(backend="microvm", memory=256 << 20))
         made.append(rec.id)
         cmdline = Path(f"/proc/{rec.handle['pid']}/cmdline").read_bytes()
         assert b"mem-merge=on" in cmdline
+        assert mergeable_bytes(rec.handle["pid"]) >= 256 << 20  # guest RAM is MADV_MERGEABLE
+        # booted while KSM runs: the guest zeroes what it frees, so that merges too
+        r = node.exec(rec.id, ["cat", "/proc/cmdline"])
+        assert b"init_on_free=1" in r.stdout.split()
     # two guests booted from the same kernel and image hold identical pages: KSM merges them
     wait_for(lambda: all(d.get("ksm_merged", 0) > (1 << 20) for d in node.top()
                          if d["id"] in made), "KSM to merge guest pages", timeout=120)
@@ -411,3 +429,31 @@ def test_node_setup_swap_through_the_cli(node_env: dict[str, str]) -> None:
         p = dsec(node_env, "node", "setup", *bad, "--swap-file", str(path), check=2)
         assert bad[0].encode() in p.stderr
         assert not path.exists()
+
+
+def test_containers_work_while_the_caller_holds_over_1024_files(node: Node, made: list[str]
+                                                                 ) -> None:
+    """A process holding a thousand sandboxes keeps an agent connection to each: the fds it
+    then opens are numbered past 1024, where select() cannot wait on them."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        rec = node.create(IMAGE, CreateOptions(memory=256 << 20))  # waits on a pipe > 1024
+        made.append(rec.id)
+        r = node.exec(rec.id, ["true"])
+        assert r.exit_code == 0
+        pid = rec.handle["pid"]
+        node.remove(rec.id)  # waits on the init's pidfd > 1024
+        made.remove(rec.id)
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
