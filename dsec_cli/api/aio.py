@@ -30,8 +30,8 @@ from ..core.errors import UsageError
 from ..run.aio import AsyncNode, async_node, blocking
 from ..run.contract import NodeAPI
 from ..run.node import local_node
+from .sandboxes import Sandbox, create_options, target
 from .sandboxes import create as create_sync
-from .sandboxes import create_options, target
 
 __all__ = ["AsyncSandbox", "ExecResult", "close_sessions"]
 
@@ -82,17 +82,21 @@ class AsyncSandbox:
     async def create(cls, image: str | Path, backend: str = "container", *,
                      cpus: float | None = None, memory: int | str | None = None,
                      pids: int | None = None, ttl: float | str | None = None,
-                     network: Literal["none", "host"] = "none",
+                     network: Literal["none", "host", "allowlist"] = "none",
                      env: dict[str, str] | None = None, workdir: str | None = None,
                      state_dir: str | Path | None = None, store: str | None = None,
-                     node: str | None = None, disk: int | str | None = None) -> AsyncSandbox:
+                     node: str | None = None, disk: int | str | None = None,
+                     cpu_class: str | None = None, egress: list[str] | None = None,
+                     user: str | None = None) -> AsyncSandbox:
         """As ``Sandbox(image, backend, ...)``: every option is checked before anything is
         made. ``node``: a cluster node's name, ``"auto"``, or None/``"local"``."""
         if isinstance(image, str):
             validate.image(image, "image")
         validate.node_option(node, "node")
         opts = create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
-                              network=network, env=env, workdir=workdir, disk=disk)
+                              network=network, env=env, workdir=workdir, disk=disk,
+                              cpu_class=cpu_class, user=user)
+        opts.egress = list(egress or [])
         if node == "auto":  # placement asks every node: the threaded fan-out, awaited
             sync_node, rec = await blocking(create_sync, image, opts, node, state_dir, store)
             return cls(rec, _async(sync_node))
@@ -181,6 +185,39 @@ class AsyncSandbox:
 
     async def info(self) -> dict[str, Any]:
         return dict(await self.node.describe(self.id))
+
+    # -- density and the grader plane: the sync methods, on the shared executor -------------
+    def _sync(self) -> Sandbox:
+        """This sandbox seen through the thread API (the same node, the same id)."""
+        from ..run.cluster.remote import RemoteNode
+
+        node = self.node.node if isinstance(self.node, AsyncNode) else \
+            RemoteNode(self.node.entry, self.node.timeout)
+        return Sandbox._wrap(self._rec, node)
+
+    async def park(self) -> dict[str, Any]:
+        """As `Sandbox.park`: stopped, its memory given back."""
+        out = dict(await blocking(self._sync().park))
+        self._rec = await self.node.lookup(self.id)
+        return out
+
+    async def thaw(self, prefetch: bool = False) -> dict[str, Any]:
+        """As `Sandbox.thaw` (on its own node)."""
+        out = dict(await blocking(self._sync().thaw, prefetch))
+        self._rec = await self.node.lookup(self.id)
+        return out
+
+    async def set_egress(self, rules: list[str]) -> dict[str, Any]:
+        """As `Sandbox.set_egress`."""
+        return dict(await blocking(self._sync().set_egress, list(rules)))
+
+    async def start_task(self) -> dict[str, Any]:
+        """As `Sandbox.start_task`."""
+        return dict(await blocking(self._sync().start_task))
+
+    async def grade(self, grader: str, **options: Any) -> Any:
+        """As `Sandbox.grade`: scored in a fork, the agent's sandbox untouched."""
+        return await blocking(lambda: self._sync().grade(grader, **options))
 
     async def remove(self) -> None:
         await self.node.remove(self.id)

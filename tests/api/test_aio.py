@@ -60,6 +60,39 @@ def test_async_nodes_keep_the_node_contract() -> None:
             assert params == list(inspect.signature(getattr(NodeAPI, name)).parameters), name
 
 
+def test_async_sandbox_has_every_method_of_sandbox_as_a_coroutine() -> None:
+    import inspect
+
+    sync = {n for n, v in vars(Sandbox).items() if not n.startswith("_") and callable(v)
+            and not isinstance(v, classmethod)}
+    for name in sync:
+        fn = getattr(AsyncSandbox, name, None)
+        assert fn is not None and inspect.iscoroutinefunction(fn), name
+
+
+def test_async_park_thaw_class_and_egress(node_env: dict[str, str]) -> None:
+    from dsec_cli.backends import _cgroups
+    from dsec_cli.run.node import local_node
+
+    async def main() -> None:
+        async with await AsyncSandbox.create(IMAGE, "container", cpu_class="latency",
+                                             network="allowlist",
+                                             egress=["host:9"]) as sb:
+            parked = await sb.park()
+            assert parked["status"] == "parked" and sb.status == "parked"
+            cg = _cgroups.Cgroup(f"{local_node().cgroup_parent}/{sb.id}")
+            assert cg.frozen()
+            assert (await sb.thaw())["status"] == "running" and sb.status == "running"
+            assert (await sb.exec("true")).exit_code == 0
+            files = cg.cpu_class_files()  # the latency class reached the sandbox's group
+            assert files.get("cpu.shares", files.get("cpu.weight")) in (10240, 1000), files
+            await sb.set_egress(["host:10"])
+            assert (await sb.info())["egress"]["rules"] == ["host:10"]
+        await close_sessions()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("backend", ["fncall", "container"])
 def test_async_equals_sync(backend: str, node_env: dict[str, str], tmp_path: Path) -> None:
     """Each method, awaited, against the sync method on the same sandbox."""
