@@ -53,17 +53,21 @@ BACKING_OPEN = 0x4010E501  # _IOW(229, 1, struct fuse_backing_map)
 
 LOOKUP, FORGET, GETATTR, READLINK, OPEN, READ, STATFS, RELEASE = 1, 2, 3, 5, 14, 15, 17, 18
 GETXATTR, LISTXATTR, FLUSH, INIT, OPENDIR, READDIR, RELEASEDIR = 22, 23, 25, 26, 27, 28, 29
-INTERRUPT, DESTROY, BATCH_FORGET = 36, 38, 42
+INTERRUPT, DESTROY, BATCH_FORGET, READDIRPLUS = 36, 38, 42, 44
 _NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
 
-F_ASYNC_READ, F_BIG_WRITES, F_MAX_PAGES, F_INIT_EXT = 1 << 0, 1 << 5, 1 << 22, 1 << 30
+F_ASYNC_READ, F_BIG_WRITES, F_DO_READDIRPLUS = 1 << 0, 1 << 5, 1 << 13
+F_CACHE_SYMLINKS, F_MAX_PAGES, F_INIT_EXT = 1 << 23, 1 << 22, 1 << 30
 F2_PASSTHROUGH = 1 << (37 - 32)
-FOPEN_KEEP_CACHE, FOPEN_PASSTHROUGH = 1 << 1, 1 << 7
+FOPEN_KEEP_CACHE, FOPEN_NOFLUSH, FOPEN_PASSTHROUGH = 1 << 1, 1 << 5, 1 << 7
 TIMEOUT = 86400  # a layer never changes: entries and attributes are cached for a day
 MAX_READ = 1 << 20
 MAX_WRITE = 4096  # nothing is written to a read-only mount: the smallest the kernel takes
 REQUEST_BUFFER = 64 << 10  # >= the kernel's minimum (8 KiB) and any lookup or xattr name
 SMALL_FILE = 256 << 10  # files up to this size bring their pack neighbours along
+#: files up to this size get no backing file: their few reads are answered from memory (making
+#: a named file costs a millisecond or more on ext4, more than serving the reads)
+INLINE_FILE = 128 << 10
 CONTENT_XATTR = "user.dsec.xxh3"  # a backing file's content hash, checked on reuse
 
 
@@ -112,10 +116,7 @@ class PassthroughServer:
     def sweep(self) -> None:
         """Remove partial backing files of servers that died while assembling them (named
         ``<key>.<pid>.<thread>``; a live server's are kept)."""
-        for p in self.files.tmp.glob("*.*.*"):
-            pid = p.name.split(".")[1]
-            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                p.unlink(missing_ok=True)
+        self.files.sweep()
 
     def mount(self) -> None:
         self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
@@ -141,9 +142,13 @@ class PassthroughServer:
                 raise
             ln, op, unique, nodeid, _, _, _, _, _ = _IN.unpack_from(buf)
             body = memoryview(bytes(view[_IN.size:min(ln, n)]))
-            # opens that may fetch or assemble go to the pool; a re-open of a file this mount
-            # registered already is answered here at once
-            if op == READ or (op == OPEN and nodeid not in self.backing):
+            # opens that may fetch or assemble, and reads of bytes not in memory, go to the
+            # pool; the rest (metadata, re-opens, small files' opens) is answered here at once
+            if op == READ:
+                if not self._read_inline(unique, nodeid, body):
+                    self.pool.submit(self._handle, op, unique, nodeid, body)
+                continue
+            if op == OPEN and self._needs_backing(nodeid):
                 self.pool.submit(self._handle, op, unique, nodeid, body)
                 continue
             self._handle(op, unique, nodeid, body)
@@ -208,7 +213,10 @@ class PassthroughServer:
             raise OSError(errno.EPROTO, f"FUSE protocol {major}")
         full = flags & F_INIT_EXT and minor >= 40 and flags2 & F2_PASSTHROUGH
         self.passthrough = bool(full)
-        out_flags = F_ASYNC_READ | F_BIG_WRITES | F_MAX_PAGES | (F_INIT_EXT if full else 0)
+        # listings carry each entry's attributes (READDIRPLUS), so a walk that opens what it
+        # listed sends no LOOKUPs; link targets stay in the page cache
+        out_flags = (F_ASYNC_READ | F_BIG_WRITES | F_MAX_PAGES | F_DO_READDIRPLUS
+                     | F_CACHE_SYMLINKS | (F_INIT_EXT if full else 0)) & (flags | F_INIT_EXT)
         out = _INIT_OUT.pack(7, min(minor, 40), readahead, out_flags, 16, 12, MAX_WRITE, 1,
                              MAX_READ // 4096, 0, F2_PASSTHROUGH if full else 0, 1)
         if not full:
@@ -232,19 +240,27 @@ class PassthroughServer:
             raise OSError(errno.EINVAL, "not a link")
         return os.fsencode(node.entry.target)
 
+    def _needs_backing(self, nodeid: int) -> bool:
+        """Whether an open of ``nodeid`` is answered with a backing file not registered yet
+        (false for small files, whose reads this process answers)."""
+        got = self.inodes.get(nodeid)
+        return (got is not None and self.passthrough and got[1].entry.size > INLINE_FILE
+                and nodeid not in self.backing)
+
     def _open(self, nodeid: int, body: memoryview) -> bytes:
         path, node = self._node(nodeid)
         if self.fs.recorder is not None:
             self.fs.recorder.touch(node.layer, node.entry.path)
-        if not self.passthrough or node.entry.size == 0:
-            return _OPEN_OUT.pack(0, FOPEN_KEEP_CACHE, 0)
+        if not self.passthrough or node.entry.size <= INLINE_FILE:
+            # no FLUSH on close either: nothing is ever written
+            return _OPEN_OUT.pack(0, FOPEN_KEEP_CACHE | FOPEN_NOFLUSH, 0)
         with self.lock:
             lock = self.locks.setdefault(node.ino, threading.Lock())
         with lock:  # two openers of one file assemble it once
             bid = self.backing.get(node.ino)
             if bid is None:
                 bid = self.backing[node.ino] = self._register(node, path)
-        return _OPEN_OUT.pack(0, FOPEN_PASSTHROUGH, bid)
+        return _OPEN_OUT.pack(0, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, bid)
 
     def _register(self, node: Node, path: str) -> int:
         """The file's backing file in the node's file cache (assembled if missing or not
@@ -253,12 +269,7 @@ class PassthroughServer:
         key = file_key(src.index, node.entry)
         bfd = self._cached(key)
         if bfd is None:
-            if node.entry.size <= SMALL_FILE:
-                # a small file: fetch it with the chunks that follow it in its pack, in the
-                # same ranged read; the next files of a walk then come from the chunk cache
-                # (a larger file is fetched alone: one request is already worth its bytes)
-                own = [ci for ci, _, _ in node.entry.chunks]
-                src.fetcher.chunks(src.index, own, readahead=self._following(node.layer, own))
+            self._fetch_with_neighbours(node)
             tmp = self.files.tmp / f"{key.hex()}.{os.getpid()}.{threading.get_ident()}"
             try:
                 h = xxhash.xxh3_128()
@@ -286,6 +297,16 @@ class PassthroughServer:
         finally:
             os.close(bfd)  # the kernel holds its own reference
         return int(bid)
+
+    def _fetch_with_neighbours(self, node: Node) -> None:
+        """A small file's chunks, fetched (when missing) with the chunks that follow them in
+        their pack in the same ranged read: the next files of a walk then come from memory or
+        the chunk cache. A larger file is fetched alone: one request is worth its bytes."""
+        if node.entry.size > SMALL_FILE:
+            return
+        src = self.fs.sources[node.layer]
+        own = [ci for ci, _, _ in node.entry.chunks]
+        src.fetcher.chunks(src.index, own, readahead=self._following(node.layer, own))
 
     def _following(self, layer: int, own: list[int]) -> list[int]:
         """Chunk numbers stored right after ``own`` in their pack, up to one preferred read."""
@@ -332,12 +353,33 @@ class PassthroughServer:
 
     def _read(self, nodeid: int, body: memoryview) -> bytes:
         _, offset, size, _ = _READ_IN.unpack_from(body)
-        return self.fs.read(self._node(nodeid)[0], size, offset, 0)
+        path, node = self._node(nodeid)
+        try:
+            self._fetch_with_neighbours(node)
+        except Exception as e:  # as LazyFS.read: logged, and the reader gets EIO
+            log.error("lazy mount: reading %s (layer %d, %d bytes at %d) failed: %s",
+                      node.entry.path, node.layer, size, offset, e)
+            raise OSError(errno.EIO, str(e)) from e
+        return self.fs.read(path, size, offset, 0)
+
+    def _read_inline(self, unique: int, nodeid: int, body: memoryview) -> bool:
+        """Answer a READ here when all its file's chunks are in memory; False otherwise
+        (then the pool answers it: it may wait for the disk or the store)."""
+        got = self.inodes.get(nodeid)
+        if got is None or got[1].entry.type not in ("reg", "hard"):
+            return False
+        node = got[1]
+        src = self.fs.sources[node.layer]
+        if not all(src.fetcher.in_memory(src.index.chunks[ci].chunk_id)
+                   for ci, _, _ in node.entry.chunks):
+            return False
+        self._handle(READ, unique, nodeid, body)
+        return True
 
     def _opendir(self, nodeid: int, body: memoryview) -> bytes:
         return _OPEN_OUT.pack(0, FOPEN_KEEP_CACHE, 0)
 
-    def _readdir(self, nodeid: int, body: memoryview) -> bytes:
+    def _readdir(self, nodeid: int, body: memoryview, plus: bool = False) -> bytes:
         _, offset, size, _ = _READ_IN.unpack_from(body)
         path, node = self._node(nodeid)
         if node.children is None:
@@ -351,11 +393,16 @@ class PassthroughServer:
             raw = os.fsencode(name)
             rec = _DIRENT.pack(child.ino, i + 1, len(raw),
                                stat.S_IFMT(child.attrs["st_mode"]) >> 12) + raw
+            if plus:  # "." and "..": no entry (node id 0), the kernel keeps its own
+                rec = self._entry(child if i >= 2 else None) + rec
             rec += bytes(-len(rec) % 8)
             if len(out) + len(rec) > size:
                 break
             out += rec
         return bytes(out)
+
+    def _readdirplus(self, nodeid: int, body: memoryview) -> bytes:
+        return self._readdir(nodeid, body, plus=True)
 
     def _getxattr(self, nodeid: int, body: memoryview) -> bytes:
         if not self.xattrs:
@@ -384,6 +431,7 @@ class PassthroughServer:
 
     _ops = {INIT: _init, LOOKUP: _lookup, GETATTR: _getattr, READLINK: _readlink,
             OPEN: _open, READ: _read, OPENDIR: _opendir, READDIR: _readdir,
+            READDIRPLUS: _readdirplus,
             GETXATTR: _getxattr, LISTXATTR: _listxattr, STATFS: _statfs,
             RELEASE: _empty, RELEASEDIR: _empty, FLUSH: _empty, DESTROY: _empty,
             FORGET: _empty, BATCH_FORGET: _empty}

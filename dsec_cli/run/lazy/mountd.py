@@ -20,6 +20,11 @@ from typing import Any
 
 log = logging.getLogger("dsec_cli.run.lazy.mountd")
 
+#: chunks queued for the chunk cache's writer thread at most (cache.py), and how long an
+#: ending daemon waits for them to be written (a chunk not written is fetched again later)
+WRITE_BEHIND = 64 << 20
+DRAIN_SECONDS = 3.0
+
 #: FUSE options: read-only, shared with the sandbox's (root) overlay and anyone it lets in;
 #: page cache kept across opens and attributes cached for a long time (the tree never changes)
 MOUNT_OPTIONS = {"ro": True, "allow_other": True, "default_permissions": True,
@@ -52,7 +57,8 @@ def main(config_path: str) -> int:
         if ix.content_digest() != layer["content_digest"]:  # the node checked; so do we
             raise CorruptObjectError(f"index {layer['index'][:12]} does not have content "
                                      f"digest {layer['content_digest'][:12]}")
-    cache = ChunkCache(Path(cfg["cache"]), int(cfg["budget"]))
+    cache = ChunkCache(Path(cfg["cache"]), int(cfg["budget"]), write_behind=WRITE_BEHIND)
+    cache.sweep()
     fetcher = Fetcher(store_fetch(store), cache, max_read=int(cfg.get("max_read") or
                                                                 store.preferred_read_size),
                       inflight=int(cfg.get("inflight", 4)))
@@ -108,7 +114,7 @@ def main(config_path: str) -> int:
     kind = LazyFS if xattrs else LazyFSNoXattrs
     if cfg.get("server") == "kernel":
         return _serve_kernel(LazyFS(indexes, sources, recorder), cfg, state, xattrs, on_init,
-                             stop, flush)
+                             stop, flush, cache)
     # mfusepy takes libfuse 2 when both are installed; the options below are libfuse 3's
     os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
     import mfusepy
@@ -120,13 +126,14 @@ def main(config_path: str) -> int:
                      subtype="dsec", **MOUNT_OPTIONS)
     finally:
         stop.set()
+        cache.drain(DRAIN_SECONDS)
         flush()
         log.info("unmounted after %.1fs", time.monotonic() - recorder.started)
     return 0
 
 
 def _serve_kernel(fs: Any, cfg: dict[str, Any], state: Path, xattrs: bool, on_init: Any,
-                  stop: threading.Event, flush: Any) -> int:
+                  stop: threading.Event, flush: Any, cache: Any) -> int:
     """Serve the mount with FUSE passthrough (kernelfs.py): opened files are read by the
     kernel from backing files in the node's file cache, beside its chunk cache."""
     import ctypes
@@ -153,6 +160,7 @@ def _serve_kernel(fs: Any, cfg: dict[str, Any], state: Path, xattrs: bool, on_in
         libc = ctypes.CDLL(None, use_errno=True)
         libc.umount2(cfg["mountpoint"].encode(), 2)  # MNT_DETACH; gone already is fine
         server.close()
+        cache.drain(DRAIN_SECONDS)
         flush()
         log.info("unmounted")
     return 0

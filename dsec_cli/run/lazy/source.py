@@ -82,6 +82,10 @@ class Fetcher:
                 _, old = self._mem.popitem(last=False)
                 self._mem_bytes -= len(old)
 
+    def in_memory(self, cid: bytes) -> bool:
+        """Whether a chunk is in the memory cache now (a hint: it may be evicted meanwhile)."""
+        return cid in self._mem
+
     def _recall(self, cid: bytes) -> bytes | None:
         with self._lock:
             data = self._mem.get(cid)
