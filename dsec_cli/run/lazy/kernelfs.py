@@ -306,7 +306,13 @@ class PassthroughServer:
             return
         src = self.fs.sources[node.layer]
         own = [ci for ci, _, _ in node.entry.chunks]
-        src.fetcher.chunks(src.index, own, readahead=self._following(node.layer, own))
+        if all(src.fetcher.in_memory(src.index.chunks[ci].chunk_id) for ci in own):
+            return
+        following = self._following(node.layer, own)
+        src.fetcher.chunks(src.index, own, readahead=following)
+        # on a warm node the neighbours were not fetched (they are in the chunk cache):
+        # read them from the disk ahead of the walk
+        src.fetcher.preload(src.index, following)
 
     def _following(self, layer: int, own: list[int]) -> list[int]:
         """Chunk numbers stored right after ``own`` in their pack, up to one preferred read."""
