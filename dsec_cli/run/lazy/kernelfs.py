@@ -2,7 +2,9 @@
 itself, with FUSE passthrough (kernel ≥ 6.9, ``CONFIG_FUSE_PASSTHROUGH``).
 
 Metadata (lookup, getattr, readdir, readlink, xattrs) is answered from the same in-memory
-tree as `LazyFS`. On the first open of a regular file its bytes are assembled — chunk by
+tree as `LazyFS`; listings carry attributes (READDIRPLUS), so a walk sends no lookups. A small
+file (up to ``INLINE_FILE``) gets no backing file: its reads are answered from memory. On the
+first open of a larger regular file its bytes are assembled — chunk by
 chunk through the layer's `LayerSource`, so verified and fetched in coalesced ranged reads —
 into a backing file in the node's file cache (``<cache>/files``, shared by every mount and
 bounded by the node's cache budget like the chunk cache); the backing file is registered with the
