@@ -100,11 +100,11 @@ def test_small_files_bring_their_pack_neighbours(s3_image: Published, mounter: A
     names = sorted(p.name for p in (s3_image.tree / "data").glob("file*.txt"))
     assert len(names) > 10
     assert read_all(data / names[0]) == (s3_image.tree / "data" / names[0]).read_bytes()
-    first = stats(m)["requests"]
-    assert first >= 1
-    for n in names[1:]:  # stored after the first: they came with it
+    first = stats(m)
+    assert first["requests"] >= 1
+    for n in names[1:]:  # stored after the first: they came with it, read without waiting
         assert read_all(data / n) == (s3_image.tree / "data" / n).read_bytes()
-    assert stats(m)["requests"] == first
+    assert stats(m)["stall_seconds"] == first["stall_seconds"]
 
 
 def test_kill9_of_kernel_server_leaves_nothing(s3_image: Published, mounter: Any,
@@ -252,3 +252,46 @@ def test_kill9_while_fetching_and_writing_behind_leaves_nothing(
     assert not stale.exists()
     for rel in files:
         assert read_all(m2.lower_dirs[0] / rel) == (s3_image.tree / rel).read_bytes(), rel
+
+
+def _window_after(ix: Any, own: list[int], max_read: int) -> list[int]:
+    """The chunks stored after ``own`` in pack order, up to one preferred read (as the
+    server's read-ahead window)."""
+    seq = sorted(range(len(ix.chunks)), key=lambda i: (ix.chunks[i].pack, ix.chunks[i].offset))
+    start = max(seq.index(c) for c in own) + 1
+    out, budget = [], max_read
+    for ci in seq[start:]:
+        budget -= ix.chunks[ci].clen
+        if budget < 0:
+            break
+        out.append(ci)
+    return out
+
+
+def test_read_ahead_starts_only_with_a_sequential_read(s3_image: Published, mounter: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """One small file read (as a first exec reads) fetches its chunks and one window after
+    them, nothing more, however long one waits; reading a file of that window (a walk) loads
+    the next window in the background, and that read waits for no fetch."""
+    monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
+    ix = _index(s3_image.url, s3_image.layer)
+    max_read = 32 << 10  # small windows: the layer spans many
+    small = [e for e in ix.entries if e.type == "reg" and 0 < e.size <= 64 << 10]
+    for e in small:  # a first file, a second one stored in its window, and more after
+        own = [ci for ci, _, _ in e.chunks]
+        window = _window_after(ix, own, max_read)
+        nxt = [f for f in small if f is not e and all(ci in window for ci, _, _ in f.chunks)]
+        after = _window_after(ix, [window[-1]], max_read) if window else []
+        if nxt and after:
+            break
+    else:
+        raise AssertionError("no file of the test layer has a neighbour and a window after")
+    m = mounter(s3_image.url, s3_image.layer, max_read=max_read)
+    assert read_all(m.lower_dirs[0] / e.path) == (s3_image.tree / e.path).read_bytes()
+    first = stats(m)  # settled: nothing more arrives while nobody reads
+    assert first["bytes_fetched"] == sum(ix.chunks[c].clen for c in {*own, *window})
+    f = nxt[0]
+    assert read_all(m.lower_dirs[0] / f.path) == (s3_image.tree / f.path).read_bytes()
+    s = stats(m)
+    assert s["stall_seconds"] == first["stall_seconds"]  # it was in memory already
+    assert s["bytes_fetched"] == first["bytes_fetched"] + sum(ix.chunks[c].clen for c in after)

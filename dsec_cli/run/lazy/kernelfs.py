@@ -109,6 +109,9 @@ class PassthroughServer:
         self.backing: dict[int, int] = {}  # inode -> backing id, registered once per mount
         self.locks: dict[int, threading.Lock] = {}
         self._order: dict[int, tuple[list[int], dict[int, int]]] = {}
+        # per layer, the last read-ahead window: its chunks and its last one in pack order
+        self._windows: dict[int, tuple[frozenset[int], int]] = {}
+        self.ahead = ThreadPoolExecutor(1, thread_name_prefix="ahead")
         self.lock = threading.Lock()
         self.wlock = threading.Lock()
         self.fd = -1
@@ -159,6 +162,7 @@ class PassthroughServer:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.ahead.shutdown(wait=False, cancel_futures=True)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -315,6 +319,33 @@ class PassthroughServer:
         # on a warm node the neighbours were not fetched (they are in the chunk cache):
         # read them from the disk ahead of the walk
         src.fetcher.preload(src.index, following)
+        if following:
+            with self.lock:
+                self._windows[node.layer] = (frozenset(following), following[-1])
+
+    def _sequential(self, node: Node) -> None:
+        """A read of a file in its layer's last read-ahead window is a walk in pack order:
+        the window after it is loaded now in the background (from memory, the chunk cache or
+        the store in coalesced reads), so the walk finds it in memory instead of waiting."""
+        w = self._windows.get(node.layer)
+        if w is None or not any(ci in w[0] for ci, _, _ in node.entry.chunks):
+            return
+        with self.lock:
+            if self._windows.get(node.layer) is not w:
+                return  # another read took this window's turn
+            del self._windows[node.layer]
+        nxt = self._following(node.layer, [w[1]])
+        if nxt:
+            with self.lock:
+                self._windows.setdefault(node.layer, (frozenset(nxt), nxt[-1]))
+            self.ahead.submit(self._load_ahead, node.layer, nxt)
+
+    def _load_ahead(self, layer: int, idxs: list[int]) -> None:
+        src = self.fs.sources[layer]
+        try:
+            src.fetcher.chunks(src.index, idxs, count_stall=False)
+        except Exception as e:  # readers fetch on demand, and get EIO only from their own fetch
+            log.warning("lazy mount: reading ahead in layer %d failed: %s", layer, e)
 
     def _following(self, layer: int, own: list[int]) -> list[int]:
         """Chunk numbers stored right after ``own`` in their pack, up to one preferred read."""
@@ -364,6 +395,7 @@ class PassthroughServer:
         path, node = self._node(nodeid)
         try:
             self._fetch_with_neighbours(node)
+            self._sequential(node)
         except Exception as e:  # as LazyFS.read: logged, and the reader gets EIO
             log.error("lazy mount: reading %s (layer %d, %d bytes at %d) failed: %s",
                       node.entry.path, node.layer, size, offset, e)
@@ -381,6 +413,7 @@ class PassthroughServer:
         if not all(src.fetcher.in_memory(src.index.chunks[ci].chunk_id)
                    for ci, _, _ in node.entry.chunks):
             return False
+        self._sequential(node)
         self._handle(READ, unique, nodeid, body)
         return True
 
