@@ -113,7 +113,6 @@ class PassthroughServer:
         self._windows: dict[int, tuple[frozenset[int], int]] = {}
         self.ahead = ThreadPoolExecutor(1, thread_name_prefix="ahead")
         self.lock = threading.Lock()
-        self.wlock = threading.Lock()
         self.fd = -1
         self.passthrough = False
 
@@ -146,15 +145,15 @@ class PassthroughServer:
                     return  # unmounted
                 raise
             ln, op, unique, nodeid, _, _, _, _, _ = _IN.unpack_from(buf)
-            body = memoryview(bytes(view[_IN.size:min(ln, n)]))
+            body = view[_IN.size:min(ln, n)]  # valid until the next read: copied for the pool
             # opens that may fetch or assemble, and reads of bytes not in memory, go to the
             # pool; the rest (metadata, re-opens, small files' opens) is answered here at once
             if op == READ:
                 if not self._read_inline(unique, nodeid, body):
-                    self.pool.submit(self._handle, op, unique, nodeid, body)
+                    self.pool.submit(self._handle, op, unique, nodeid, memoryview(bytes(body)))
                 continue
             if op == OPEN and self._needs_backing(nodeid):
-                self.pool.submit(self._handle, op, unique, nodeid, body)
+                self.pool.submit(self._handle, op, unique, nodeid, memoryview(bytes(body)))
                 continue
             self._handle(op, unique, nodeid, body)
             if op == DESTROY:
@@ -169,10 +168,9 @@ class PassthroughServer:
 
     # -- replies ------------------------------------------------------------------------------
     def _reply(self, unique: int, data: bytes = b"", err: int = 0) -> None:
-        msg = _OUT.pack(_OUT.size + len(data), -err, unique) + data
+        # one writev per reply: the kernel takes each whole, so threads need no lock
         try:
-            with self.wlock:
-                os.write(self.fd, msg)
+            os.writev(self.fd, [_OUT.pack(_OUT.size + len(data), -err, unique), data])
         except OSError as e:  # ENOENT: the request was interrupted meanwhile
             if e.errno not in (errno.ENOENT, errno.ENODEV):
                 raise
@@ -413,7 +411,6 @@ class PassthroughServer:
         if not all(src.fetcher.in_memory(src.index.chunks[ci].chunk_id)
                    for ci, _, _ in node.entry.chunks):
             return False
-        self._sequential(node)
         self._handle(READ, unique, nodeid, body)
         return True
 
