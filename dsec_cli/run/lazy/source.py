@@ -164,6 +164,10 @@ class Fetcher:
         with self._lock:
             for i in [*missing, *extra]:
                 cid = index.chunks[i].chunk_id
+                if cid in self._mem:  # another fetch (a read-ahead) brought it meanwhile
+                    if i in want:
+                        out[i] = self._mem[cid]
+                    continue
                 ev = self._pending.get(cid)
                 if ev is None:
                     self._pending[cid] = threading.Event()
