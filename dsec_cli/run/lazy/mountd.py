@@ -24,6 +24,8 @@ log = logging.getLogger("dsec_cli.run.lazy.mountd")
 #: ending daemon waits for them to be written (a chunk not written is fetched again later)
 WRITE_BEHIND = 64 << 20
 DRAIN_SECONDS = 3.0
+#: a running daemon rewrites its access profile at most this often (seconds)
+PROFILE_EVERY = 1.0
 
 #: FUSE options: read-only, shared with the sandbox's (root) overlay and anyone it lets in;
 #: page cache kept across opens and attributes cached for a long time (the tree never changes)
@@ -67,9 +69,17 @@ def main(config_path: str) -> int:
     stop = threading.Event()
     ready_fd = cfg.get("ready_fd")
 
-    def flush() -> None:
+    profiled = {"files": -1, "at": 0.0}
+
+    def flush(final: bool = True) -> None:
+        """Statistics each time; the profile (sorting and writing every file read so far)
+        when it grew and at most once a second while running, and at the end."""
         _write_json(state / "stats.json", {**fetcher.stats.public(), "mode": cfg["mode"],
                                            "pid": os.getpid()})
+        files, now = sum(len(f) for f in recorder.files), time.monotonic()
+        if not final and (files == profiled["files"] or now - profiled["at"] < PROFILE_EVERY):
+            return
+        profiled.update(files=files, at=now)
         profile = [{"content_digest": layer["content_digest"], "files": sorted(
             recorder.files[n].items(), key=lambda kv: kv[1])}
             for n, layer in enumerate(cfg["layers"])]
@@ -103,8 +113,8 @@ def main(config_path: str) -> int:
         last: dict[str, Any] = {}
         while not stop.wait(0.1):
             now = fetcher.stats.public()
-            if now != last:
-                flush()
+            if now != last or sum(len(f) for f in recorder.files) != profiled["files"]:
+                flush(final=False)
                 last = now
 
     # no Python SIGTERM handler: the main thread sits in libfuse's loop and would never run
