@@ -68,7 +68,7 @@ MAX_WRITE = 4096  # nothing is written to a read-only mount: the smallest the ke
 REQUEST_BUFFER = 64 << 10  # >= the kernel's minimum (8 KiB) and any lookup or xattr name
 SMALL_FILE = 256 << 10  # files up to this size bring their pack neighbours along
 #: files up to this size get no backing file: their few reads are answered from memory (making
-#: a named file costs a millisecond or more on ext4, more than serving the reads)
+#: a named file can cost a millisecond or more on a contended ext4, more than the reads)
 INLINE_FILE = 128 << 10
 CONTENT_XATTR = "user.dsec.xxh3"  # a backing file's content hash, checked on reuse
 
