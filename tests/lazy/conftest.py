@@ -108,7 +108,7 @@ def mounter(tmp_path: Path) -> Iterator[Callable[..., object]]:
     states: list[Path] = []
 
     def mount(url: str, ref: str, *, cache: Path | None = None, budget: int = 1 << 30,
-              mode: str = "lazy") -> object:
+              mode: str = "lazy", max_read: int | None = None) -> object:
         with open_store(url) as st:
             img = resolve_image(st, ref)
         layers = [{"index": m.index or "", "content_digest": m.content_digest}
@@ -117,7 +117,7 @@ def mounter(tmp_path: Path) -> Iterator[Callable[..., object]]:
         state.mkdir()
         states.append(state)
         return mount_layers(state, url, layers, cache=cache or tmp_path / "chunks",
-                            budget=budget, mode=mode)
+                            budget=budget, mode=mode, max_read=max_read)
 
     yield mount
     for s in states:

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
+from dsec_cli.push.stores import open_store
 from dsec_cli.run.lazy import served_by
 
 from .conftest import Published, read_all, stats
-from .test_mount import assert_same_layer
+from .test_mount import _index, assert_same_layer
 
 
 def _server(m: Any) -> str:
@@ -43,6 +44,19 @@ def test_both_servers_show_the_source_tree(server: str, s3_image: Published, mou
     assert _server(m) == server
     assert_same_layer(s3_image.tree, m.lower_dirs[0])
     assert bool(_backing(tmp_path)) == (server == "kernel")
+
+
+def _stats_reaching(m: Any, key: str, want: float) -> dict[str, float]:
+    """The daemon's statistics once ``key`` has reached ``want`` (background work counts
+    as it finishes: polled, generous deadline), settled."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if json.loads((m.state / "stats.json").read_text())[key] >= want:
+            break
+        time.sleep(0.1)
+    return stats(m)
 
 
 def _backing(tmp_path: Path) -> list[Path]:
@@ -100,11 +114,11 @@ def test_small_files_bring_their_pack_neighbours(s3_image: Published, mounter: A
     names = sorted(p.name for p in (s3_image.tree / "data").glob("file*.txt"))
     assert len(names) > 10
     assert read_all(data / names[0]) == (s3_image.tree / "data" / names[0]).read_bytes()
-    first = stats(m)["requests"]
-    assert first >= 1
-    for n in names[1:]:  # stored after the first: they came with it
+    first = stats(m)
+    assert first["requests"] >= 1
+    for n in names[1:]:  # stored after the first: they came with it, read without waiting
         assert read_all(data / n) == (s3_image.tree / "data" / n).read_bytes()
-    assert stats(m)["requests"] == first
+    assert stats(m)["stall_seconds"] == first["stall_seconds"]
 
 
 def test_kill9_of_kernel_server_leaves_nothing(s3_image: Published, mounter: Any,
@@ -140,3 +154,165 @@ def test_partial_backing_files_of_a_dead_server_are_swept(
     mine.write_bytes(b"in progress")
     mounter(s3_image.url, s3_image.layer)  # a new server on the node sweeps at start
     assert not stale.exists() and mine.exists()
+
+
+def test_small_files_are_served_without_backing_files(s3_image: Published, mounter: Any,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    """A file up to INLINE_FILE is answered from memory (no backing file is made for it);
+    a larger one gets its backing file; both read back what was stored, mmap included."""
+    import mmap
+
+    from dsec_cli.run.lazy.kernelfs import INLINE_FILE
+
+    monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
+    m = mounter(s3_image.url, s3_image.layer)
+    small = s3_image.tree / "data/medium.bin"
+    assert 0 < small.stat().st_size <= INLINE_FILE
+    want = small.read_bytes()
+    assert read_all(m.lower_dirs[0] / "data/medium.bin") == want
+    with open(m.lower_dirs[0] / "data/medium.bin", "rb") as f, \
+            mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        assert mm[:] == want
+    assert _backing(tmp_path) == []
+    big = (s3_image.tree / "big/blob0.bin").read_bytes()
+    assert len(big) > INLINE_FILE
+    assert read_all(m.lower_dirs[0] / "big/blob0.bin") == big
+    assert [p.stat().st_size for p in _backing(tmp_path)] == [len(big)]
+
+
+def test_warm_walk_preloads_from_the_disk_cache_only(s3_image: Published, mounter: Any,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    """On a warm node a small file's pack neighbours are read ahead from the chunk cache,
+    never from the store: the walk fetches nothing, and bytes counted at its first read
+    stay what that read and its preload took from the disk."""
+    monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
+    names = sorted(p.name for p in (s3_image.tree / "data").glob("file*.txt"))
+    m1 = mounter(s3_image.url, s3_image.layer)
+    for n in names:  # fills the node's chunk cache (written behind, drained at unmount)
+        assert read_all(m1.lower_dirs[0] / "data" / n)
+    from dsec_cli.run.lazy import cleanup
+
+    cleanup(m1.state)
+    m2 = mounter(s3_image.url, s3_image.layer)
+    first = m2.lower_dirs[0] / "data" / names[0]
+    assert read_all(first) == (s3_image.tree / "data" / names[0]).read_bytes()
+    ix = _index(s3_image.url, s3_image.layer)
+    chunks = {ci for e in ix.entries if e.path.startswith("data/file") for ci, _, _ in e.chunks}
+    assert len(chunks) > 1  # the files span several chunks: the first read needs only one
+    with open_store(s3_image.url) as st:
+        max_read = st.preferred_read_size
+    own = [ci for ci, _, _ in ix.entries[[e.path for e in ix.entries].index(
+        f"data/{names[0]}")].chunks]
+    window = _window_after(ix, own, max_read)  # all in the cache: m1 fetched them
+    assert chunks <= {*own, *window}
+    s = _stats_reaching(m2, "bytes_from_cache", sum(ix.chunks[c].ulen for c in {*own, *window}))
+    assert s["requests"] == 0 and s["bytes_fetched"] == 0
+    assert s["bytes_from_cache"] == sum(ix.chunks[c].ulen for c in {*own, *window})
+    for n in names:
+        assert read_all(m2.lower_dirs[0] / "data" / n) == \
+            (s3_image.tree / "data" / n).read_bytes()
+    after = stats(m2)  # the rest came from memory: nothing more from the disk or the store
+    assert (after["requests"], after["bytes_from_cache"]) == (0, s["bytes_from_cache"])
+
+
+def test_concurrent_opens_of_one_file_make_one_verified_backing_file(
+        s3_image: Published, mounter: Any, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
+    m = mounter(s3_image.url, s3_image.layer)
+    want = (s3_image.tree / "big/blob1.bin").read_bytes()
+    with ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(lambda _: read_all(m.lower_dirs[0] / "big/blob1.bin"), range(8)))
+    assert all(g == want for g in got)
+    backing = [p for p in _backing(tmp_path) if p.stat().st_size == len(want)]
+    assert [p.read_bytes() == want for p in backing] == [True]
+    assert list((tmp_path / "files" / "tmp").iterdir()) == []  # no half-made copy left
+
+
+def test_kill9_while_fetching_and_writing_behind_leaves_nothing(
+        s3_image: Published, mounter: Any, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """kill -9 of the server in the middle of a walk (chunks fetched, queued for the chunk
+    cache's writer, backing files being made): cleanup leaves no mount and no process, a new
+    server sweeps the dead one's partial files, and every file still reads back verified."""
+    import threading
+
+    from dsec_cli.run.lazy import cleanup
+
+    monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
+    files = sorted(p.relative_to(s3_image.tree) for p in s3_image.tree.rglob("*")
+                   if p.is_file() and not p.is_symlink())
+    m = mounter(s3_image.url, s3_image.layer)
+    started = threading.Event()
+
+    def walk() -> None:
+        for rel in files:
+            started.set()
+            try:
+                read_all(m.lower_dirs[0] / rel)
+            except OSError:
+                return  # the server is gone: ENOTCONN
+    t = threading.Thread(target=walk)
+    t.start()
+    assert started.wait(30)
+    os.kill(m.pid, signal.SIGKILL)
+    os.waitpid(m.pid, 0)
+    t.join(30)
+    assert not t.is_alive()
+    stale = tmp_path / "chunks" / "tmp" / f"{'ef' * 16}.{m.pid}.dead"  # as a torn write
+    stale.write_bytes(b"half a chunk")
+    cleanup(m.state)
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert str(m.mountpoint) not in mounts and not Path(f"/proc/{m.pid}").exists()
+    m2 = mounter(s3_image.url, s3_image.layer)
+    assert not stale.exists()
+    for rel in files:
+        assert read_all(m2.lower_dirs[0] / rel) == (s3_image.tree / rel).read_bytes(), rel
+
+
+def _window_after(ix: Any, own: list[int], max_read: int) -> list[int]:
+    """The chunks stored after ``own`` in pack order, up to one preferred read (as the
+    server's read-ahead window)."""
+    seq = sorted(range(len(ix.chunks)), key=lambda i: (ix.chunks[i].pack, ix.chunks[i].offset))
+    start = max(seq.index(c) for c in own) + 1
+    out, budget = [], max_read
+    for ci in seq[start:]:
+        budget -= ix.chunks[ci].clen
+        if budget < 0:
+            break
+        out.append(ci)
+    return out
+
+
+def test_read_ahead_starts_only_with_a_sequential_read(s3_image: Published, mounter: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """One small file read (as a first exec reads) fetches its chunks and one window after
+    them, nothing more, however long one waits; reading a file of that window (a walk) loads
+    the next window in the background, and that read waits for no fetch."""
+    monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
+    ix = _index(s3_image.url, s3_image.layer)
+    max_read = 32 << 10  # small windows: the layer spans many
+    small = [e for e in ix.entries if e.type == "reg" and 0 < e.size <= 64 << 10]
+    for e in small:  # a first file, a second one stored in its window, and more after
+        own = [ci for ci, _, _ in e.chunks]
+        window = _window_after(ix, own, max_read)
+        nxt = [f for f in small if f is not e and all(ci in window for ci, _, _ in f.chunks)]
+        after = _window_after(ix, [window[-1]], max_read) if window else []
+        if nxt and after:
+            break
+    else:
+        raise AssertionError("no file of the test layer has a neighbour and a window after")
+    m = mounter(s3_image.url, s3_image.layer, max_read=max_read)
+    assert read_all(m.lower_dirs[0] / e.path) == (s3_image.tree / e.path).read_bytes()
+    first = stats(m)  # settled: nothing more arrives while nobody reads
+    assert first["bytes_fetched"] == sum(ix.chunks[c].clen for c in {*own, *window})
+    f = nxt[0]
+    assert read_all(m.lower_dirs[0] / f.path) == (s3_image.tree / f.path).read_bytes()
+    want = first["bytes_fetched"] + sum(ix.chunks[c].clen for c in after)
+    s = _stats_reaching(m, "bytes_fetched", want)
+    assert s["stall_seconds"] == first["stall_seconds"]  # it was in memory already
+    assert s["bytes_fetched"] == want

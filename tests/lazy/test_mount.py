@@ -140,3 +140,22 @@ def test_layer_without_xattrs_is_served_without_xattr_callbacks(
         os.getxattr(m.lower_dirs[0] / "bin/busybox", "user.x")
     # ENODATA would be the answer of a daemon with the callback
     assert e.value.errno == errno.EOPNOTSUPP, e.value
+
+
+def test_running_mount_keeps_its_profile_current(s3_image: Published, mounter: Any) -> None:
+    """The access profile (rewritten at most once a second while the daemon runs) lists a
+    file read after the last statistics change, without waiting for the mount to end."""
+    import time
+
+    m = mounter(s3_image.url, s3_image.layer)
+    assert read_all(m.lower_dirs[0] / "etc/small.conf")
+    stats(m)  # settled
+    assert read_all(m.lower_dirs[0] / "bin/tool")  # in the chunk read with small.conf
+    deadline = time.monotonic() + 30
+    files: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        files = dict(json.loads((m.state / "profile.json").read_text())["layers"][0]["files"])
+        if "bin/tool" in files:
+            break
+        time.sleep(0.2)
+    assert {"etc/small.conf", "bin/tool"} <= set(files)

@@ -6,6 +6,11 @@ back, so a torn or corrupted cache file is a miss, never bytes handed to a sandb
 written under a temporary name and renamed, so concurrent mount daemons never see half a
 chunk. The last use is the file's mtime; when the cache grows past its budget the oldest
 files are removed until it is back under 90% of it (least recently used first).
+
+A mount daemon writes behind: chunks it fetched are queued for a writer thread and served from
+the queue meanwhile, so readers never wait for a cache file to be created (on ext4 that costs
+a millisecond or more a file, more than fetching the chunk). Files being written are named
+``tmp/<id>.<pid>.<n>``; `sweep` removes those of processes that are gone.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -30,19 +36,37 @@ TOUCH_EVERY = 30.0
 class ChunkCache:
     """``<root>/<aa>/<chunk id hex>`` holding each chunk's uncompressed bytes."""
 
-    def __init__(self, root: Path, budget: int) -> None:
+    def __init__(self, root: Path, budget: int, *, write_behind: int = 0) -> None:
         self.root = Path(root)
         self.budget = budget
         self.tmp = self.root / "tmp"
         self.tmp.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._size: int | None = None  # estimate; rescanned when it passes the budget
+        self._behind_max = write_behind  # bytes queued for the writer at most (0: none)
+        self._behind: dict[bytes, bytes] = {}
+        self._behind_bytes = 0
+        self._queued = threading.Condition(threading.Lock())
+        self._writer: threading.Thread | None = None
+        self._dirs: set[str] = set()
+
+    def sweep(self) -> None:
+        """Remove partial files of processes that died while writing them (named
+        ``<id>.<pid>.<n>``; a live process's are kept)."""
+        for p in self.tmp.glob("*.*.*"):
+            pid = p.name.split(".")[1]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                p.unlink(missing_ok=True)
 
     def _path(self, cid: bytes) -> Path:
         h = cid.hex()
         return self.root / h[:2] / h
 
     def get(self, cid: bytes, ulen: int) -> bytes | None:
+        with self._queued:
+            queued = self._behind.get(cid)
+        if queued is not None:
+            return queued  # verified before it was queued
         p = self._path(cid)
         try:
             with open(p, "rb") as f:
@@ -54,8 +78,6 @@ class ChunkCache:
             log.warning("chunk cache file %s is corrupt; fetching the chunk again", p)
             p.unlink(missing_ok=True)
             return None
-        import time
-
         if time.time() - st.st_mtime > TOUCH_EVERY:
             try:
                 os.utime(p)
@@ -64,15 +86,60 @@ class ChunkCache:
         return data
 
     def has(self, cid: bytes) -> bool:
-        return self._path(cid).exists()
+        return cid in self._behind or self._path(cid).exists()
 
     def put(self, cid: bytes, data: bytes) -> None:
-        """Store verified bytes (the caller decoded and checked them)."""
+        """Store verified bytes (the caller decoded and checked them): queued for the writer
+        thread when this cache writes behind and its queue has room, else written now."""
+        if self._behind_max:
+            with self._queued:
+                if cid in self._behind:
+                    return
+                if self._behind_bytes + len(data) <= self._behind_max:
+                    self._behind[cid] = data
+                    self._behind_bytes += len(data)
+                    if self._writer is None:
+                        self._writer = threading.Thread(target=self._write_queued,
+                                                        name="cache-writer", daemon=True)
+                        self._writer.start()
+                    self._queued.notify()
+                    return
+        self._write(cid, data)
+
+    def _write_queued(self) -> None:
+        while True:
+            with self._queued:
+                while not self._behind:
+                    self._queued.wait()
+                cid, data = next(iter(self._behind.items()))
+            try:
+                self._write(cid, data)
+            except OSError as e:  # a full disk: the chunk is fetched again when next needed
+                log.warning("chunk cache: writing %s failed: %s", cid.hex(), e)
+            with self._queued:
+                del self._behind[cid]
+                self._behind_bytes -= len(data)
+                self._queued.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until queued chunks are written (True), at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._queued:
+            while self._behind:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._queued.wait(left)
+        return True
+
+    def _write(self, cid: bytes, data: bytes) -> None:
         p = self._path(cid)
         if p.exists():
             return
-        p.parent.mkdir(exist_ok=True)
-        tmp = self.tmp / f"{cid.hex()}.{uuid.uuid4().hex[:8]}"
+        if p.parent.name not in self._dirs:
+            p.parent.mkdir(exist_ok=True)
+            self._dirs.add(p.parent.name)
+        tmp = self.tmp / f"{cid.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         with open(tmp, "wb") as f:
             f.write(data)
         os.rename(tmp, p)

@@ -2,7 +2,9 @@
 itself, with FUSE passthrough (kernel ≥ 6.9, ``CONFIG_FUSE_PASSTHROUGH``).
 
 Metadata (lookup, getattr, readdir, readlink, xattrs) is answered from the same in-memory
-tree as `LazyFS`. On the first open of a regular file its bytes are assembled — chunk by
+tree as `LazyFS`; listings carry attributes (READDIRPLUS), so a walk sends no lookups. A small
+file (up to ``INLINE_FILE``) gets no backing file: its reads are answered from memory. On the
+first open of a larger regular file its bytes are assembled — chunk by
 chunk through the layer's `LayerSource`, so verified and fetched in coalesced ranged reads —
 into a backing file in the node's file cache (``<cache>/files``, shared by every mount and
 bounded by the node's cache budget like the chunk cache); the backing file is registered with the
@@ -53,17 +55,21 @@ BACKING_OPEN = 0x4010E501  # _IOW(229, 1, struct fuse_backing_map)
 
 LOOKUP, FORGET, GETATTR, READLINK, OPEN, READ, STATFS, RELEASE = 1, 2, 3, 5, 14, 15, 17, 18
 GETXATTR, LISTXATTR, FLUSH, INIT, OPENDIR, READDIR, RELEASEDIR = 22, 23, 25, 26, 27, 28, 29
-INTERRUPT, DESTROY, BATCH_FORGET = 36, 38, 42
+INTERRUPT, DESTROY, BATCH_FORGET, READDIRPLUS = 36, 38, 42, 44
 _NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
 
-F_ASYNC_READ, F_BIG_WRITES, F_MAX_PAGES, F_INIT_EXT = 1 << 0, 1 << 5, 1 << 22, 1 << 30
+F_ASYNC_READ, F_BIG_WRITES, F_DO_READDIRPLUS = 1 << 0, 1 << 5, 1 << 13
+F_CACHE_SYMLINKS, F_MAX_PAGES, F_INIT_EXT = 1 << 23, 1 << 22, 1 << 30
 F2_PASSTHROUGH = 1 << (37 - 32)
-FOPEN_KEEP_CACHE, FOPEN_PASSTHROUGH = 1 << 1, 1 << 7
+FOPEN_KEEP_CACHE, FOPEN_NOFLUSH, FOPEN_PASSTHROUGH = 1 << 1, 1 << 5, 1 << 7
 TIMEOUT = 86400  # a layer never changes: entries and attributes are cached for a day
 MAX_READ = 1 << 20
 MAX_WRITE = 4096  # nothing is written to a read-only mount: the smallest the kernel takes
 REQUEST_BUFFER = 64 << 10  # >= the kernel's minimum (8 KiB) and any lookup or xattr name
 SMALL_FILE = 256 << 10  # files up to this size bring their pack neighbours along
+#: files up to this size get no backing file: their few reads are answered from memory (making
+#: a named file can cost a millisecond or more on a contended ext4, more than the reads)
+INLINE_FILE = 128 << 10
 CONTENT_XATTR = "user.dsec.xxh3"  # a backing file's content hash, checked on reuse
 
 
@@ -103,8 +109,10 @@ class PassthroughServer:
         self.backing: dict[int, int] = {}  # inode -> backing id, registered once per mount
         self.locks: dict[int, threading.Lock] = {}
         self._order: dict[int, tuple[list[int], dict[int, int]]] = {}
+        # per layer, the last read-ahead window: its chunks and its last one in pack order
+        self._windows: dict[int, tuple[frozenset[int], int]] = {}
+        self.ahead = ThreadPoolExecutor(1, thread_name_prefix="ahead")
         self.lock = threading.Lock()
-        self.wlock = threading.Lock()
         self.fd = -1
         self.passthrough = False
 
@@ -112,10 +120,7 @@ class PassthroughServer:
     def sweep(self) -> None:
         """Remove partial backing files of servers that died while assembling them (named
         ``<key>.<pid>.<thread>``; a live server's are kept)."""
-        for p in self.files.tmp.glob("*.*.*"):
-            pid = p.name.split(".")[1]
-            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                p.unlink(missing_ok=True)
+        self.files.sweep()
 
     def mount(self) -> None:
         self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
@@ -140,11 +145,15 @@ class PassthroughServer:
                     return  # unmounted
                 raise
             ln, op, unique, nodeid, _, _, _, _, _ = _IN.unpack_from(buf)
-            body = memoryview(bytes(view[_IN.size:min(ln, n)]))
-            # opens that may fetch or assemble go to the pool; a re-open of a file this mount
-            # registered already is answered here at once
-            if op == READ or (op == OPEN and nodeid not in self.backing):
-                self.pool.submit(self._handle, op, unique, nodeid, body)
+            body = view[_IN.size:min(ln, n)]  # valid until the next read: copied for the pool
+            # opens that may fetch or assemble, and reads of bytes not in memory, go to the
+            # pool; the rest (metadata, re-opens, small files' opens) is answered here at once
+            if op == READ:
+                if not self._read_inline(unique, nodeid, body):
+                    self.pool.submit(self._handle, op, unique, nodeid, memoryview(bytes(body)))
+                continue
+            if op == OPEN and self._needs_backing(nodeid):
+                self.pool.submit(self._handle, op, unique, nodeid, memoryview(bytes(body)))
                 continue
             self._handle(op, unique, nodeid, body)
             if op == DESTROY:
@@ -152,16 +161,16 @@ class PassthroughServer:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.ahead.shutdown(wait=False, cancel_futures=True)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
     # -- replies ------------------------------------------------------------------------------
     def _reply(self, unique: int, data: bytes = b"", err: int = 0) -> None:
-        msg = _OUT.pack(_OUT.size + len(data), -err, unique) + data
+        # one writev per reply: the kernel takes each whole, so threads need no lock
         try:
-            with self.wlock:
-                os.write(self.fd, msg)
+            os.writev(self.fd, [_OUT.pack(_OUT.size + len(data), -err, unique), data])
         except OSError as e:  # ENOENT: the request was interrupted meanwhile
             if e.errno not in (errno.ENOENT, errno.ENODEV):
                 raise
@@ -208,7 +217,10 @@ class PassthroughServer:
             raise OSError(errno.EPROTO, f"FUSE protocol {major}")
         full = flags & F_INIT_EXT and minor >= 40 and flags2 & F2_PASSTHROUGH
         self.passthrough = bool(full)
-        out_flags = F_ASYNC_READ | F_BIG_WRITES | F_MAX_PAGES | (F_INIT_EXT if full else 0)
+        # listings carry each entry's attributes (READDIRPLUS), so a walk that opens what it
+        # listed sends no LOOKUPs; link targets stay in the page cache
+        out_flags = (F_ASYNC_READ | F_BIG_WRITES | F_MAX_PAGES | F_DO_READDIRPLUS
+                     | F_CACHE_SYMLINKS | (F_INIT_EXT if full else 0)) & (flags | F_INIT_EXT)
         out = _INIT_OUT.pack(7, min(minor, 40), readahead, out_flags, 16, 12, MAX_WRITE, 1,
                              MAX_READ // 4096, 0, F2_PASSTHROUGH if full else 0, 1)
         if not full:
@@ -232,19 +244,27 @@ class PassthroughServer:
             raise OSError(errno.EINVAL, "not a link")
         return os.fsencode(node.entry.target)
 
+    def _needs_backing(self, nodeid: int) -> bool:
+        """Whether an open of ``nodeid`` is answered with a backing file not registered yet
+        (false for small files, whose reads this process answers)."""
+        got = self.inodes.get(nodeid)
+        return (got is not None and self.passthrough and got[1].entry.size > INLINE_FILE
+                and nodeid not in self.backing)
+
     def _open(self, nodeid: int, body: memoryview) -> bytes:
         path, node = self._node(nodeid)
         if self.fs.recorder is not None:
             self.fs.recorder.touch(node.layer, node.entry.path)
-        if not self.passthrough or node.entry.size == 0:
-            return _OPEN_OUT.pack(0, FOPEN_KEEP_CACHE, 0)
+        if not self.passthrough or node.entry.size <= INLINE_FILE:
+            # no FLUSH on close either: nothing is ever written
+            return _OPEN_OUT.pack(0, FOPEN_KEEP_CACHE | FOPEN_NOFLUSH, 0)
         with self.lock:
             lock = self.locks.setdefault(node.ino, threading.Lock())
         with lock:  # two openers of one file assemble it once
             bid = self.backing.get(node.ino)
             if bid is None:
                 bid = self.backing[node.ino] = self._register(node, path)
-        return _OPEN_OUT.pack(0, FOPEN_PASSTHROUGH, bid)
+        return _OPEN_OUT.pack(0, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, bid)
 
     def _register(self, node: Node, path: str) -> int:
         """The file's backing file in the node's file cache (assembled if missing or not
@@ -253,12 +273,7 @@ class PassthroughServer:
         key = file_key(src.index, node.entry)
         bfd = self._cached(key)
         if bfd is None:
-            if node.entry.size <= SMALL_FILE:
-                # a small file: fetch it with the chunks that follow it in its pack, in the
-                # same ranged read; the next files of a walk then come from the chunk cache
-                # (a larger file is fetched alone: one request is already worth its bytes)
-                own = [ci for ci, _, _ in node.entry.chunks]
-                src.fetcher.chunks(src.index, own, readahead=self._following(node.layer, own))
+            self._fetch_with_neighbours(node)
             tmp = self.files.tmp / f"{key.hex()}.{os.getpid()}.{threading.get_ident()}"
             try:
                 h = xxhash.xxh3_128()
@@ -286,6 +301,49 @@ class PassthroughServer:
         finally:
             os.close(bfd)  # the kernel holds its own reference
         return int(bid)
+
+    def _fetch_with_neighbours(self, node: Node) -> None:
+        """A small file's chunks, fetched (when missing) with the chunks that follow them in
+        their pack in the same ranged read: the next files of a walk then come from memory or
+        the chunk cache. A larger file is fetched alone: one request is worth its bytes."""
+        if node.entry.size > SMALL_FILE:
+            return
+        src = self.fs.sources[node.layer]
+        own = [ci for ci, _, _ in node.entry.chunks]
+        if all(src.fetcher.in_memory(src.index.chunks[ci].chunk_id) for ci in own):
+            return
+        following = self._following(node.layer, own)
+        src.fetcher.chunks(src.index, own, readahead=following)
+        # on a warm node the neighbours were not fetched (they are in the chunk cache):
+        # read them from the disk ahead of the walk
+        src.fetcher.preload(src.index, following)
+        if following:
+            with self.lock:
+                self._windows[node.layer] = (frozenset(following), following[-1])
+
+    def _sequential(self, node: Node) -> None:
+        """A read of a file in its layer's last read-ahead window is a walk in pack order:
+        the window after it is loaded now in the background (from memory, the chunk cache or
+        the store in coalesced reads), so the walk finds it in memory instead of waiting."""
+        w = self._windows.get(node.layer)
+        if w is None or not any(ci in w[0] for ci, _, _ in node.entry.chunks):
+            return
+        with self.lock:
+            if self._windows.get(node.layer) is not w:
+                return  # another read took this window's turn
+            del self._windows[node.layer]
+        nxt = self._following(node.layer, [w[1]])
+        if nxt:
+            with self.lock:
+                self._windows.setdefault(node.layer, (frozenset(nxt), nxt[-1]))
+            self.ahead.submit(self._load_ahead, node.layer, nxt)
+
+    def _load_ahead(self, layer: int, idxs: list[int]) -> None:
+        src = self.fs.sources[layer]
+        try:
+            src.fetcher.chunks(src.index, idxs, count_stall=False)
+        except Exception as e:  # readers fetch on demand, and get EIO only from their own fetch
+            log.warning("lazy mount: reading ahead in layer %d failed: %s", layer, e)
 
     def _following(self, layer: int, own: list[int]) -> list[int]:
         """Chunk numbers stored right after ``own`` in their pack, up to one preferred read."""
@@ -332,12 +390,34 @@ class PassthroughServer:
 
     def _read(self, nodeid: int, body: memoryview) -> bytes:
         _, offset, size, _ = _READ_IN.unpack_from(body)
-        return self.fs.read(self._node(nodeid)[0], size, offset, 0)
+        path, node = self._node(nodeid)
+        try:
+            self._fetch_with_neighbours(node)
+            self._sequential(node)
+        except Exception as e:  # as LazyFS.read: logged, and the reader gets EIO
+            log.error("lazy mount: reading %s (layer %d, %d bytes at %d) failed: %s",
+                      node.entry.path, node.layer, size, offset, e)
+            raise OSError(errno.EIO, str(e)) from e
+        return self.fs.read(path, size, offset, 0)
+
+    def _read_inline(self, unique: int, nodeid: int, body: memoryview) -> bool:
+        """Answer a READ here when all its file's chunks are in memory; False otherwise
+        (then the pool answers it: it may wait for the disk or the store)."""
+        got = self.inodes.get(nodeid)
+        if got is None or got[1].entry.type not in ("reg", "hard"):
+            return False
+        node = got[1]
+        src = self.fs.sources[node.layer]
+        if not all(src.fetcher.in_memory(src.index.chunks[ci].chunk_id)
+                   for ci, _, _ in node.entry.chunks):
+            return False
+        self._handle(READ, unique, nodeid, body)
+        return True
 
     def _opendir(self, nodeid: int, body: memoryview) -> bytes:
         return _OPEN_OUT.pack(0, FOPEN_KEEP_CACHE, 0)
 
-    def _readdir(self, nodeid: int, body: memoryview) -> bytes:
+    def _readdir(self, nodeid: int, body: memoryview, plus: bool = False) -> bytes:
         _, offset, size, _ = _READ_IN.unpack_from(body)
         path, node = self._node(nodeid)
         if node.children is None:
@@ -351,11 +431,16 @@ class PassthroughServer:
             raw = os.fsencode(name)
             rec = _DIRENT.pack(child.ino, i + 1, len(raw),
                                stat.S_IFMT(child.attrs["st_mode"]) >> 12) + raw
+            if plus:  # "." and "..": no entry (node id 0), the kernel keeps its own
+                rec = self._entry(child if i >= 2 else None) + rec
             rec += bytes(-len(rec) % 8)
             if len(out) + len(rec) > size:
                 break
             out += rec
         return bytes(out)
+
+    def _readdirplus(self, nodeid: int, body: memoryview) -> bytes:
+        return self._readdir(nodeid, body, plus=True)
 
     def _getxattr(self, nodeid: int, body: memoryview) -> bytes:
         if not self.xattrs:
@@ -384,6 +469,7 @@ class PassthroughServer:
 
     _ops = {INIT: _init, LOOKUP: _lookup, GETATTR: _getattr, READLINK: _readlink,
             OPEN: _open, READ: _read, OPENDIR: _opendir, READDIR: _readdir,
+            READDIRPLUS: _readdirplus,
             GETXATTR: _getxattr, LISTXATTR: _listxattr, STATFS: _statfs,
             RELEASE: _empty, RELEASEDIR: _empty, FLUSH: _empty, DESTROY: _empty,
             FORGET: _empty, BATCH_FORGET: _empty}

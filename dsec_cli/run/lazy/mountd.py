@@ -20,6 +20,13 @@ from typing import Any
 
 log = logging.getLogger("dsec_cli.run.lazy.mountd")
 
+#: chunks queued for the chunk cache's writer thread at most (cache.py), and how long an
+#: ending daemon waits for them to be written (a chunk not written is fetched again later)
+WRITE_BEHIND = 64 << 20
+DRAIN_SECONDS = 3.0
+#: a running daemon rewrites its access profile at most this often (seconds)
+PROFILE_EVERY = 1.0
+
 #: FUSE options: read-only, shared with the sandbox's (root) overlay and anyone it lets in;
 #: page cache kept across opens and attributes cached for a long time (the tree never changes)
 MOUNT_OPTIONS = {"ro": True, "allow_other": True, "default_permissions": True,
@@ -52,7 +59,8 @@ def main(config_path: str) -> int:
         if ix.content_digest() != layer["content_digest"]:  # the node checked; so do we
             raise CorruptObjectError(f"index {layer['index'][:12]} does not have content "
                                      f"digest {layer['content_digest'][:12]}")
-    cache = ChunkCache(Path(cfg["cache"]), int(cfg["budget"]))
+    cache = ChunkCache(Path(cfg["cache"]), int(cfg["budget"]), write_behind=WRITE_BEHIND)
+    cache.sweep()
     fetcher = Fetcher(store_fetch(store), cache, max_read=int(cfg.get("max_read") or
                                                                 store.preferred_read_size),
                       inflight=int(cfg.get("inflight", 4)))
@@ -61,9 +69,17 @@ def main(config_path: str) -> int:
     stop = threading.Event()
     ready_fd = cfg.get("ready_fd")
 
-    def flush() -> None:
+    profiled = {"files": -1, "at": 0.0}
+
+    def flush(final: bool = True) -> None:
+        """Statistics each time; the profile (sorting and writing every file read so far)
+        when it grew and at most once a second while running, and at the end."""
         _write_json(state / "stats.json", {**fetcher.stats.public(), "mode": cfg["mode"],
                                            "pid": os.getpid()})
+        files, now = sum(len(f) for f in recorder.files), time.monotonic()
+        if not final and (files == profiled["files"] or now - profiled["at"] < PROFILE_EVERY):
+            return
+        profiled.update(files=files, at=now)
         profile = [{"content_digest": layer["content_digest"], "files": sorted(
             recorder.files[n].items(), key=lambda kv: kv[1])}
             for n, layer in enumerate(cfg["layers"])]
@@ -97,8 +113,8 @@ def main(config_path: str) -> int:
         last: dict[str, Any] = {}
         while not stop.wait(0.1):
             now = fetcher.stats.public()
-            if now != last:
-                flush()
+            if now != last or sum(len(f) for f in recorder.files) != profiled["files"]:
+                flush(final=False)
                 last = now
 
     # no Python SIGTERM handler: the main thread sits in libfuse's loop and would never run
@@ -108,7 +124,7 @@ def main(config_path: str) -> int:
     kind = LazyFS if xattrs else LazyFSNoXattrs
     if cfg.get("server") == "kernel":
         return _serve_kernel(LazyFS(indexes, sources, recorder), cfg, state, xattrs, on_init,
-                             stop, flush)
+                             stop, flush, cache)
     # mfusepy takes libfuse 2 when both are installed; the options below are libfuse 3's
     os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
     import mfusepy
@@ -120,13 +136,14 @@ def main(config_path: str) -> int:
                      subtype="dsec", **MOUNT_OPTIONS)
     finally:
         stop.set()
+        cache.drain(DRAIN_SECONDS)
         flush()
         log.info("unmounted after %.1fs", time.monotonic() - recorder.started)
     return 0
 
 
 def _serve_kernel(fs: Any, cfg: dict[str, Any], state: Path, xattrs: bool, on_init: Any,
-                  stop: threading.Event, flush: Any) -> int:
+                  stop: threading.Event, flush: Any, cache: Any) -> int:
     """Serve the mount with FUSE passthrough (kernelfs.py): opened files are read by the
     kernel from backing files in the node's file cache, beside its chunk cache."""
     import ctypes
@@ -153,6 +170,7 @@ def _serve_kernel(fs: Any, cfg: dict[str, Any], state: Path, xattrs: bool, on_in
         libc = ctypes.CDLL(None, use_errno=True)
         libc.umount2(cfg["mountpoint"].encode(), 2)  # MNT_DETACH; gone already is fine
         server.close()
+        cache.drain(DRAIN_SECONDS)
         flush()
         log.info("unmounted")
     return 0

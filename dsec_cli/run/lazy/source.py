@@ -15,6 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ...core.digests import chunk_id as xxh3_id
@@ -69,6 +70,8 @@ class Fetcher:
         self._mem_budget = memory
         self._lock = threading.Lock()
         self._pending: dict[bytes, threading.Event] = {}
+        self._loading: set[bytes] = set()  # chunks `preload` is reading from the disk cache
+        self._loader: ThreadPoolExecutor | None = None
 
     # -- memory cache --------------------------------------------------------------------------
     def _remember(self, cid: bytes, data: bytes) -> None:
@@ -82,12 +85,45 @@ class Fetcher:
                 _, old = self._mem.popitem(last=False)
                 self._mem_bytes -= len(old)
 
+    def in_memory(self, cid: bytes) -> bool:
+        """Whether a chunk is in the memory cache now (a hint: it may be evicted meanwhile)."""
+        return cid in self._mem
+
     def _recall(self, cid: bytes) -> bytes | None:
         with self._lock:
             data = self._mem.get(cid)
             if data is not None:
                 self._mem.move_to_end(cid)
             return data
+
+    def preload(self, index: LayerIndex, idxs: list[int]) -> None:
+        """Read chunks ``idxs`` of the node's chunk cache into memory in the background,
+        never from the store (so no bytes fetched): the next files of a walk over a warm cache
+        are then answered without waiting for the disk."""
+        with self._lock:
+            todo = [i for i in idxs if index.chunks[i].chunk_id not in self._mem
+                    and index.chunks[i].chunk_id not in self._loading]
+            if not todo:
+                return
+            self._loading.update(index.chunks[i].chunk_id for i in todo)
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(1, thread_name_prefix="preload")
+        self._loader.submit(self._load, index, todo)
+
+    def _load(self, index: LayerIndex, idxs: list[int]) -> None:
+        try:
+            for i in idxs:
+                loc = index.chunks[i]
+                if loc.chunk_id in self._mem:
+                    continue
+                data = self.cache.get(loc.chunk_id, loc.ulen)
+                if data is None:
+                    break  # not cached: readers fetch it (and its neighbours) themselves
+                self.stats.add(bytes_from_cache=len(data))
+                self._remember(loc.chunk_id, data)
+        finally:
+            with self._lock:
+                self._loading.difference_update(index.chunks[i].chunk_id for i in idxs)
 
     # -- fetching ------------------------------------------------------------------------------
     def chunks(self, index: LayerIndex, idxs: list[int], *, readahead: Iterable[int] = (),
@@ -128,6 +164,10 @@ class Fetcher:
         with self._lock:
             for i in [*missing, *extra]:
                 cid = index.chunks[i].chunk_id
+                if cid in self._mem:  # another fetch (a read-ahead) brought it meanwhile
+                    if i in want:
+                        out[i] = self._mem[cid]
+                    continue
                 ev = self._pending.get(cid)
                 if ev is None:
                     self._pending[cid] = threading.Event()
@@ -271,8 +311,6 @@ class LayerSource:
              stop: threading.Event | None = None) -> None:
         """Fetch chunks into the cache in (pack, offset) order, neighbours coalesced even
         across small gaps (prefetch and background fetch: throughput over precision)."""
-        from concurrent.futures import ThreadPoolExecutor
-
         todo = [i for i in dict.fromkeys(idxs)
                 if not self.fetcher.cache.has(self.index.chunks[i].chunk_id)]
         todo.sort(key=lambda i: (self.index.chunks[i].pack, self.index.chunks[i].offset))
