@@ -92,11 +92,10 @@ class QemuBackend(AgentBackend):
     net_dev: ClassVar[str] = ""
 
     supports_pause = True  # QMP stop / cont
-    #: a restore may start QEMU without the kernel and initramfs: on microvm they reach the
-    #: guest only through fw_cfg at boot, and reading and loading them is most of QEMU's start
-    #: (~190 ms of CPU here). A q35 PC loads them through an option ROM whose RAM block the
-    #: saved stream holds, so it keeps them.
-    restore_without_kernel: ClassVar[bool] = False
+    #: a restore starts QEMU without the kernel and initramfs: the guest read them at its boot
+    #: (through fw_cfg; the saved RAM holds what it kept), and reading and loading them is
+    #: most of QEMU's own start (~190 ms of CPU here)
+    restore_without_kernel: ClassVar[bool] = True
     supports_snapshot = True  # upper/ read back from the guest's disk
 
     @classmethod
@@ -592,7 +591,6 @@ class MicroVMBackend(QemuBackend):
     # no option ROMs to run; the RTC stays: without it the guest kernel spends ~2 s under
     # TCG failing to read the time
     machine: ClassVar[str] = "microvm,x-option-roms=off"
-    restore_without_kernel: ClassVar[bool] = True
     blk_dev: ClassVar[str] = "virtio-blk-device"
     serial_dev: ClassVar[str] = "virtio-serial-device"
     balloon_dev: ClassVar[str] = "virtio-balloon-device"
