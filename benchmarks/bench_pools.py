@@ -21,7 +21,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -97,11 +99,16 @@ def vm(runs: int, work: Path) -> dict[str, Any]:
                            state_dir=sdir, limits=Limits(memory=256 << 20),
                            image_digest="sha256:" + "d" * 64)
 
-    def create_exec(b: MicroVMBackend, sid: str) -> float:
+    def create_exec(b: MicroVMBackend, sid: str, spans: dict[str, list[float]] | None = None
+                    ) -> float:
         t = time.perf_counter()
-        h = b.create(spec(sid))
-        b.exec(h, ExecRequest(["true"]))
+        with timed_steps(b, spans):
+            h = b.create(spec(sid))
+            t1 = time.perf_counter()
+            b.exec(h, ExecRequest(["true"]))
         dt = time.perf_counter() - t
+        if spans is not None:
+            spans.setdefault("first exec", []).append(time.perf_counter() - t1)
         b.destroy(h)
         return dt
 
@@ -111,17 +118,54 @@ def vm(runs: int, work: Path) -> dict[str, Any]:
     save_s = time.perf_counter() - t
     res: dict[str, list[float]] = {"cold": [], "snapshot": [], "bare_restore_running": [],
                                    "bare_restore_exec": []}
+    spans: dict[str, list[float]] = {}
     for i in range(runs):  # interleaved, so load from others falls on all of them alike
         res["cold"].append(create_exec(cold, f"c{i}"))
-        res["snapshot"].append(create_exec(snap, f"s{i}"))
+        res["snapshot"].append(create_exec(snap, f"s{i}", spans))
         running, answered = bare_restore(snap, spec(f"b{i}"), vmsnap, SandboxHandle)
         res["bare_restore_running"].append(running)
         res["bare_restore_exec"].append(answered)
     med = {k: statistics.median(v) for k, v in res.items()}
     return {"runs": res, "median_s": med, "template_build_s": save_s,
+            "snapshot_steps_median_ms": {k: statistics.median(v) * 1e3 for k, v in spans.items()},
             "snapshot_vs_cold": med["snapshot"] / med["cold"],
             "snapshot_vs_bare_restore_exec": med["snapshot"] / med["bare_restore_exec"],
             "snapshot_vs_bare_restore_running": med["snapshot"] / med["bare_restore_running"]}
+
+
+@contextmanager
+def timed_steps(b: Any, spans: dict[str, list[float]] | None) -> Iterator[None]:
+    """Time the steps of a restore's create (each wrapped while the block runs)."""
+    if spans is None:
+        yield
+        return
+    from dsec_cli.backends import _cgroups
+    from dsec_cli.backends.vm import vmsnap
+
+    steps = [(type(b), "template_for", "template lookup"), (vmsnap, "copy_disk", "disk copy"),
+             (type(b), "restore_argv", "command line"),
+             (vmsnap, "open_state", "open stream"),
+             (type(b), "_launch", "QEMU start until it daemonizes, with cgroup join"),
+             (_cgroups.Cgroup, "add", "(of which cgroup join)"),
+             (type(b), "_restore_identity", "load + agent's first answer (identity)")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in steps]
+
+    def wrap(f: Any, label: str) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spans.setdefault(label, []).append(time.perf_counter() - t)
+        return timed
+
+    for (obj, name, label), (_, _, f) in zip(steps, saved, strict=True):
+        setattr(obj, name, wrap(f, label))
+    try:
+        yield
+    finally:
+        for obj, name, f in saved:
+            setattr(obj, name, f)
 
 
 def bare_restore(b: Any, spec: Any, vmsnap: Any, handle_cls: Any) -> tuple[float, float]:
