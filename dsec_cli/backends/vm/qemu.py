@@ -92,11 +92,11 @@ class QemuBackend(AgentBackend):
     net_dev: ClassVar[str] = ""
 
     supports_pause = True  # QMP stop / cont
+    supports_snapshot = True  # upper/ read back from the guest's disk
     #: a restore starts QEMU without the kernel and initramfs: the guest read them at its boot
     #: (through fw_cfg; the saved RAM holds what it kept), and reading and loading them is
     #: most of QEMU's own start (~190 ms of CPU here)
     restore_without_kernel: ClassVar[bool] = True
-    supports_snapshot = True  # upper/ read back from the guest's disk
 
     @classmethod
     def from_context(cls, ctx: BackendContext) -> QemuBackend:
@@ -375,26 +375,40 @@ class QemuBackend(AgentBackend):
         """The restored guest's first agent request: the identity helper the template holds
         gives it its hostname, a CRNG reseeded from host randomness and a fresh machine id
         (what it must not share with its template or its siblings). Its answer is also the
-        agent's first; a connection that gets none is made again, sending a copy of the
-        helper under another name (the first request may still run, and remove its own),
-        which removes both."""
+        agent's first. A connection that gets none in time is made again and pinged; then a
+        copy of the helper is sent under another name and run (the first request may still
+        run, and remove its own copy), removing the template's copy too."""
         attempts = 0
 
-        def identity(client: AgentClient) -> None:
+        def first(client: AgentClient) -> None:
             nonlocal attempts
             attempts += 1
-            argv = [vmsnap.IDENTITY_PATH, _safe_hostname(spec.hostname), os.urandom(16).hex()]
-            if attempts > 1:
-                argv[0] = f"{vmsnap.IDENTITY_PATH}.{attempts}"
-                client.put_file(argv[0], vmsnap.identity_binary(), 0o700)
-                argv.append(vmsnap.IDENTITY_PATH)
-            r = client.exec(argv, {}, "/", os.urandom(256), 60)
-            if r.exit_code != 0:
-                raise SandboxError(f"giving restored sandbox {handle.sandbox_id} its identity "
-                                   f"failed (code {r.exit_code}): "
-                                   f"{r.stderr.decode(errors='replace')}")
+            if attempts == 1:
+                self._run_identity(client, handle, spec, vmsnap.IDENTITY_PATH)
+                return
+            # the guest's agent reads one stream across host connections: what an earlier
+            # connection sent may still run and answer, so this one's request ids must not be
+            # the ones it used; and only small frames go out until the agent has answered
+            # (one cut short would put the stream out of step)
+            client._next = attempts << 20
+            client.ping()
 
-        self._wait_ready(handle, RESTORED_RETRY, identity)
+        self._wait_ready(handle, RESTORED_RETRY, first)
+        if attempts > 1:
+            client = self.client(handle)
+            copy = f"{vmsnap.IDENTITY_PATH}.{attempts}"
+            client.put_file(copy, vmsnap.identity_binary(), 0o700)
+            self._run_identity(client, handle, spec, copy, vmsnap.IDENTITY_PATH)
+
+    @staticmethod
+    def _run_identity(client: AgentClient, handle: SandboxHandle, spec: SandboxSpec,
+                      helper: str, *remove: str) -> None:
+        r = client.exec([helper, _safe_hostname(spec.hostname), os.urandom(16).hex(), *remove],
+                        {}, "/", os.urandom(256), 60)
+        if r.exit_code != 0:
+            raise SandboxError(f"giving restored sandbox {handle.sandbox_id} its identity "
+                               f"failed (code {r.exit_code}): "
+                               f"{r.stderr.decode(errors='replace')}")
 
     def _open_agent(self, handle: SandboxHandle, timeout: float,
                     retry: float = AGENT_RETRY,
@@ -430,6 +444,11 @@ class QemuBackend(AgentBackend):
                 handle.state["agent_sock"], peer=lambda pid: pid == handle.state.get("pid"),
                 what=f"sandbox {handle.sandbox_id}")
         except AgentError as e:
+            if isinstance(e.__cause__, BlockingIOError):
+                # QEMU's accept queue is full: it is busy (loading a restore's stream) and
+                # has not yet taken the connections given up on before this one
+                time.sleep(max(0.0, min(deadline - time.monotonic(), 0.1)))
+                return None
             raise SandboxError(f"cannot reach the agent of sandbox {handle.sandbox_id}: {e}") \
                 from e
         done = threading.Event()

@@ -91,6 +91,25 @@ def test_q35_restores_with_its_own_identity(base_layer: Path, node_dir: Path) ->
     assert not Path(h.state["disk"]).exists() and not Path(h.state["run_dir"]).exists()
 
 
+def test_restore_answered_only_on_a_later_connection(base_layer: Path, node_dir: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the first connection's identity request gets no answer in time (here: a wait far
+    shorter than QEMU's load, so several connections are given up on, and their requests may
+    still run once the guest does), a later one still gives the sandbox its identity, and no
+    copy of the helper stays behind."""
+    from dsec_cli.backends.vm import qemu
+
+    monkeypatch.setattr(qemu, "RESTORED_RETRY", 0.02)
+    b = MicroVMBackend(node_dir, boot="snapshot")
+    mem = 320 << 20  # the saved boot of test_restored_sandboxes_share_nothing
+    h = b.create(spec_for(f"rr{os.getpid()}", base_layer, node_dir, mem, "fourth"))
+    try:
+        assert h.state.get("restored")
+        assert sh(b, h, "hostname; ls -a /dev/shm") == "fourth\n.\n..\n"
+    finally:
+        b.destroy(h)
+
+
 CHILD = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
