@@ -132,6 +132,8 @@ def vm(runs: int, work: Path) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in res.items()}
     return {"runs": res, "median_s": med, "template_build_s": save_s,
             "snapshot_steps_median_ms": {k: statistics.median(v) * 1e3 for k, v in spans.items()},
+            # more than 1: a first connection got no answer within RESTORED_RETRY
+            "agent_connections_per_restore": len(spans.get("agent connection", [])) / runs,
             "snapshot_vs_cold": med["snapshot"] / med["cold"],
             "snapshot_vs_bare_restore_exec": med["snapshot"] / med["bare_restore_exec"],
             "snapshot_vs_bare_restore_exec_cpu": med["snapshot_cpu"] / med["bare_restore_exec_cpu"],
@@ -152,7 +154,8 @@ def timed_steps(b: Any, spans: dict[str, list[float]] | None) -> Iterator[None]:
              (vmsnap, "open_state", "open stream"),
              (type(b), "_launch", "QEMU start until it daemonizes, with cgroup join"),
              (_cgroups.Cgroup, "add", "(of which cgroup join)"),
-             (type(b), "_restore_identity", "load + agent's first answer (identity)")]
+             (type(b), "_restore_identity", "load + agent's first answer (identity)"),
+             (type(b), "_ping_within", "agent connection")]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in steps]
 
     def wrap(f: Any, label: str) -> Any:
