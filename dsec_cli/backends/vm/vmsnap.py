@@ -119,8 +119,11 @@ def open_state(tdir: Path) -> int:
 
 
 def incoming_fd_argv(fd: int) -> list[str]:
-    """QEMU loads the stream from ``fd`` (inherited: pass it with ``pass_fds``) and starts the
-    guest the moment it is loaded (no ``-S``: no ``cont`` round trip)."""
+    """QEMU loads the stream from ``fd`` (inherited: pass it with ``pass_fds``). A stream
+    saved without run state (the QEMU that saved it ran with
+    ``-global migration.store-global-state=off``, as templates do) starts the guest the moment
+    it is loaded, with no ``cont`` round trip; one saved with it restores that state (a guest
+    stopped to be saved stays paused: `wait_restored` resumes it)."""
     return ["-incoming", f"fd:{fd}"]
 
 
