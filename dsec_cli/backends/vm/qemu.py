@@ -26,6 +26,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -54,7 +55,7 @@ MIN_MEMORY = 128 << 20
 #: how long one connection waits for the agent's answer before it is made again
 AGENT_RETRY = 10.0
 #: the same for a guest just restored: its agent may still be reopening its port after the
-#: template's connection went away, which can swallow the first ping
+#: template's connection went away, which can swallow the first request
 RESTORED_RETRY = 1.0
 BOOT_TIMEOUT = 180.0  # TCG on a loaded 2-core host boots in tens of seconds
 CONNECT_TIMEOUT = 60.0  # waiting for another process to release the agent connection
@@ -92,6 +93,10 @@ class QemuBackend(AgentBackend):
 
     supports_pause = True  # QMP stop / cont
     supports_snapshot = True  # upper/ read back from the guest's disk
+    #: a restore starts QEMU without the kernel and initramfs: the guest read them at its boot
+    #: (through fw_cfg; the saved RAM holds what it kept), and reading and loading them is
+    #: most of QEMU's own start (~190 ms of CPU here)
+    restore_without_kernel: ClassVar[bool] = True
 
     @classmethod
     def from_context(cls, ctx: BackendContext) -> QemuBackend:
@@ -116,6 +121,7 @@ class QemuBackend(AgentBackend):
         self.vm_dir = root / "vm"  # node-level: accel probe, initramfs, root images
         self.kernel_path = kernel
         self._resolved_kernel: Kernel | None = None
+        self._initramfs: Path | None = None
         self.qemu = qemu
         self.accel = accel
         self.boot_timeout = boot_timeout
@@ -222,7 +228,11 @@ class QemuBackend(AgentBackend):
         if snap:
             # a new generation id per restore: where the guest's firmware tables expose it
             # (q35), the kernel reseeds its CRNG the moment the guest resumes
-            argv += ["-device", "vmgenid,guid=auto"]
+            argv += ["-device", "vmgenid,guid=auto",
+                     # the saved stream then carries no run state ("paused": the guest is
+                     # stopped to be saved), so a restore runs the guest once it is loaded
+                     # instead of waiting for a `cont`
+                     "-global", "migration.store-global-state=off"]
         return argv
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -244,12 +254,18 @@ class QemuBackend(AgentBackend):
 
     def _parts(self, spec: SandboxSpec) -> tuple[Kernel, Path, Path]:
         kernel = self._kernel()
-        initramfs = build_initramfs(kernel, self.vm_dir / "initramfs", agent=agent_binary())
+        # found once per backend (finding it walks the kernel's module tree: ~0.1 s), like
+        # the kernel; made again if node gc removed it
+        if self._initramfs is None or not self._initramfs.is_file():
+            self._initramfs = build_initramfs(kernel, self.vm_dir / "initramfs",
+                                              agent=agent_binary())
+        initramfs = self._initramfs
         root = vmimage.root_image(spec.rootfs.lower_dirs, spec.image_digest,
                                   self.vm_dir / "images")
         return kernel, initramfs, root
 
-    def _launch(self, spec: SandboxSpec, st: dict[str, Any], argv: list[str]) -> None:
+    def _launch(self, spec: SandboxSpec, st: dict[str, Any], argv: list[str],
+                pass_fds: tuple[int, ...] = ()) -> None:
         if spec.network == "allowlist":
             # the link and its filter exist before the guest does; rules as asked (none
             # for a template's boot: what a snapshot keeps must not depend on them)
@@ -257,7 +273,8 @@ class QemuBackend(AgentBackend):
             st["egress"] = egress.attach(spec.sandbox_id, egress.names(spec.sandbox_id)["netns"],
                                          list(spec.egress), spec.state_dir, guest=True)
             argv = [*egress.netns_argv(spec.sandbox_id), *argv]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                              pass_fds=pass_fds)
         if proc.returncode != 0:
             raise BackendError(f"QEMU could not start sandbox {spec.sandbox_id}: "
                                f"{proc.stderr.strip()[-1000:]}")
@@ -300,7 +317,7 @@ class QemuBackend(AgentBackend):
         key, doc = vmsnap.template_key(
             {"machine": self.machine, "accel": accel, "cpus": lim.cpus,
              "memory": lim.memory or DEFAULT_MEMORY, "pids": lim.pids, "disk": lim.disk,
-             "network": spec.network},
+             "network": spec.network, "identity": vmsnap.identity_tag()},
             [boot_image(kernel, self.vm_dir / "kernel"), initramfs, root,
              Path(self._qemu_binary())])
         return key, doc, vmsnap.template_dir(self.vm_dir, key)
@@ -323,6 +340,8 @@ class QemuBackend(AgentBackend):
             (out / "key.json").write_text(doc + "\n")
             h = self._create_cold(tspec, snap=True)
             try:
+                # each restore's first request runs it (`_restore_identity`)
+                self.client(h).put_file(vmsnap.IDENTITY_PATH, vmsnap.identity_binary(), 0o700)
                 self._drop_client(h.sandbox_id)  # the guest's port must not hold a connection
                 time.sleep(0.5)  # let the agent see the port close and reopen it before the stop
                 vmsnap.save(h.state["qmp"], out / "state", self.boot_timeout)
@@ -346,14 +365,17 @@ class QemuBackend(AgentBackend):
         try:
             sdir.mkdir(parents=True, exist_ok=True)
             Path(st["run_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
-            kernel, initramfs, root = self._parts(spec)
             vmsnap.copy_disk(tdir / "disk.ext4", Path(st["disk"]))
-            st["accel"], st["root_image"] = self.acceleration(kernel)["accel"], str(root)
-            argv = self._argv(spec, st, kernel, initramfs, root, Path(st["disk"]), snap=True)
-            self._launch(spec, st, argv + vmsnap.incoming_argv(tdir))
-            vmsnap.wait_restored(st["qmp"], self.boot_timeout, lambda: self.is_alive(handle))
-            self._wait_ready(handle, RESTORED_RETRY)
-            self._set_identity(handle, spec)
+            st["root_image"] = str(self._parts(spec)[2])
+            argv = self.restore_argv(spec, st)
+            fd = vmsnap.open_state(tdir)
+            try:
+                self._launch(spec, st, argv + vmsnap.incoming_fd_argv(fd), pass_fds=(fd,))
+            finally:
+                os.close(fd)
+            # no wait for the load: the agent's answer is the sign the guest runs, and a
+            # failed load ends QEMU, which the wait notices
+            self._restore_identity(handle, spec)
             self._use_link(handle)
         except BaseException:
             self.destroy(handle)
@@ -372,29 +394,68 @@ class QemuBackend(AgentBackend):
                                f"failed: {r.stderr.decode(errors='replace').strip()}")
         self.pin_names(handle)
 
-    def _set_identity(self, handle: SandboxHandle, spec: SandboxSpec) -> None:
-        """Hostname, a CRNG reseeded from host randomness, a fresh machine id: what a
-        restored guest must not share with its template or its siblings."""
-        client = self.client(handle)
-        client.put_file(vmsnap.IDENTITY_PATH, vmsnap.identity_binary(), 0o700)
-        r = client.exec([vmsnap.IDENTITY_PATH, _safe_hostname(spec.hostname),
-                         os.urandom(16).hex()], {}, "/", os.urandom(256), 60)
+    def restore_argv(self, spec: SandboxSpec, st: dict[str, Any]) -> list[str]:
+        """QEMU's command line for restoring a template for ``spec`` (add the ``-incoming``
+        argument); sets ``st["accel"]``."""
+        kernel, initramfs, root = self._parts(spec)
+        st["accel"] = self.acceleration(kernel)["accel"]
+        argv = self._argv(spec, st, kernel, initramfs, root, Path(st["disk"]), snap=True)
+        if self.restore_without_kernel:
+            argv = _without(argv, ("-kernel", "-initrd", "-append"))
+        return argv
+
+    def _restore_identity(self, handle: SandboxHandle, spec: SandboxSpec) -> None:
+        """The restored guest's first agent request: the identity helper the template holds
+        gives it its hostname, a CRNG reseeded from host randomness and a fresh machine id
+        (what it must not share with its template or its siblings). Its answer is also the
+        agent's first. A connection that gets none in time is made again and pinged; then a
+        copy of the helper is sent under another name and run (the first request may still
+        run, and remove its own copy), removing the template's copy too."""
+        attempts = 0
+
+        def first(client: AgentClient) -> None:
+            nonlocal attempts
+            attempts += 1
+            if attempts == 1:
+                self._run_identity(client, handle, spec, vmsnap.IDENTITY_PATH)
+                return
+            # the guest's agent reads one stream across host connections: what an earlier
+            # connection sent may still run and answer, so this one's request ids must not be
+            # the ones it used; and only small frames go out until the agent has answered
+            # (one cut short would put the stream out of step)
+            client._next = attempts << 20
+            client.ping()
+
+        self._wait_ready(handle, RESTORED_RETRY, first)
+        if attempts > 1:
+            client = self.client(handle)
+            copy = f"{vmsnap.IDENTITY_PATH}.{attempts}"
+            client.put_file(copy, vmsnap.identity_binary(), 0o700)
+            self._run_identity(client, handle, spec, copy, vmsnap.IDENTITY_PATH)
+
+    @staticmethod
+    def _run_identity(client: AgentClient, handle: SandboxHandle, spec: SandboxSpec,
+                      helper: str, *remove: str) -> None:
+        r = client.exec([helper, _safe_hostname(spec.hostname), os.urandom(16).hex(), *remove],
+                        {}, "/", os.urandom(256), 60)
         if r.exit_code != 0:
             raise SandboxError(f"giving restored sandbox {handle.sandbox_id} its identity "
-                               f"failed (code {r.exit_code}): {r.stderr.decode(errors='replace')}")
+                               f"failed (code {r.exit_code}): "
+                               f"{r.stderr.decode(errors='replace')}")
 
     def _open_agent(self, handle: SandboxHandle, timeout: float,
-                    retry: float = AGENT_RETRY) -> AgentClient:
+                    retry: float = AGENT_RETRY,
+                    first: Callable[[AgentClient], None] | None = None) -> AgentClient:
         """A client whose agent answered a ping within `timeout` (QEMU accepts one
         connection on the port's socket at a time: a second process waits its turn, and a
         guest still booting has not opened the port yet). A connection that gets no answer
         is dropped and made again every few seconds: one left behind by a killed process can
         stay unanswered while a new one is served. A shorter first ``retry`` doubles up to
         the usual one, so a slow guest is still given time to answer. Fails early if QEMU
-        exits."""
+        exits. ``first``, when given, is the first request instead of a ping."""
         deadline = time.monotonic() + timeout
         while True:
-            client = self._ping_within(handle, min(retry, deadline - time.monotonic()))
+            client = self._ping_within(handle, min(retry, deadline - time.monotonic()), first)
             if client is not None:
                 return client
             retry = min(retry * 2, AGENT_RETRY)
@@ -404,8 +465,11 @@ class QemuBackend(AgentBackend):
                 raise SandboxError(f"the guest agent did not answer within {timeout:.0f}s "
                                    "(still booting, or another process holds its connection)")
 
-    def _ping_within(self, handle: SandboxHandle, wait: float) -> AgentClient | None:
-        """One connection and one ping: the client if the agent answered within `wait`."""
+    def _ping_within(self, handle: SandboxHandle, wait: float,
+                     first: Callable[[AgentClient], None] | None = None
+                     ) -> AgentClient | None:
+        """One connection and one ping (or ``first``): the client if the agent answered
+        within `wait`."""
         deadline = time.monotonic() + max(wait, 0.1)
         try:
             # the host end of the guest's virtio-serial port: only QEMU itself may serve it
@@ -413,6 +477,11 @@ class QemuBackend(AgentBackend):
                 handle.state["agent_sock"], peer=lambda pid: pid == handle.state.get("pid"),
                 what=f"sandbox {handle.sandbox_id}")
         except AgentError as e:
+            if isinstance(e.__cause__, BlockingIOError):
+                # QEMU's accept queue is full: it is busy (loading a restore's stream) and
+                # has not yet taken the connections given up on before this one
+                time.sleep(max(0.0, min(deadline - time.monotonic(), 0.1)))
+                return None
             raise SandboxError(f"cannot reach the agent of sandbox {handle.sandbox_id}: {e}") \
                 from e
         done = threading.Event()
@@ -420,25 +489,31 @@ class QemuBackend(AgentBackend):
 
         def ping() -> None:
             try:
-                client.ping()
+                if first is None:
+                    client.ping()
+                else:
+                    first(client)
             except BaseException as e:  # noqa: BLE001 - reported below
                 error.append(e)
             done.set()
 
         threading.Thread(target=ping, daemon=True).start()
-        while not done.wait(0.1):
+        while not done.wait(0.02):
             if not self._running(handle) or time.monotonic() > deadline:
                 client.close()
                 done.wait(5)
                 return None
         if error:
             client.close()
+            if isinstance(error[0], SandboxError) and not isinstance(error[0], AgentError):
+                raise error[0]
             raise SandboxError(f"the guest agent failed: {error[0]}")
         return client
 
-    def _wait_ready(self, handle: SandboxHandle, retry: float = AGENT_RETRY) -> None:
+    def _wait_ready(self, handle: SandboxHandle, retry: float = AGENT_RETRY,
+                    first: Callable[[AgentClient], None] | None = None) -> None:
         try:
-            client = self._open_agent(handle, self.boot_timeout, retry)
+            client = self._open_agent(handle, self.boot_timeout, retry, first)
         except SandboxError as e:
             raise BackendError(f"sandbox {handle.sandbox_id} did not boot: {e.message}; "
                                f"console: {self._console_tail(handle)}") from e
@@ -662,6 +737,16 @@ def _ksm_on() -> bool:
         return Path("/sys/kernel/mm/ksm/run").read_text().strip() == "1"
     except OSError:
         return False
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` less the given options and their values."""
+    out: list[str] = []
+    it = iter(argv)
+    for a in it:
+        if a in options:
+            next(it, None)
+        else:
+            out.append(a)
+    return out
 
 
 def _safe_hostname(name: str) -> str:

@@ -6,12 +6,15 @@ A template is a directory ``<vm dir>/templates/<key>/`` holding ``state`` (QEMU'
 stream of the stopped guest: RAM and device state) and ``disk.ext4`` (the writable disk as the
 guest left it when it was stopped). It is built inside the create that first needs it, in a
 build dir and under a guest name derived from that sandbox's id (so a kill at any point leaves
-only what the sandbox's teardown removes), and renamed into place complete. A restore copies
-the disk (each sandbox writes its own copy), starts QEMU with the same devices and
-``-incoming``, resumes the guest, then gives it its own identity with `identity_binary`
-(hostname, a CRNG reseeded from host randomness, a fresh machine id where the image has one).
-QEMU 7.2 reads the whole stream at restore (its ``mapped-ram`` format, which maps RAM on
-demand, arrived in 9.0).
+only what the sandbox's teardown removes), and renamed into place complete. The saved guest
+already holds the identity helper (`identity_binary`, at `IDENTITY_PATH`). A restore copies
+the disk (each sandbox writes its own copy), starts QEMU with the same devices, reading the
+stream from an open file descriptor (`open_state`, `incoming_fd_argv`: no ``cat`` process and
+pipe in between, the file read ahead into the page cache), and the guest runs as soon as it is
+loaded; its first agent round trip runs the helper, which gives it its own identity (hostname,
+a CRNG reseeded from host randomness, a fresh machine id where the image has one) and removes
+itself. QEMU 7.2 reads the whole stream at restore (its ``mapped-ram`` format, which maps RAM
+on demand, arrived in 9.0).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ GUEST = Path(__file__).parent / "guest"
 IDENTITY_SOURCE = GUEST / "identity.c"
 #: where a restored guest briefly holds the identity helper (a tmpfs; exec allowed)
 IDENTITY_PATH = "/dev/shm/.dsec-identity"
-FORMAT = 1  # bump when what a template holds changes
+FORMAT = 2  # bump when what a template holds changes (2: the identity helper, no run state)
 
 
 def _stamp(p: Path) -> list[Any]:
@@ -100,6 +103,28 @@ def save(qmp_path: str, out: Path, timeout: float) -> None:
 
 def incoming_argv(tdir: Path) -> list[str]:
     return ["-incoming", f"exec:cat {_quote(tdir / 'state')}"]
+
+
+def open_state(tdir: Path) -> int:
+    """The template's migration stream opened for QEMU to read (`incoming_fd_argv`; pass it
+    to QEMU, then close it here), with the kernel asked to read it ahead into the page cache
+    while QEMU starts. The caller closes it."""
+    fd = os.open(tdir / "state", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass  # advice only
+    return fd
+
+
+def incoming_fd_argv(fd: int) -> list[str]:
+    """QEMU loads the stream from ``fd`` (inherited: pass it with ``pass_fds``). A stream
+    saved without run state (the QEMU that saved it ran with
+    ``-global migration.store-global-state=off``, as templates do) starts the guest the moment
+    it is loaded, with no ``cont`` round trip; one saved with it restores that state (a guest
+    stopped to be saved stays paused: `wait_restored` resumes it)."""
+    return ["-incoming", f"fd:{fd}"]
 
 
 def wait_restored(qmp_path: str, timeout: float, alive: Any) -> None:
@@ -171,8 +196,14 @@ def _quote(p: Path) -> str:
     return shlex.quote(str(p))
 
 
+@cache
 def _tag() -> str:
     return hashlib.sha256(IDENTITY_SOURCE.read_bytes()).hexdigest()[:12]
+
+
+def identity_tag() -> str:
+    """The identity helper's version (part of a template's key: templates hold the helper)."""
+    return _tag()
 
 
 @cache

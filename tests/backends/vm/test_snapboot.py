@@ -18,7 +18,7 @@ import pytest
 
 from dsec_cli.backends import ExecRequest, Limits, RootfsSpec, SandboxHandle, SandboxSpec
 from dsec_cli.backends.vm import vmsnap
-from dsec_cli.backends.vm.qemu import MicroVMBackend
+from dsec_cli.backends.vm.qemu import MicroVMBackend, VMBackend
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def spec_for(sid: str, layer: Path, node: Path, memory: int, hostname: str = "sa
                        hostname=hostname)
 
 
-def sh(b: MicroVMBackend, h: SandboxHandle, cmd: str) -> str:
+def sh(b: MicroVMBackend | VMBackend, h: SandboxHandle, cmd: str) -> str:
     r = b.exec(h, ExecRequest(["sh", "-c", cmd], timeout=60))
     assert r.exit_code == 0, r
     return r.stdout.decode()
@@ -78,11 +78,43 @@ def test_restored_sandboxes_share_nothing(base_layer: Path, node_dir: Path) -> N
     assert not Path(c.state["disk"]).exists() and not Path(c.state["run_dir"]).exists()
 
 
+def test_q35_restores_with_its_own_identity(base_layer: Path, node_dir: Path) -> None:
+    """The vm (q35) backend restores too (started without the kernel, as microvm is), and its
+    first request leaves the identity helper nowhere in the guest."""
+    b = VMBackend(node_dir, boot="snapshot")
+    h = b.create(spec_for(f"rq{os.getpid()}", base_layer, node_dir, 256 << 20, "third"))
+    try:
+        assert h.state.get("restored")
+        assert sh(b, h, "hostname; ls -a /dev/shm") == "third\n.\n..\n"
+    finally:
+        b.destroy(h)
+    assert not Path(h.state["disk"]).exists() and not Path(h.state["run_dir"]).exists()
+
+
+def test_restore_answered_only_on_a_later_connection(base_layer: Path, node_dir: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the first connection's identity request gets no answer in time (here: a wait far
+    shorter than QEMU's load, so several connections are given up on, and their requests may
+    still run once the guest does), a later one still gives the sandbox its identity, and no
+    copy of the helper stays behind."""
+    from dsec_cli.backends.vm import qemu
+
+    monkeypatch.setattr(qemu, "RESTORED_RETRY", 0.02)
+    b = MicroVMBackend(node_dir, boot="snapshot")
+    mem = 320 << 20  # the saved boot of test_restored_sandboxes_share_nothing
+    h = b.create(spec_for(f"rr{os.getpid()}", base_layer, node_dir, mem, "fourth"))
+    try:
+        assert h.state.get("restored")
+        assert sh(b, h, "hostname; ls -a /dev/shm") == "fourth\n.\n..\n"
+    finally:
+        b.destroy(h)
+
+
 CHILD = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
     from pathlib import Path
-    from dsec_cli.backends.vm.qemu import MicroVMBackend
+    from dsec_cli.backends.vm.qemu import MicroVMBackend, VMBackend
     from tests.backends.vm.test_snapboot import spec_for
     b = MicroVMBackend(Path({node!r}), boot="snapshot")
     b.create(spec_for({sid!r}, Path({layer!r}), Path({node!r}), {mem}))

@@ -1,11 +1,13 @@
 /*
- * dsec-identity: gives a VM restored from a snapshot its own identity. Run once by the host
- * through the agent right after the restore:
- *     dsec-identity HOSTNAME MACHINE-ID  < host random bytes
+ * dsec-identity: gives a VM restored from a snapshot its own identity. The snapshot holds it;
+ * the host runs it through the agent as the restored guest's first request:
+ *     dsec-identity HOSTNAME MACHINE-ID [OTHER-COPY...]  < host random bytes
  * It sets the hostname, mixes the bytes into the kernel's entropy pool, credits them and
  * makes the kernel reseed its CRNG at once (RNDADDENTROPY, RNDRESEEDCRNG), so no two VMs
  * restored from one snapshot share random numbers, and rewrites /etc/machine-id when the
- * image has one, and removes itself. No libc: a few raw syscalls, so it is a few KB to send into the guest.
+ * image has one, and removes itself and any OTHER-COPY (the snapshot's copy, when a copy was
+ * sent again because the first request got no answer). No libc: a few raw syscalls, so it is a
+ * few KB to send into the guest.
  */
 #include <linux/random.h>
 
@@ -55,5 +57,6 @@ void start_c(long *sp) {
         }
     }
     sc(SYS_unlink, (long)argv[0], 0, 0);
+    for (long i = 3; i < argc; i++) sc(SYS_unlink, (long)argv[i], 0, 0);
     sc(SYS_exit, bad, 0, 0);
 }
