@@ -2,7 +2,7 @@
 packages, snapshots of one repository at several commits) against one `tar | zstd -3` per
 layer, restic and casync on the same library, in the same run.
 
-    python -m benchmarks library [--work DIR] [--no-restic] [--no-casync]
+    python -m benchmarks library [--work DIR] [--runs N] [--no-restic] [--no-casync]
 
 Each environment is one layer, built oldest first into one store (`dsec build` of a spec
 with one `copy` step), so that later versions deduplicate against earlier ones. dsec is
@@ -10,7 +10,8 @@ built twice: as it is (new chunks compressed in 1 MiB groups, format/codec.py) a
 zstd frame per chunk (how format 1 stored every chunk), so the size and build time before
 and after the change are measured side by side. restic backs every environment up into one
 repository (compression on, repository version 2), casync makes every environment into one
-chunk store. Sizes are the bytes of the stores' files.
+chunk store. Sizes are the bytes of the stores' files. The two dsec builds take turns, run
+after run (medians of --runs are reported, with CPU time: user + system of all processes).
 
 The package versions are installed from PyPI into separate directories (`pip install
 --target`, no dependencies), once, into the work directory; the repository snapshots are
@@ -24,6 +25,7 @@ import argparse
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -102,6 +104,7 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks library")
     ap.add_argument("--work", default="/var/tmp/dsec-bench-library",
                     help="kept between runs: the installed packages are reused")
+    ap.add_argument("--runs", type=int, default=3, help="builds of each dsec variant")
     ap.add_argument("--no-restic", action="store_true")
     ap.add_argument("--no-casync", action="store_true")
     args = ap.parse_args(argv)
@@ -119,10 +122,16 @@ def main(argv: list[str]) -> None:
     sizes: dict[str, int] = {}
     seconds: dict[str, float] = {}
     cpu: dict[str, float] = {}
-    for label, one in (("dsec_one_frame_per_chunk", True), ("dsec", False)):
-        seconds[label], cpu[label] = _dsec_build(specs, work / f"store-{label}",
-                                                 work / f"data-{label}", one)
-        sizes[label] = _store_bytes(work / f"store-{label}")
+    runs: dict[str, list[tuple[float, float]]] = {}
+    for _ in range(args.runs):  # turns, so a change in the machine's load falls on both
+        for label, one in (("dsec_one_frame_per_chunk", True), ("dsec", False)):
+            runs.setdefault(label, []).append(_dsec_build(
+                specs, work / f"store-{label}", work / f"data-{label}", one))
+            sizes[label] = _store_bytes(work / f"store-{label}")
+    for label, rs in runs.items():
+        seconds[label] = statistics.median(r[0] for r in rs)
+        cpu[label] = statistics.median(r[1] for r in rs)
+        print(f"{label}: runs {', '.join(f'{w:.1f}s (cpu {c:.1f}s)' for w, c in rs)}")
 
     if not args.no_restic and shutil.which("restic"):
         repo = work / "restic"
@@ -167,5 +176,6 @@ def main(argv: list[str]) -> None:
         "environments": [f"{n}@{v}" for n, v, _ in envs], "tree_bytes": tree_bytes,
         "bytes": {"tar_zstd_per_layer": tar_zst, "tar_zstd_total": tar_total, **sizes},
         "seconds": seconds, "cpu_seconds": cpu, "ratios": ratios,
+        "dsec_runs": {k: [list(r) for r in v] for k, v in runs.items()},
     })
     print(f"results: {out}")
