@@ -78,8 +78,11 @@ def encode_group(payloads: list[bytes], level: int) -> tuple[bytes, list[tuple[i
     """Neighbouring chunks stored together: (blob, [(codec, offset in blob, clen)] per chunk).
 
     Several chunks that compress become one group (codec 2); a lone chunk, or a set that does
-    not compress, is stored chunk by chunk as `encode` stores it."""
-    if len(payloads) > 1:
+    not compress or is larger than GROUP_MAX, is stored chunk by chunk as `encode` stores
+    it."""
+    # (a group past what readers accept, possible only with very large chunk parameters, is
+    # stored chunk by chunk)
+    if len(payloads) > 1 and sum(map(len, payloads)) <= GROUP_MAX:
         n = len(payloads)
         frame = _compressor(level).compress(b"".join(payloads))
         if len(frame) + MEMBER.size * n < sum(map(len, payloads)):
@@ -101,7 +104,7 @@ def encode_group(payloads: list[bytes], level: int) -> tuple[bytes, list[tuple[i
 
 def member(stored: bytes | memoryview) -> tuple[int, int]:
     """(offset of the chunk in its decompressed group, offset of the frame in ``stored``)
-    of a codec-2 chunk's stored bytes; FormatError names what is out of bounds."""
+    of a codec-2 chunk's stored bytes; IntegrityError names what is out of bounds."""
     if len(stored) < MEMBER.size:
         raise IntegrityError(f"group member of {len(stored)} bytes has no header")
     uoff, after = MEMBER.unpack_from(stored)

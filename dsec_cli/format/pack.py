@@ -1,4 +1,5 @@
-"""Packs: blobs of several MiB holding independently compressed chunks, named by sha256.
+"""Packs: blobs of several MiB holding chunks (alone or in chunk groups, each one decodable
+from its own byte range: format/codec.py), named by sha256.
 
 Layout (version 1)::
 

@@ -236,6 +236,9 @@ def test_corrupt_group_is_refused_naming_the_chunk(tmp_path: Path, store: Store)
 def test_hostile_member_headers_are_refused_before_any_large_allocation() -> None:
     blob, rows = encode_group([b"a" * 5000, b"b" * 5000, b"c" * 5000], 3)
     assert [r[0] for r in rows] == [CODEC_ZGROUP] * 3
+    # a set larger than readers accept is stored chunk by chunk
+    big = [os.urandom(16) * (GROUP_MAX // 32 + 1)] * 2
+    assert [r[0] for r in encode_group(big, 1)[1]] == [1, 1]
     _, off, clen = rows[1]
     good = blob[off:off + clen]
     assert decode(CODEC_ZGROUP, good, 5000) == b"b" * 5000
