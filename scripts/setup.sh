@@ -26,8 +26,9 @@ DEV_PKGS=(docker-registry openssh-server)
 DEV_PKGS+=(skopeo umoci)
 # The grader suite's task image is made from Debian's own python3.11 (tests/grader/pyimage.py).
 DEV_PKGS+=(python3.11)
-# Benchmarks: peers measured side by side with dsec.
-DEV_PKGS+=(casync)
+# Benchmarks: peers measured side by side with dsec (casync: build; restic and casync:
+# library size, benchmarks/bench_library.py).
+DEV_PKGS+=(casync restic)
 
 want=("${PKGS[@]}")
 [ "$DEV" = 1 ] && want+=("${DEV_PKGS[@]}")

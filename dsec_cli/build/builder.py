@@ -22,7 +22,7 @@ from ..core.config import load_config
 from ..core.digests import object_key
 from ..core.errors import NotFoundError, RefConflictError, SpecError, UsageError
 from ..format import canonical
-from ..format.index import INDEX_VERSION
+from ..format.index import CONTENT_VERSION
 from ..format.manifest import Manifest, load_manifest
 from ..format.refs import get_ref, set_ref
 from ..push.dedup import KnownChunks
@@ -221,7 +221,7 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
         started = time.monotonic()
         deps = [dep_digest(r) for r, _ in spec.deps]
         key = hashlib.sha256(canonical.dumps({
-            "format": INDEX_VERSION, "rules": BUILD_RULES, "spec": spec.doc, "deps": deps,
+            "format": CONTENT_VERSION, "rules": BUILD_RULES, "spec": spec.doc, "deps": deps,
             "inputs": _fingerprint(spec) if spec.kind == "layer" else "",
             "sde": os.environ.get("SOURCE_DATE_EPOCH", "0"), "sha": chunk_sha256})).hexdigest()
         hit = None if force else cache.get(key)

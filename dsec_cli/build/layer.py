@@ -3,8 +3,10 @@ the store; the caller writes the ref last.
 
 Files are read in batches on a read-ahead thread (the compiled reader releases the GIL);
 chunking and hashing run on the calling thread; zstd compression (which releases the GIL)
-runs on a pool, one task per group of chunks, with a bounded window of groups in flight, and
-results are appended to packs in submission order so the output is deterministic.
+runs on a pool, one task per group of new chunks (up to 1 MiB, compressed as one zstd frame
+that every member can still be read from alone: format/codec.py), with a bounded window of
+groups in flight, and results are appended to packs in submission order so the output is
+deterministic.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import xxhash
 from ..core.digests import chunk_id, object_key
 from ..core.errors import BuildError
 from ..format.chunker import cut
-from ..format.codec import encode
+from ..format.codec import GROUP_BYTES, GROUP_CHUNKS, encode_group
 from ..format.index import ChunkLoc, ChunkParams, Entry, LayerIndex, put_index
 from ..format.manifest import Manifest, put_manifest
 from ..format.pack import FinishedPack, PackWriter
@@ -51,17 +53,12 @@ class WriteStats:
     packs_written: list[str] = field(default_factory=list)
 
 
-#: chunks are handed to the compression pool in groups of up to this many bytes (or
-#: GROUP_CHUNKS chunks): one task per group keeps the pool's per-task cost off the hot path
-GROUP_BYTES = 1 << 20
-GROUP_CHUNKS = 32
+#: new chunks are compressed in groups of up to GROUP_BYTES (or GROUP_CHUNKS chunks), one
+#: pool task per group: the group shares one zstd frame's context (format/codec.py)
 
 #: a chunk waiting for its group to be compressed: (chunk number, id, uncompressed length)
 _Job = tuple[int, bytes, int]
-
-
-def _encode_group(payloads: list[bytes], level: int) -> list[tuple[int, bytes]]:
-    return [encode(p, level) for p in payloads]
+_Encoded = tuple[bytes, list[tuple[int, int, int]]]
 
 
 class _Writer:
@@ -81,7 +78,7 @@ class _Writer:
         self.pack_no: dict[str, int] = {}
         self.locs: list[ChunkLoc | None] = []
         self.by_id: dict[bytes, int] = {}
-        self.pending: deque[tuple[list[_Job], Future[list[tuple[int, bytes]]]]] = deque()
+        self.pending: deque[tuple[list[_Job], Future[_Encoded]]] = deque()
         self.pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1)))
         self.window = 2 * max(1, (os.cpu_count() or 1)) + 2  # groups in flight
         self.group: list[_Job] = []
@@ -132,27 +129,29 @@ class _Writer:
     def _submit(self) -> None:
         if not self.group:
             return
-        self.pending.append((self.group, self.pool.submit(_encode_group, self.group_payloads,
+        self.pending.append((self.group, self.pool.submit(encode_group, self.group_payloads,
                                                           self.params.level)))
         self.group, self.group_payloads, self.group_bytes = [], [], 0
         while len(self.pending) >= self.window:
             self._drain_one()
 
     def _drain_one(self) -> None:
-        """Append the oldest group's chunks to packs, in submission order (the output does
-        not depend on how chunks were grouped: a pack is sealed after the chunk that fills
-        it, whichever group that chunk was in)."""
+        """Append the oldest group's stored bytes to the open pack, in submission order; a
+        pack is sealed after the group that fills it (a group never spans two packs)."""
         jobs, fut = self.pending.popleft()
-        for (n, cid, ulen), (codec, stored) in zip(jobs, fut.result(), strict=True):
-            if self.pack is None:
-                self.pack = PackWriter(self.staging)
-            pc = self.pack.add(cid, codec, stored, ulen)
-            self.locs[n] = ChunkLoc(cid, -1, pc.offset, pc.clen, ulen, codec, self.sha.get(n))
+        blob, rows = fut.result()
+        if self.pack is None:
+            self.pack = PackWriter(self.staging)
+        pcs = self.pack.add_blob(blob, [(cid, codec, off, clen, ulen) for (_, cid, ulen),
+                                        (codec, off, clen) in zip(jobs, rows, strict=True)])
+        for (n, cid, ulen), pc in zip(jobs, pcs, strict=True):
+            self.locs[n] = ChunkLoc(cid, -1, pc.offset, pc.clen, ulen, pc.codec,
+                                    self.sha.get(n))
             self.open_chunks.append(n)
-            self.result_new_bytes += len(stored)
             self.new_chunks += 1
-            if self.pack.size >= PACK_TARGET:
-                self._seal()
+        self.result_new_bytes += len(blob)
+        if self.pack.size >= PACK_TARGET:
+            self._seal()
 
     def _seal(self) -> None:
         if self.pack is None or not len(self.pack):
@@ -465,7 +464,7 @@ def layer_manifest(store: Store, index: LayerIndex, *, name: str, version: str,
         index=index_digest, packs=used_packs, base=base or [], spec_digest=spec_digest,
         env=env or {}, workdir=workdir, created_by=created_by,
         size=sum(e.size for e in index.entries if e.type == "reg"),
-        stored_size=sum(c.clen for c in index.chunks),
+        stored_size=index.stored_bytes(),
         files=sum(1 for e in index.entries if e.type != "dir"),
     )
     return put_manifest(store, m), m

@@ -1,8 +1,26 @@
-"""Chunk encoding: each chunk is compressed on its own (zstd) so it can be fetched and
-decoded alone; the codec is stored per chunk and readers dispatch on it."""
+"""Chunk encoding. Readers dispatch on the codec stored with each chunk:
+
+- ``0`` raw bytes (compression did not pay);
+- ``1`` one zstd frame holding the chunk alone;
+- ``2`` a member of a zstd *group*: up to `GROUP_BYTES` of neighbouring chunks compressed
+  as one frame, so small and similar chunks share context (as in a solid archive) while a
+  chunk is still read with one ranged read and decoded on its own.
+
+A group's stored bytes are one 8-byte member header per chunk, then the frame::
+
+    [uoff u32 | after u32] * n      member i: its offset in the decompressed group, and
+                                    how many member headers follow its own
+    zstd frame                      the n chunks' bytes, concatenated
+
+Chunk i of a group is stored as the range from its own header to the end of the frame, so
+``decode(2, stored, ulen)`` needs nothing but that range: it skips the headers after its own
+and decompresses the frame only as far as ``uoff + ulen``. The chunks of a group share the
+frame's bytes, so their ranges overlap (they all end where the frame ends).
+"""
 
 from __future__ import annotations
 
+import struct
 import threading
 
 import zstandard
@@ -11,8 +29,17 @@ from ..core.errors import FormatError, IntegrityError
 
 CODEC_RAW = 0
 CODEC_ZSTD = 1
-CODECS = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd"}
+CODEC_ZGROUP = 2
+CODECS = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZGROUP: "zstd-group"}
 
+#: a writer closes a group once it holds this many uncompressed bytes (or GROUP_CHUNKS)
+GROUP_BYTES = 1 << 20
+GROUP_CHUNKS = 32
+#: what a reader accepts: a group's decompressed bytes a member may reach into, and the
+#: zstd window a group frame may ask for (a hostile frame cannot make a reader allocate more)
+GROUP_MAX = 8 << 20
+WINDOW_MAX = 8 << 20
+MEMBER = struct.Struct("<II")
 
 _local = threading.local()
 
@@ -29,19 +56,63 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return c
 
 
-def _decompressor() -> zstandard.ZstdDecompressor:
-    d = getattr(_local, "dctx", None)
+def _decompressor(group: bool = False) -> zstandard.ZstdDecompressor:
+    name = "gdctx" if group else "dctx"
+    d = getattr(_local, name, None)
     if d is None:
-        d = _local.dctx = zstandard.ZstdDecompressor()
+        d = zstandard.ZstdDecompressor(max_window_size=WINDOW_MAX) if group else \
+            zstandard.ZstdDecompressor()
+        setattr(_local, name, d)
     return d
 
 
 def encode(data: bytes | memoryview, level: int) -> tuple[int, bytes]:
-    """(codec, stored bytes); raw when compression does not pay."""
+    """(codec, stored bytes) of one chunk on its own; raw when compression does not pay."""
     z = _compressor(level).compress(data)
     if len(z) >= len(data):
         return CODEC_RAW, bytes(data)
     return CODEC_ZSTD, z
+
+
+def encode_group(payloads: list[bytes], level: int) -> tuple[bytes, list[tuple[int, int, int]]]:
+    """Neighbouring chunks stored together: (blob, [(codec, offset in blob, clen)] per chunk).
+
+    Several chunks that compress become one group (codec 2); a lone chunk, or a set that does
+    not compress or is larger than GROUP_MAX, is stored chunk by chunk as `encode` stores
+    it."""
+    # (a group past what readers accept, possible only with very large chunk parameters, is
+    # stored chunk by chunk)
+    if len(payloads) > 1 and sum(map(len, payloads)) <= GROUP_MAX:
+        n = len(payloads)
+        frame = _compressor(level).compress(b"".join(payloads))
+        if len(frame) + MEMBER.size * n < sum(map(len, payloads)):
+            heads, uoff = [], 0
+            for i, p in enumerate(payloads):
+                heads.append(MEMBER.pack(uoff, n - 1 - i))
+                uoff += len(p)
+            blob = b"".join(heads) + frame
+            return blob, [(CODEC_ZGROUP, MEMBER.size * i, len(blob) - MEMBER.size * i)
+                          for i in range(n)]
+    parts, rows, off = [], [], 0
+    for p in payloads:
+        codec, stored = encode(p, level)
+        parts.append(stored)
+        rows.append((codec, off, len(stored)))
+        off += len(stored)
+    return b"".join(parts), rows
+
+
+def member(stored: bytes | memoryview) -> tuple[int, int]:
+    """(offset of the chunk in its decompressed group, offset of the frame in ``stored``)
+    of a codec-2 chunk's stored bytes; IntegrityError names what is out of bounds."""
+    if len(stored) < MEMBER.size:
+        raise IntegrityError(f"group member of {len(stored)} bytes has no header")
+    uoff, after = MEMBER.unpack_from(stored)
+    frame_at = MEMBER.size * (1 + after)
+    if frame_at >= len(stored):
+        raise IntegrityError(f"group member header says {after} more headers follow, past "
+                             f"its {len(stored)} stored bytes")
+    return uoff, frame_at
 
 
 def decode(codec: int, stored: bytes | memoryview, ulen: int) -> bytes:
@@ -58,4 +129,40 @@ def decode(codec: int, stored: bytes | memoryview, ulen: int) -> bytes:
             return _decompressor().decompress(stored, max_output_size=ulen)
         except zstandard.ZstdError as e:
             raise IntegrityError(f"chunk does not decompress: {e}") from e
+    if codec == CODEC_ZGROUP:
+        return decode_group(stored, [ulen])[0]
     raise FormatError(f"unknown chunk codec {codec}; upgrade dsec")
+
+
+def decode_group(stored: bytes | memoryview, ulens: list[int],
+                 starts: list[int] | None = None) -> list[bytes]:
+    """Chunks of one group from the stored range of its first wanted member: ``starts[k]`` is
+    where member k's header is in ``stored`` (default: only the first, at 0). The frame is
+    decompressed once, as far as the furthest member asked for."""
+    view = memoryview(stored)
+    where = starts or [0]
+    spans = []
+    frame_at = -1
+    for at, ulen in zip(where, ulens, strict=True):
+        uoff, fa = member(view[at:])
+        if frame_at not in (-1, at + fa):
+            raise IntegrityError("group members disagree on where their frame starts")
+        frame_at = at + fa
+        if uoff + ulen > GROUP_MAX:
+            raise IntegrityError(f"group member reaches {uoff + ulen} bytes into its group, "
+                                 f"past the limit of {GROUP_MAX}")
+        spans.append((uoff, ulen))
+    need = max(u + n for u, n in spans)
+    try:
+        reader = _decompressor(True).stream_reader(view[frame_at:], read_across_frames=False)
+        out = bytearray()
+        while len(out) < need:
+            piece = reader.read(need - len(out))
+            if not piece:
+                break
+            out += piece
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"chunk group does not decompress: {e}") from e
+    if len(out) < need:
+        raise IntegrityError(f"chunk group ends after {len(out)} bytes, before {need}")
+    return [bytes(out[u:u + n]) for u, n in spans]

@@ -18,7 +18,12 @@ import zstandard
 from ..core.errors import FormatError
 from . import canonical
 
-INDEX_VERSION = 1
+#: the newest index format; 2 adds chunk groups (codec 2, format/codec.py). An index is
+#: written as format 1 when none of its chunks is in a group, so older readers still read it
+INDEX_VERSION = 2
+INDEX_VERSIONS = (1, 2)
+#: the content digest's own format number: it does not change with the stored form
+CONTENT_VERSION = 1
 # no import of the chunker here: reading indexes must not load the compiled chunker
 
 
@@ -157,6 +162,17 @@ class LayerIndex:
     _stored: bytes | None = field(default=None, init=False, repr=False, compare=False)
     _content_digest: str | None = field(default=None, init=False, repr=False, compare=False)
 
+    def stored_bytes(self) -> int:
+        """Compressed bytes of the chunks this index reads, each stored range counted once:
+        the members of a chunk group (codec 2) share the group's frame, and every member's
+        range ends where the frame ends, so a group counts as its longest member range."""
+        longest: dict[tuple[int, int], int] = {}
+        for c in self.chunks:
+            end = (c.pack, c.offset + c.clen)
+            if c.clen > longest.get(end, -1):
+                longest[end] = c.clen
+        return sum(longest.values())
+
     def content_digest(self) -> str:
         """sha256 of the canonical tree with chunk ids, computed from the entries held (a
         reader compares it with what a manifest claims; it never trusts the claim)."""
@@ -175,7 +191,7 @@ class LayerIndex:
             if e.chunks:
                 d = {**d, "c": [[ids[i], off, ln] for i, off, ln in e.chunks]}
             content_entries.append(d)
-        content = {"format": INDEX_VERSION, "chunk_hash": self.chunk_hash,
+        content = {"format": CONTENT_VERSION, "chunk_hash": self.chunk_hash,
                    "entries": content_entries}
         self._content_digest = hashlib.sha256(canonical.dumps(content)).hexdigest()
         return stored_entries
@@ -186,8 +202,11 @@ class LayerIndex:
             return self._stored
         stored_entries = self._entry_docs()
         has_sha = any(c.sha256 for c in self.chunks)
+        from .codec import CODEC_ZGROUP
+
+        grouped = any(c.codec == CODEC_ZGROUP for c in self.chunks)
         doc = {
-            "format": INDEX_VERSION,
+            "format": INDEX_VERSION if grouped else 1,
             "chunk_hash": self.chunk_hash,
             "chunk_sha256": has_sha,
             "params": {"min": self.params.min_size, "avg": self.params.avg_size,
@@ -216,9 +235,9 @@ class LayerIndex:
         doc = canonical.loads(raw, what)
         if not isinstance(doc, dict):
             fail(what, "not a JSON object")
-        if doc.get("format") != INDEX_VERSION:
+        if doc.get("format") not in INDEX_VERSIONS:
             raise FormatError(f"{what} has format {doc.get('format')}; this dsec reads "
-                              f"{INDEX_VERSION}")
+                              f"{', '.join(map(str, INDEX_VERSIONS))}: upgrade dsec")
         if doc.get("chunk_hash") != "xxh3-128":
             raise FormatError(f"{what} uses chunk hash {doc.get('chunk_hash')!r}, unsupported")
         try:

@@ -1,9 +1,10 @@
-"""Packs: blobs of several MiB holding independently compressed chunks, named by sha256.
+"""Packs: blobs of several MiB holding chunks (alone or in chunk groups, each one decodable
+from its own byte range: format/codec.py), named by sha256.
 
 Layout (version 1)::
 
     b"DSECPK\\x00\\x01"                    8-byte header: magic and format version
-    chunk frames ...                       each chunk's stored bytes, back to back
+    chunk frames ...                       each chunk's (or chunk group's) stored bytes
     trailer                                zstd(canonical JSON table of contents)
     trailer length (u64, little endian)
     b"DSECPKND"
@@ -24,10 +25,13 @@ from pathlib import Path
 import zstandard
 
 from . import canonical
+from .codec import CODEC_ZGROUP
 
 HEADER = b"DSECPK\x00\x01"
 FOOTER_MAGIC = b"DSECPKND"
 FOOTER = struct.Struct("<Q8s")
+#: table-of-contents versions this dsec reads: 2 adds chunk groups (codec 2)
+TOC_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -70,11 +74,25 @@ class PackWriter:
         self._chunks.append(pc)
         return pc
 
+    def add_blob(self, blob: bytes, rows: list[tuple[bytes, int, int, int, int]]
+                 ) -> list[PackedChunk]:
+        """Stored bytes holding several chunks (a group, format/codec.py); ``rows`` are
+        (id, codec, offset in blob, clen, ulen). The chunks' ranges may overlap."""
+        base = self.size
+        self._write(blob)
+        out = [PackedChunk(cid, base + off, clen, ulen, codec)
+               for cid, codec, off, clen, ulen in rows]
+        self._chunks += out
+        return out
+
     def __len__(self) -> int:
         return len(self._chunks)
 
     def finish(self) -> FinishedPack:
-        toc = canonical.dumps({"format": 1, "chunks": [
+        # format 2 says the pack holds chunk groups (codec 2), which a reader of format 1
+        # cannot decode
+        fmt = 2 if any(c.codec == CODEC_ZGROUP for c in self._chunks) else 1
+        toc = canonical.dumps({"format": fmt, "chunks": [
             [c.chunk_id.hex(), c.offset, c.clen, c.ulen, c.codec] for c in self._chunks]})
         trailer = zstandard.ZstdCompressor(level=3).compress(toc)
         self._write(trailer)
@@ -107,6 +125,7 @@ def read_toc(data: bytes, what: str = "pack") -> list[PackedChunk]:
     raw = bounded_zstd(memoryview(data)[body_end:len(data) - FOOTER.size],
                        lim.pack_trailer_bytes, f"{what} trailer", "pack_trailer_bytes")
     doc = canonical.loads(raw, f"{what} trailer")
-    if not isinstance(doc, dict) or doc.get("format") != 1:
-        fail(what, "the trailer is not a version 1 table of contents")
+    if not isinstance(doc, dict) or doc.get("format") not in TOC_VERSIONS:
+        fail(what, f"the trailer is not a table of contents of a version this dsec reads "
+                   f"({', '.join(map(str, TOC_VERSIONS))})")
     return [PackedChunk(*row) for row in validate_toc(doc.get("chunks"), what, body_end, lim)]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 from ..core.digests import chunk_id
 from ..core.errors import IntegrityError
-from .codec import decode
+from .codec import CODEC_ZGROUP, decode, decode_group
 from .index import ChunkLoc, Entry, LayerIndex
 
 Fetch = Callable[[str, int, int], bytes]
@@ -29,12 +29,7 @@ class ChunkReader:
         self._cache_size = cache_size
         self.bytes_fetched = 0
 
-    def _decode(self, i: int, loc: ChunkLoc, stored: bytes | memoryview) -> bytes:
-        try:
-            data = decode(loc.codec, stored, loc.ulen)
-        except IntegrityError as e:
-            raise IntegrityError(f"chunk {loc.chunk_id.hex()} in pack "
-                                 f"{self.index.packs[loc.pack]} is corrupt: {e.message}") from e
+    def _check(self, loc: ChunkLoc, data: bytes) -> bytes:
         if len(data) != loc.ulen or chunk_id(data) != loc.chunk_id:
             raise IntegrityError(
                 f"chunk {loc.chunk_id.hex()} in pack {self.index.packs[loc.pack]} is corrupt "
@@ -45,46 +40,79 @@ class ChunkReader:
                 "(sha256 mismatch)")
         return data
 
+    def _corrupt(self, loc: ChunkLoc, e: IntegrityError) -> IntegrityError:
+        return IntegrityError(f"chunk {loc.chunk_id.hex()} in pack "
+                              f"{self.index.packs[loc.pack]} is corrupt: {e.message}")
+
+    def _decode_run(self, run: list[int], start: int, view: memoryview) -> dict[int, bytes]:
+        """Decode and verify the chunks of one fetched range; the members of one chunk group
+        (codec 2, their ranges ending together) are decompressed in one pass."""
+        out: dict[int, bytes] = {}
+        groups: dict[int, list[int]] = {}
+        for i in run:
+            loc = self.index.chunks[i]
+            if loc.codec == CODEC_ZGROUP:
+                groups.setdefault(loc.offset + loc.clen, []).append(i)
+                continue
+            rel = loc.offset - start
+            try:
+                data = decode(loc.codec, view[rel:rel + loc.clen], loc.ulen)
+            except IntegrityError as e:
+                raise self._corrupt(loc, e) from e
+            out[i] = self._check(loc, data)
+        for end, members in groups.items():
+            locs = [self.index.chunks[i] for i in members]
+            first = min(loc.offset for loc in locs)
+            try:
+                datas = decode_group(view[first - start:end - start], [loc.ulen for loc in locs],
+                                     [loc.offset - first for loc in locs])
+            except IntegrityError as e:
+                raise self._corrupt(locs[0], e) from e
+            for i, loc, data in zip(members, locs, datas, strict=True):
+                out[i] = self._check(loc, data)
+        return out
+
     def _remember(self, i: int, data: bytes) -> None:
         self._cache[i] = data
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
 
-    def _runs(self, idxs: list[int]) -> Iterator[list[int]]:
-        """Group chunk numbers into runs that are contiguous in one pack."""
+    def _runs(self, idxs: list[int]) -> Iterator[tuple[list[int], int, int]]:
+        """Group chunk numbers into runs that one ranged read of one pack covers: (run,
+        start, end). A chunk joins the run when its range starts inside or right after it
+        (members of one chunk group overlap: they all end where the group's frame ends)."""
         run: list[int] = []
-        size = 0
+        start = end = 0
         for i in idxs:
             loc = self.index.chunks[i]
             if run:
                 prev = self.index.chunks[run[-1]]
-                if (loc.pack != prev.pack or loc.offset != prev.offset + prev.clen
-                        or size + loc.clen > self.max_read):
-                    yield run
-                    run, size = [], 0
+                new_end = max(end, loc.offset + loc.clen)
+                if (loc.pack != prev.pack or not start <= loc.offset <= end
+                        or new_end - start > self.max_read):
+                    yield run, start, end
+                    run = []
+                else:
+                    end = new_end
+            if not run:
+                start, end = loc.offset, loc.offset + loc.clen
             run.append(i)
-            size += loc.clen
         if run:
-            yield run
+            yield run, start, end
 
     def chunks(self, idxs: list[int]) -> Iterator[tuple[int, bytes]]:
         """Decoded chunks in the order asked, fetching uncached ones in coalesced runs."""
         # taken now: remembering fetched chunks below may evict these from the small cache
         fetched: dict[int, bytes] = {i: self._cache[i] for i in idxs if i in self._cache}
         pending = [i for i in dict.fromkeys(idxs) if i not in fetched]
-        for run in self._runs(pending):
-            first = self.index.chunks[run[0]]
-            last = self.index.chunks[run[-1]]
-            length = last.offset + last.clen - first.offset
-            blob = self.fetch(self.index.packs[first.pack], first.offset, length)
+        for run, start, end in self._runs(pending):
+            pack = self.index.packs[self.index.chunks[run[0]].pack]
+            length = end - start
+            blob = self.fetch(pack, start, length)
             self.bytes_fetched += len(blob)
             if len(blob) != length:
-                raise IntegrityError(f"pack {self.index.packs[first.pack]} is truncated")
-            view = memoryview(blob)
-            for i in run:
-                loc = self.index.chunks[i]
-                rel = loc.offset - first.offset
-                fetched[i] = self._decode(i, loc, view[rel:rel + loc.clen])
+                raise IntegrityError(f"pack {pack} is truncated")
+            fetched.update(self._decode_run(run, start, memoryview(blob)))
         for i in idxs:
             data = fetched[i]
             self._remember(i, data)

@@ -193,7 +193,7 @@ def check_layer(m: Manifest, digest: str, index: LayerIndex) -> str:
 # -- indexes ---------------------------------------------------------------------------------
 def validate_index(ix: LayerIndex, what: str, limits: StoreLimits | None = None) -> LayerIndex:
     """Every field and cross-reference of a decoded index (docs/format.md, "Validation")."""
-    from .codec import CODEC_RAW, CODECS
+    from .codec import CODEC_RAW, CODEC_ZGROUP, CODECS, GROUP_MAX
 
     lim = limits or store_limits()
     packs, chunks, entries = ix.packs, ix.chunks, ix.entries
@@ -227,10 +227,12 @@ def validate_index(ix: LayerIndex, what: str, limits: StoreLimits | None = None)
             fail(what, f"chunks[{n}]: offset {_short(off)} is not a non-negative integer")
         if type(ulen) is not int or not 0 <= ulen <= max_chunk:
             fail(what, f"chunks[{n}]: ulen {_short(ulen)} is outside [0, {max_chunk}]")
-        if type(clen) is not int or not 0 <= clen <= max_chunk:
-            fail(what, f"chunks[{n}]: clen {_short(clen)} is outside [0, {max_chunk}]")
         if c.codec not in CODECS or type(c.codec) is not int:
             fail(what, f"chunks[{n}]: unknown codec {_short(c.codec)}")
+        # a group member's range runs to the end of its group's frame
+        max_clen = 2 * GROUP_MAX if c.codec == CODEC_ZGROUP else max_chunk
+        if type(clen) is not int or not 0 <= clen <= max_clen:
+            fail(what, f"chunks[{n}]: clen {_short(clen)} is outside [0, {max_clen}]")
         if c.codec == CODEC_RAW and clen != ulen:
             fail(what, f"chunks[{n}]: a raw chunk has clen {clen} != ulen {ulen}")
         if c.sha256 is not None and (type(c.sha256) is not bytes or len(c.sha256) != 32):

@@ -129,8 +129,9 @@ def mark(store: Store, report: GcReport) -> set[str]:
 def _pack_usage(store: Store, live: set[str], objects: dict[str, ObjectInfo], report: GcReport,
                 threshold: float) -> None:
     """How much of each live pack reachable indexes still use. A pack is a concatenation
-    of independent chunk frames, so its dead fraction is 1 - (bytes of referenced chunks
-    / pack size); packs past `threshold` are reported as repack candidates.
+    of independently decodable chunk ranges (those of a chunk group's members overlap), so
+    its dead fraction is 1 - (bytes the referenced ranges cover / pack size); packs past
+    `threshold` are reported as repack candidates.
 
     Fail-safe: every pack a readable live index uses becomes live too (a manifest whose
     ``packs`` omits one cannot get it deleted), and a live index that cannot be read is
@@ -158,13 +159,23 @@ def _pack_usage(store: Store, live: set[str], objects: dict[str, ObjectInfo], re
         kind, digest = parse_object_key(key) or ("", "")
         if kind != "packs" or key not in live or not info.size:
             continue
-        live_bytes = sum(clen for _, clen in used.get(digest, ()))
+        live_bytes = _covered(used.get(digest, set()))
         dead = max(0, info.size - live_bytes)
         report.dead_bytes_in_live_packs += dead
         if dead / info.size > threshold:
             report.repack_candidates.append({"pack": digest, "size": info.size,
                                              "live_bytes": live_bytes,
                                              "dead_fraction": round(dead / info.size, 3)})
+
+
+def _covered(ranges: set[tuple[int, int]]) -> int:
+    """Bytes covered by (offset, length) ranges, overlaps counted once."""
+    total, end = 0, -1
+    for off, ln in sorted(ranges):
+        if off + ln > end:
+            total += off + ln - max(off, end)
+            end = off + ln
+    return total
 
 
 # -- state --------------------------------------------------------------------------------

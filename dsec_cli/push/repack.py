@@ -127,12 +127,15 @@ def _copy_live_chunks(store: Store, packs: set[str], indexes: Iterable[LayerInde
     try:
         for pack in sorted(live):
             data = verify_sha256(store.get(object_key("packs", pack)), pack, f"pack {pack[:12]}")
-            for off, c in sorted(live[pack].items()):
+            for start, end, cs in _ranges(live[pack]):
                 if writer is None:
                     writer = PackWriter(staging)
-                pc = writer.add(c.chunk_id, c.codec, data[off:off + c.clen], c.ulen)
-                pending.append((pack, off, pc.offset))
-                report.bytes_copied += c.clen
+                # one copy of a range the chunks share (a chunk group's frame), each chunk
+                # keeping its place relative to the others
+                pcs = writer.add_blob(data[start:end], [
+                    (c.chunk_id, c.codec, c.offset - start, c.clen, c.ulen) for c in cs])
+                pending += [(pack, c.offset, pc.offset) for c, pc in zip(cs, pcs, strict=True)]
+                report.bytes_copied += end - start
                 if writer.size >= PACK_TARGET:
                     seal()
         seal()
@@ -143,6 +146,19 @@ def _copy_live_chunks(store: Store, packs: set[str], indexes: Iterable[LayerInde
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return moved
+
+
+def _ranges(chunks: dict[int, ChunkLoc]) -> list[tuple[int, int, list[ChunkLoc]]]:
+    """The live chunks of one pack as (start, end, chunks) byte ranges to copy: chunks whose
+    ranges overlap (the members of one chunk group, format/codec.py) share one range."""
+    out: list[tuple[int, int, list[ChunkLoc]]] = []
+    for off, c in sorted(chunks.items()):
+        if out and off < out[-1][1]:
+            start, end, cs = out[-1]
+            out[-1] = (start, max(end, off + c.clen), [*cs, c])
+        else:
+            out.append((off, off + c.clen, [c]))
+    return out
 
 
 def _relocate(index: LayerIndex, moved: dict[tuple[str, int], tuple[str, int]]) -> LayerIndex:

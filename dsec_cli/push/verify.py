@@ -19,8 +19,8 @@ from typing import Any
 
 from ..core.digests import chunk_id, object_key, parse_ref, sha256_hex
 from ..core.errors import DsecError, NotFoundError
-from ..format.codec import decode
-from ..format.index import LayerIndex
+from ..format.codec import CODEC_ZGROUP, decode, decode_group
+from ..format.index import ChunkLoc, LayerIndex
 from ..format.manifest import Manifest, load_manifest
 from ..format.pack import read_toc
 from ..format.refs import get_ref
@@ -188,6 +188,7 @@ def _deep_pack(walk: _Walk, pack: str, users: list[tuple[str, int]]) -> None:
     except DsecError as e:
         walk.problem("pack", pack, e, _via(walk, users))
     done: set[tuple[int, int, bytes]] = set()
+    todo: list[tuple[str, ChunkLoc]] = []
     for index_digest, n in users:
         index = walk.indexes[index_digest]
         assert index is not None
@@ -197,23 +198,50 @@ def _deep_pack(walk: _Walk, pack: str, users: list[tuple[str, int]]) -> None:
             continue
         done.add(key)
         walk.report.chunks += 1
-        what = f"in pack {pack[:12]} at {c.offset}+{c.clen}"
         if c.offset + c.clen > len(data):
-            walk.problem("chunk", c.chunk_id.hex(), f"{what}: past the end of the pack",
-                         f"index {index_digest[:12]}")
+            walk.problem("chunk", c.chunk_id.hex(), f"in pack {pack[:12]} at {c.offset}+"
+                         f"{c.clen}: past the end of the pack", f"index {index_digest[:12]}")
             continue
+        todo.append((index_digest, c))
+    # the members of one chunk group are decoded together: one decompression per group
+    groups: dict[int, list[tuple[str, ChunkLoc]]] = {}
+    for index_digest, c in todo:
+        if c.codec == CODEC_ZGROUP:
+            groups.setdefault(c.offset + c.clen, []).append((index_digest, c))
+        else:
+            _check_chunk(walk, pack, index_digest, c, _decoded(data, c))
+    for end, members in groups.items():
+        first = min(c.offset for _, c in members)
         try:
-            raw = decode(c.codec, memoryview(data)[c.offset:c.offset + c.clen], c.ulen)
-        except DsecError as e:
-            walk.problem("chunk", c.chunk_id.hex(), f"{what}: {e.message}",
-                         f"index {index_digest[:12]}")
-            continue
-        if len(raw) != c.ulen or chunk_id(raw) != c.chunk_id:
-            walk.problem("chunk", c.chunk_id.hex(), f"{what}: xxh3-128 mismatch (corrupt)",
-                         f"index {index_digest[:12]}")
-        elif c.sha256 is not None and hashlib.sha256(raw).digest() != c.sha256:
-            walk.problem("chunk", c.chunk_id.hex(), f"{what}: sha256 mismatch (corrupt)",
-                         f"index {index_digest[:12]}")
+            datas: list[bytes | DsecError] = list(decode_group(
+                memoryview(data)[first:end], [c.ulen for _, c in members],
+                [c.offset - first for _, c in members]))
+        except DsecError:  # decoded one by one, to name the broken members
+            datas = [_decoded(data, c) for _, c in members]
+        for (index_digest, c), raw in zip(members, datas, strict=True):
+            _check_chunk(walk, pack, index_digest, c, raw)
+
+
+def _decoded(data: bytes, c: ChunkLoc) -> bytes | DsecError:
+    try:
+        return decode(c.codec, memoryview(data)[c.offset:c.offset + c.clen], c.ulen)
+    except DsecError as e:
+        return e
+
+
+def _check_chunk(walk: _Walk, pack: str, index_digest: str, c: ChunkLoc,
+                 raw: bytes | DsecError) -> None:
+    what = f"in pack {pack[:12]} at {c.offset}+{c.clen}"
+    if isinstance(raw, DsecError):
+        walk.problem("chunk", c.chunk_id.hex(), f"{what}: {raw.message}",
+                     f"index {index_digest[:12]}")
+        return
+    if len(raw) != c.ulen or chunk_id(raw) != c.chunk_id:
+        walk.problem("chunk", c.chunk_id.hex(), f"{what}: xxh3-128 mismatch (corrupt)",
+                     f"index {index_digest[:12]}")
+    elif c.sha256 is not None and hashlib.sha256(raw).digest() != c.sha256:
+        walk.problem("chunk", c.chunk_id.hex(), f"{what}: sha256 mismatch (corrupt)",
+                     f"index {index_digest[:12]}")
 
 
 def verify_store(refs: Sequence[str] = (), *, store: str | None = None, deep: bool = False,

@@ -160,10 +160,11 @@ def test_a_vanished_file_fails_the_layer_cleanly(tmp_path: Path, compiled: Modul
     shutil.rmtree(root)
 
 
-def test_grouped_compression_does_not_change_layers(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks go to the compression pool in groups; packs (sealed mid-group here) and the
-    index are the same as with one chunk per task."""
+def test_grouped_compression_is_deterministic_and_keeps_the_content_digest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """New chunks are compressed in groups (format/codec.py): the same tree gives the same
+    packs and index every time (packs sealed mid-stream here), and the content digest is
+    that of the same tree stored one chunk per frame."""
     root = _hostile_tree(tmp_path / "src")
     params = ChunkParams(min_size=4096, avg_size=16384, max_size=65536, small_file=4096)
     monkeypatch.setattr(layer, "PACK_TARGET", 100_000)
@@ -172,8 +173,11 @@ def test_grouped_compression_does_not_change_layers(tmp_path: Path,
     monkeypatch.setattr(layer, "GROUP_CHUNKS", 32)
     monkeypatch.setattr(layer, "GROUP_BYTES", 300_000)
     grouped = _layer(tmp_path, root, "grouped", params)
-    assert one == grouped
-    assert len(one[1]["packs"]) >= 3
+    again = _layer(tmp_path, root, "again", params)
+    assert grouped == again
+    assert one[1]["content"] == grouped[1]["content"]
+    assert one[0] != grouped[0]  # the stored form differs: groups share frames
+    assert len(grouped[1]["packs"]) >= 3
 
 
 def test_a_bottomless_tree_is_a_recursion_error(tmp_path: Path, compiled: ModuleType) -> None:
