@@ -40,37 +40,10 @@ class ChunkReader:
                 "(sha256 mismatch)")
         return data
 
-    def _corrupt(self, loc: ChunkLoc, e: IntegrityError) -> IntegrityError:
-        return IntegrityError(f"chunk {loc.chunk_id.hex()} in pack "
-                              f"{self.index.packs[loc.pack]} is corrupt: {e.message}")
-
     def _decode_run(self, run: list[int], start: int, view: memoryview) -> dict[int, bytes]:
-        """Decode and verify the chunks of one fetched range; the members of one chunk group
-        (codec 2, their ranges ending together) are decompressed in one pass."""
-        out: dict[int, bytes] = {}
-        groups: dict[int, list[int]] = {}
-        for i in run:
-            loc = self.index.chunks[i]
-            if loc.codec == CODEC_ZGROUP:
-                groups.setdefault(loc.offset + loc.clen, []).append(i)
-                continue
-            rel = loc.offset - start
-            try:
-                data = decode(loc.codec, view[rel:rel + loc.clen], loc.ulen)
-            except IntegrityError as e:
-                raise self._corrupt(loc, e) from e
-            out[i] = self._check(loc, data)
-        for end, members in groups.items():
-            locs = [self.index.chunks[i] for i in members]
-            first = min(loc.offset for loc in locs)
-            try:
-                datas = decode_group(view[first - start:end - start], [loc.ulen for loc in locs],
-                                     [loc.offset - first for loc in locs])
-            except IntegrityError as e:
-                raise self._corrupt(locs[0], e) from e
-            for i, loc, data in zip(members, locs, datas, strict=True):
-                out[i] = self._check(loc, data)
-        return out
+        """Decode and verify the chunks of one fetched range."""
+        decoded = decode_run(self.index, run, start, view)
+        return {i: self._check(self.index.chunks[i], data) for i, data in decoded.items()}
 
     def _remember(self, i: int, data: bytes) -> None:
         self._cache[i] = data
@@ -78,27 +51,7 @@ class ChunkReader:
             self._cache.popitem(last=False)
 
     def _runs(self, idxs: list[int]) -> Iterator[tuple[list[int], int, int]]:
-        """Group chunk numbers into runs that one ranged read of one pack covers: (run,
-        start, end). A chunk joins the run when its range starts inside or right after it
-        (members of one chunk group overlap: they all end where the group's frame ends)."""
-        run: list[int] = []
-        start = end = 0
-        for i in idxs:
-            loc = self.index.chunks[i]
-            if run:
-                prev = self.index.chunks[run[-1]]
-                new_end = max(end, loc.offset + loc.clen)
-                if (loc.pack != prev.pack or not start <= loc.offset <= end
-                        or new_end - start > self.max_read):
-                    yield run, start, end
-                    run = []
-                else:
-                    end = new_end
-            if not run:
-                start, end = loc.offset, loc.offset + loc.clen
-            run.append(i)
-        if run:
-            yield run, start, end
+        return spans(self.index, idxs, self.max_read)
 
     def chunks(self, idxs: list[int]) -> Iterator[tuple[int, bytes]]:
         """Decoded chunks in the order asked, fetching uncached ones in coalesced runs."""
@@ -137,3 +90,64 @@ class ChunkReader:
         for i, off, ln in window:
             chunk = data[i]
             yield chunk if (off == 0 and ln == len(chunk)) else chunk[off:off + ln]
+
+
+def spans(index: LayerIndex, idxs: list[int], max_read: int, gap: int = 0
+          ) -> Iterator[tuple[list[int], int, int]]:
+    """Group chunk numbers (sorted by pack and offset) into runs that one ranged read of one
+    pack covers: (run, start, end). A chunk joins the run when its range starts inside it or
+    at most ``gap`` bytes after it (members of one chunk group overlap: they all end where
+    the group's frame ends), and the run stays within ``max_read`` bytes."""
+    run: list[int] = []
+    start = end = 0
+    for i in idxs:
+        loc = index.chunks[i]
+        if run:
+            prev = index.chunks[run[-1]]
+            new_end = max(end, loc.offset + loc.clen)
+            if (loc.pack != prev.pack or not start <= loc.offset <= end + gap
+                    or new_end - start > max_read):
+                yield run, start, end
+                run = []
+            else:
+                end = new_end
+        if not run:
+            start, end = loc.offset, loc.offset + loc.clen
+        run.append(i)
+    if run:
+        yield run, start, end
+
+
+def decode_run(index: LayerIndex, run: list[int], start: int, view: memoryview
+               ) -> dict[int, bytes]:
+    """The chunks of one fetched range (``view`` holds the pack's bytes from ``start``),
+    decoded but not yet verified; the members of one chunk group (codec 2, their ranges
+    ending together) are decompressed in one pass. A chunk that does not decode raises
+    `IntegrityError` naming it and its pack."""
+    out: dict[int, bytes] = {}
+    groups: dict[int, list[int]] = {}
+    for i in run:
+        loc = index.chunks[i]
+        if loc.codec == CODEC_ZGROUP:
+            groups.setdefault(loc.offset + loc.clen, []).append(i)
+            continue
+        rel = loc.offset - start
+        try:
+            out[i] = decode(loc.codec, view[rel:rel + loc.clen], loc.ulen)
+        except IntegrityError as e:
+            raise _corrupt(index, loc, e) from e
+    for end, members in groups.items():
+        locs = [index.chunks[i] for i in members]
+        first = min(loc.offset for loc in locs)
+        try:
+            datas = decode_group(view[first - start:end - start], [loc.ulen for loc in locs],
+                                 [loc.offset - first for loc in locs])
+        except IntegrityError as e:
+            raise _corrupt(index, locs[0], e) from e
+        out.update(zip(members, datas, strict=True))
+    return out
+
+
+def _corrupt(index: LayerIndex, loc: ChunkLoc, e: IntegrityError) -> IntegrityError:
+    return IntegrityError(f"chunk {loc.chunk_id.hex()} in pack {index.packs[loc.pack]} is "
+                          f"corrupt: {e.message}")

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from ...core.digests import chunk_id as xxh3_id
 from ...core.errors import IntegrityError
-from ...format.codec import decode
 from ...format.index import ChunkLoc, Entry, LayerIndex
+from ...format.reader import decode_run, spans
 from .cache import ChunkCache
 
 log = logging.getLogger(__name__)
@@ -197,33 +197,32 @@ class Fetcher:
             out[i] = one
 
     def _fetch_run(self, index: LayerIndex, run: list[int]) -> dict[int, bytes]:
-        first, last = index.chunks[run[0]], index.chunks[run[-1]]
-        pack = index.packs[first.pack]
-        length = last.offset + last.clen - first.offset
+        locs = [index.chunks[i] for i in run]
+        start = locs[0].offset
+        length = max(loc.offset + loc.clen for loc in locs) - start  # group members overlap
+        pack = index.packs[locs[0].pack]
         with self.slots:
             try:
-                blob = self.fetch(pack, first.offset, length)
+                blob = self.fetch(pack, start, length)
             except Exception:
                 self.stats.add(fetch_errors=1)
                 raise
         self.stats.add(bytes_fetched=len(blob), requests=1)
         if len(blob) != length:
             raise IntegrityError(f"pack {pack[:12]} is truncated (asked {length} bytes at "
-                                 f"{first.offset}, got {len(blob)})")
-        view = memoryview(blob)
+                                 f"{start}, got {len(blob)})")
         got: dict[int, bytes] = {}
-        for i in run:
+        for i, data in decode_run(index, run, start, memoryview(blob)).items():
             loc = index.chunks[i]
-            rel = loc.offset - first.offset
-            data = verified(index, loc, view[rel:rel + loc.clen])
+            check(index, loc, data)
             self.cache.put(loc.chunk_id, data)
             self._remember(loc.chunk_id, data)
             got[i] = data
         return got
 
 
-def verified(index: LayerIndex, loc: ChunkLoc, stored: bytes | memoryview) -> bytes:
-    data = decode(loc.codec, stored, loc.ulen)
+def check(index: LayerIndex, loc: ChunkLoc, data: bytes) -> bytes:
+    """A decoded chunk, refused unless it is the chunk the index names."""
     if len(data) != loc.ulen or xxh3_id(data) != loc.chunk_id:
         raise IntegrityError(f"chunk {loc.chunk_id.hex()} in pack {index.packs[loc.pack][:12]} "
                              "is corrupt (xxh3-128 mismatch)")
@@ -234,26 +233,10 @@ def verified(index: LayerIndex, loc: ChunkLoc, stored: bytes | memoryview) -> by
 
 
 def runs(index: LayerIndex, idxs: list[int], max_read: int, gap: int = 0) -> list[list[int]]:
-    """Group chunk numbers (sorted by pack and offset) into runs one ranged read can fetch:
-    same pack, at most ``gap`` bytes between neighbours, at most max_read bytes in all."""
-    out: list[list[int]] = []
-    run: list[int] = []
-    start = 0
-    for i in idxs:
-        loc = index.chunks[i]
-        if run:
-            prev = index.chunks[run[-1]]
-            end = prev.offset + prev.clen
-            if (loc.pack != prev.pack or loc.offset < end or loc.offset - end > gap
-                    or loc.offset + loc.clen - start > max_read):
-                out.append(run)
-                run = []
-        if not run:
-            start = loc.offset
-        run.append(i)
-    if run:
-        out.append(run)
-    return out
+    """Chunk numbers (sorted by pack and offset) in runs one ranged read can fetch
+    (`format.reader.spans`: one pack, at most ``gap`` bytes between neighbours, the members
+    of a chunk group together, at most max_read bytes in all)."""
+    return [run for run, _, _ in spans(index, idxs, max_read, gap)]
 
 
 class LayerSource:
