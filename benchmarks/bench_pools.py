@@ -60,9 +60,13 @@ def pools(n: int, threads: int) -> dict[str, Any]:
 
     subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
     build([REPO / "layerspecs/busybox/busybox.yaml"], os.environ["DSEC_STORE"])
+    opts = CreateOptions(memory=64 << 20, pids=64)
+    # a budget that holds the whole pool (the default 2 GiB holds 32 members of 64 MiB)
+    cfg = Path(os.environ["XDG_CONFIG_HOME"]) / "dsec" / "config.yaml"
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    cfg.write_text(f"pool: {{memory: {max(2 << 30, (n + 8) * opts.memory)}}}\n")
     node = Node()
     node.remove(node.create(IMAGE, CreateOptions()).id)  # materialize the layer once
-    opts = CreateOptions(memory=64 << 20, pids=64)
     out: dict[str, Any] = {"n": n, "threads": threads}
     out["no_pool"] = burst(node, n, threads, opts)
     node.pools.set(IMAGE, opts, n)  # filled before the clock starts
