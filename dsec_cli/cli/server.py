@@ -1,20 +1,25 @@
 """The command server: a per-user process that keeps dsec imported and runs the plain hot
-commands (fast.py: `exec ID -- CMD`, `run -d`, `ps`) for short-lived `dsec` processes, which
-then cost little more than Python's own start. Off unless ``DSEC_CLI_SERVER`` is set to the
-seconds a server may stay idle.
+commands on this node (fast.py: `exec ID -- CMD`, `run -d`, `ps`; not the ``--node`` forms,
+which reach a node's own resident service) for short-lived `dsec` processes, which then cost
+little more than Python's own start. On by default: ``DSEC_CLI_SERVER`` is the seconds a
+server may stay idle (default 30); ``0`` or ``off`` runs every command in-process.
 
 A client connects to the server's unix socket and passes its stdin, stdout and stderr along
 (SCM_RIGHTS) with its argv; the server runs the command on those descriptors (output streams
-straight to the client's terminal or pipe, stdin is read from the client's) and answers with
-the exit code. The server's socket is named by a digest of the client's whole environment,
-working directory, dsec install and config files (their size and time), so a command always
-runs as it would in-process. A client interrupted (Ctrl-C) stops waiting; the command it sent
-runs on in the server to its end or its ``--timeout``.
+straight to the client's terminal or pipe, stdin is read from the client's, log messages go
+to the client's stderr) and answers with the exit code. The server's socket is named by a
+digest of the client's whole environment, working directory, dsec install and config files
+(their size and time), so a command always runs as it would in-process. A client interrupted
+(Ctrl-C) stops waiting; the command it sent runs on in the server to its end or its
+``--timeout``.
 
-Safe to kill: no server (or a dead one) means the command runs in-process, and a server is
-started in the background for the next call; a server killed while running a command makes
-that one call fail with a clear message (it is never run twice), and the next call starts a
-new server. A server exits after ``DSEC_CLI_SERVER`` idle seconds, removing its socket.
+Started on demand: a call that finds no server runs in-process and, when a call of the same
+environment came less than the idle time before it (or ``DSEC_CLI_SERVER`` is set), starts
+one in the background for the next calls, so a one-off command never leaves a process.
+Safe to kill: no server (or a dead one) means the command runs in-process; a server killed
+while running a command makes that one call fail with a clear message (it is never run
+twice), and the next call starts a new server. A server exits after the idle time, removing
+its socket.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import Any
 
 #: environment variables that vary between calls without changing what a command does
 _VOLATILE = ("_", "OLDPWD", "SHLVL")
+#: seconds a server started on demand stays idle when DSEC_CLI_SERVER is not set
+DEFAULT_IDLE = 30.0
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -63,20 +70,52 @@ class ServerGone(Exception):
     """The server accepted the command, then went away before answering."""
 
 
-def try_run(argv: list[str], idle: str) -> int | None:
+def idle_seconds(setting: str | None) -> str | None:
+    """The idle time ``DSEC_CLI_SERVER`` asks for (unset: the default), None when it turns
+    the server off."""
+    if setting is None:
+        return f"{DEFAULT_IDLE:g}"
+    if setting.strip().lower() in ("0", "off", "no", "false", ""):
+        return None
+    try:
+        ok = 0 < float(setting) < 1e9
+    except ValueError:
+        ok = False
+    if not ok:
+        from ..core.errors import ConfigError
+
+        raise ConfigError(f"$DSEC_CLI_SERVER: {setting!r} must be the seconds a command "
+                          "server may stay idle (a number above 0), or 0 / off for none")
+    return setting
+
+
+def _local(argv: list[str]) -> bool:
+    """The command works on this node's sandboxes (a ``--node`` form goes to that node's
+    resident service from this process)."""
+    opts = argv[:argv.index("--")] if "--" in argv else argv
+    return not any(a in ("--node", "--all-nodes") or a.startswith("--node=") for a in opts)
+
+
+def try_run(argv: list[str], idle: str, eager: bool = True) -> int | None:
     """Run ``argv`` on this environment's server: its exit code, or None when there is no
-    server (one is started for next time) or it does not take this command line."""
+    server or it does not take this command line. Without a server, one is started for the
+    next calls (``eager``), or when a call of this environment came within the idle time."""
+    if not _local(argv):
+        return None
     d = server_dir()
-    sock_path = d / f"{server_key()}.sock"
+    key = server_key()
+    sock_path = d / f"{key}.sock"
     if not _private(d):  # a socket anyone else could have put there would get our stdio
-        _spawn(d, sock_path, idle)
+        if eager or _seen_recently(d, key, float(idle)):
+            _spawn(d, sock_path, idle)
         return None
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(str(sock_path))
     except OSError:
         s.close()
-        _spawn(d, sock_path, idle)
+        if eager or _seen_recently(d, key, float(idle)):
+            _spawn(d, sock_path, idle)
         return None
     with s:
         msg = json.dumps({"argv": argv}).encode()
@@ -93,6 +132,27 @@ def try_run(argv: list[str], idle: str) -> int | None:
         raise ServerGone()
     answer = json.loads(data)
     return None if answer.get("fallback") else int(answer["code"])
+
+
+def _seen_recently(d: Path, key: str, idle: float) -> bool:
+    """Whether a call of this environment ran in-process less than ``idle`` seconds ago;
+    notes this call."""
+    import time
+
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        if not _private(d):
+            return False
+        seen = d / f"{key}.seen"
+        try:
+            recent = time.time() - seen.stat().st_mtime < idle
+        except OSError:
+            recent = False
+        os.close(os.open(seen, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        os.utime(seen)
+        return recent
+    except OSError:
+        return False
 
 
 def _private(d: Path) -> bool:
@@ -154,7 +214,6 @@ def serve(sock_path: str, idle: float) -> None:
     from . import fast
     from .render import err_console
 
-    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = Path(sock_path)
     lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 - held for the process's life
     try:
@@ -166,6 +225,13 @@ def serve(sock_path: str, idle: float) -> None:
     streams = {n: _ThreadStream(n, getattr(sys, n)) for n in ("stdin", "stdout", "stderr")}
     for n, proxy in streams.items():
         setattr(sys, n, proxy)
+    # a command's log messages go to its client's stderr, as in-process; the server's own
+    # (a pool refill in the background) to the server's log
+    from ..core.config import env
+
+    level = (env("DSEC_LOG") or "WARNING").upper()
+    logging.basicConfig(level=level if level in logging.getLevelNamesMapping() else "WARNING",
+                        format="%(levelname)s %(name)s: %(message)s", stream=streams["stderr"])
     path.unlink(missing_ok=True)
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(sock_path)
@@ -231,6 +297,11 @@ def _handle(conn: socket.socket, streams: dict[str, _ThreadStream], fast: Any,
                     code = e.exit_code
                 for f in files[1:]:
                     f.flush()
+                # pool members the command took are replaced before it answers, as an
+                # exiting CLI process does: no refill runs on in the server between commands
+                from ..api.pools import finish_refills
+
+                finish_refills()
             finally:
                 for name in streams:
                     streams[name].bind(None)

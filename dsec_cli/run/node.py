@@ -485,12 +485,25 @@ _nodes_lock = threading.Lock()
 
 
 def local_node(state_dir: str | Path | None = None, store: str | None = None) -> Node:
-    """The process-wide Node for a state dir (shared so agent connections stay warm)."""
+    """The process-wide Node for a state dir (shared so agent connections stay warm); a
+    long-lived process (the command server) gets a new one when the state dir was removed
+    and made again."""
     from ..core.config import load_config
 
     key = str(Path(state_dir or load_config().state_dir).absolute()) + "|" + (store or "")
     with _nodes_lock:
         n = _nodes.get(key)
+        if n is not None and not n.db.same_file():
+            n.pools.stop(timeout=0)
+            n = None
         if n is None:
             n = _nodes[key] = Node(state_dir, store)
         return n
+
+
+def finish_pool_refills() -> None:
+    """`Pools.finish` on every Node of this process."""
+    with _nodes_lock:
+        nodes = list(_nodes.values())
+    for n in nodes:
+        n.pools.finish()

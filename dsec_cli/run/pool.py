@@ -421,6 +421,22 @@ class Pools:
         if t is not None:
             t.join(300.0)
 
+    def finish(self) -> None:
+        """Make the members this process's takes asked for, then end the refill thread until
+        the next take: what a CLI process does at exit, for a process that serves short
+        commands (the command server) after each."""
+        with self._lock:
+            t = self._thread
+            if t is None or self._stopping.is_set():
+                return
+            self._last_pass = True
+            self._wake.set()
+        t.join(300.0)
+        with self._lock:
+            if self._thread is t and not t.is_alive():
+                self._thread = None
+                self._last_pass = False
+
     def stop(self, timeout: float = 300.0) -> None:
         """Stop the refill thread; a member being made is finished first (a kill instead
         leaves a row reconcile removes)."""

@@ -87,6 +87,17 @@ class NodeDB:
         db = self._connect()
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(SCHEMA)
+        st = path.stat()
+        self._ident = (st.st_dev, st.st_ino)
+
+    def same_file(self) -> bool:
+        """Whether ``path`` is still the database this object opened (a state dir removed
+        and made again holds a new one)."""
+        try:
+            st = self.path.stat()
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._ident
 
     def _connect(self) -> sqlite3.Connection:
         return thread_connection(self._local, "db", self.path,
