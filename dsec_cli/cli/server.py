@@ -248,6 +248,8 @@ def serve(sock_path: str, idle: float) -> None:
             with guard:
                 state["busy"] -= 1
                 state["last"] = time.monotonic()
+                if not state["busy"]:
+                    _reap()
 
     try:
         while True:
@@ -255,8 +257,10 @@ def serve(sock_path: str, idle: float) -> None:
                 conn, _ = srv.accept()
             except TimeoutError:
                 with guard:
-                    if not state["busy"] and time.monotonic() - state["last"] >= idle:
-                        return
+                    if not state["busy"]:
+                        _reap()
+                        if time.monotonic() - state["last"] >= idle:
+                            return
                 continue
             conn.settimeout(None)
             with guard:
@@ -267,6 +271,19 @@ def serve(sock_path: str, idle: float) -> None:
         path.unlink(missing_ok=True)
 
 
+def _reap() -> None:
+    """Collect the children that have ended: sandbox processes and mount daemons a command
+    started here and another process removed (an exiting CLI process leaves them to init).
+    Called only while no command runs, so no command's own wait loses its child."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def _handle(conn: socket.socket, streams: dict[str, _ThreadStream], fast: Any,
             err_console: Any) -> None:
     from ..core.errors import DsecError
@@ -274,7 +291,10 @@ def _handle(conn: socket.socket, streams: dict[str, _ThreadStream], fast: Any,
     with conn:
         fds: list[int] = []
         try:
-            msg, anc, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * 4))
+            # close-on-exec from the start: a process a command starts (a sandbox) must never
+            # inherit the client's stdio (it would hold the client's pipes open, or reach them)
+            msg, anc, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * 4),
+                                          socket.MSG_CMSG_CLOEXEC)
             for level, kind, data in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds += array.array("i", data[:len(data) - len(data) % 4]).tolist()

@@ -287,6 +287,19 @@ def test_command_server_starts_on_demand_by_default(node_env: dict[str, str]) ->
             assert rc == 0, err
             sid = out.decode().strip()
             assert [r["id"] for r in json.loads(_run(env, ["ps", "--json"])[1])] == [sid]
+            # a sandbox process the server started (fncall: its own child) and another
+            # process removed is collected, not left a zombie of the server
+            rc, out, err, loaded = _run(env, ["run", "-d", "-b", "fncall", IMAGE],
+                                        heavy=("dsec_cli.run.node",))
+            assert rc == 0 and loaded == [], (err, loaded)
+            fsid = out.decode().strip()
+            from dsec_cli.run.node import Node
+
+            pid = Node(state).lookup(fsid).handle["pid"]  # type: ignore[index]
+            assert Path(f"/proc/{pid}").exists()
+            subprocess.run([sys.executable, "-m", "dsec_cli", "rm", fsid], check=True,
+                           env={**os.environ, **off}, capture_output=True)
+            _poll("the fncall process to be collected", lambda: not Path(f"/proc/{pid}").exists())
         finally:
             os.environ.clear()
             os.environ.update(base)
@@ -297,6 +310,8 @@ def test_command_server_starts_on_demand_by_default(node_env: dict[str, str]) ->
             subprocess.run([sys.executable, "-m", "dsec_cli", "rm", sid], check=True,
                            env={**os.environ, **env, "DSEC_CLI_SERVER": "0"},
                            capture_output=True)
-        assert leaks(state) == {"mounts": [], "cgroups": [], "dirs": []}
+        left = leaks(state)
         shutil.rmtree(runtime, ignore_errors=True)
-        shutil.rmtree(state, ignore_errors=True)
+        if left == {"mounts": [], "cgroups": [], "dirs": []}:
+            shutil.rmtree(state, ignore_errors=True)
+    assert left == {"mounts": [], "cgroups": [], "dirs": []}
