@@ -160,6 +160,12 @@ def main(argv: list[str] | None = None) -> None:
         res["pools"] = pools(args.n, args.threads)
         if not args.skip_vm:
             res["vm"] = vm(args.vm_runs, tmp)
+        else:  # a run of the pools part alone keeps the last VM figures
+            import json
+
+            prev = Path(__file__).parent / "results" / "pools.json"
+            if prev.is_file() and "vm" in json.loads(prev.read_text()):
+                res["vm"] = json.loads(prev.read_text())["vm"]
         res["load_avg_end"] = os.getloadavg()
         print(save("pools", res))
         import json

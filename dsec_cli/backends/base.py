@@ -165,6 +165,12 @@ class Backend(abc.ABC):
         raise UsageError(f"{self.name} sandboxes have no egress allowlist: use the "
                          "container backend with network allowlist")
 
+    def drop_connections(self) -> None:
+        """Close the connections to sandboxes this object keeps open for later calls (a
+        long-lived process between commands: an agent may take one connection at a time).
+        None by default."""
+        return None
+
     def is_alive(self, handle: SandboxHandle) -> bool:
         return True
 

@@ -249,7 +249,7 @@ def serve(sock_path: str, idle: float) -> None:
                 state["busy"] -= 1
                 state["last"] = time.monotonic()
                 if not state["busy"]:
-                    _reap()
+                    _between_commands()
 
     try:
         while True:
@@ -269,6 +269,16 @@ def serve(sock_path: str, idle: float) -> None:
     finally:
         srv.close()
         path.unlink(missing_ok=True)
+
+
+def _between_commands() -> None:
+    """What an exiting CLI process leaves behind, done while no command runs: connections
+    to sandboxes closed (a VM's agent takes one at a time: another process's command must
+    get it), ended children collected."""
+    from ..api.sandboxes import drop_connections
+
+    drop_connections()
+    _reap()
 
 
 def _reap() -> None:

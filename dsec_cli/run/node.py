@@ -507,3 +507,15 @@ def finish_pool_refills() -> None:
         nodes = list(_nodes.values())
     for n in nodes:
         n.pools.finish()
+
+
+def drop_connections() -> None:
+    """Close every connection to a sandbox the Nodes of this process keep open (call it
+    while nothing uses them: between the commands of a long-lived process)."""
+    with _nodes_lock:
+        nodes = list(_nodes.values())
+    for n in nodes:
+        with n._lock:
+            backends = list(n._backends.values())
+        for b in backends:
+            b.drop_connections()
