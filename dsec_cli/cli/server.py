@@ -37,6 +37,8 @@ from typing import Any
 _VOLATILE = ("_", "OLDPWD", "SHLVL")
 #: seconds a server started on demand stays idle when DSEC_CLI_SERVER is not set
 DEFAULT_IDLE = 30.0
+#: seconds after a client started a server during which others do not start another
+SPAWN_WAIT = 5.0
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -170,11 +172,23 @@ def _private(d: Path) -> bool:
 def _spawn(d: Path, sock_path: Path, idle: str) -> None:
     """Start a server for this environment in the background (it does not delay this call)."""
     import subprocess
+    import time
 
     try:
         d.mkdir(mode=0o700, exist_ok=True)
         if not _private(d):
             return  # not a directory private to us: never serve from it
+        # many clients finding no server at once start one, not one each (the others would
+        # only find its lock taken and exit)
+        started = d / f"{sock_path.stem}.spawn"
+        try:
+            if time.time() - started.stat().st_mtime < SPAWN_WAIT:
+                return
+        except OSError:
+            pass
+        os.close(os.open(started, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600))
+        os.utime(started)
         code = (f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
                 "from dsec_cli.cli.server import serve; serve(sys.argv[1], float(sys.argv[2]))")
         with open(d / f"{sock_path.stem}.log", "ab") as log:
