@@ -196,7 +196,7 @@ def _spawn(d: Path, sock_path: Path, idle: str) -> None:
                              stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                              start_new_session=True, close_fds=True)
     except (OSError, ValueError):
-        pass  # no server: every call runs in-process, as without DSEC_CLI_SERVER
+        pass  # no server: every call runs in-process, as with DSEC_CLI_SERVER=0
 
 
 # -- server -------------------------------------------------------------------------------------
