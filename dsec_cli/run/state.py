@@ -138,10 +138,11 @@ class NodeDB:
         db = self._connect()
         rows = db.execute(f"SELECT * FROM sandboxes {where} ORDER BY created", args).fetchall()
         leases: dict[str, list[str]] = {}
-        # one row (a lookup, a take) reads its own leases, not every sandbox's
-        lease_rows = db.execute("SELECT sandbox_id, layer FROM leases WHERE sandbox_id=?",
-                                (rows[0][0],)) if len(rows) == 1 else \
-            db.execute("SELECT sandbox_id, layer FROM leases")
+        # one row (a lookup, a take) reads its own leases, not every sandbox's; in the order
+        # they were written (the layer stack's order: an index would give them sorted)
+        lease_rows = db.execute("SELECT sandbox_id, layer FROM leases WHERE sandbox_id=? "
+                                "ORDER BY rowid", (rows[0][0],)) if len(rows) == 1 else \
+            db.execute("SELECT sandbox_id, layer FROM leases ORDER BY rowid")
         for sid, layer in lease_rows:
             leases.setdefault(sid, []).append(layer)
         return [SandboxRecord(r[0], r[1], r[2], r[3], r[4],

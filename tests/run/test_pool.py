@@ -299,3 +299,17 @@ def test_learned_size_and_settings() -> None:
         with pytest.raises(ConfigError):
             PoolSettings.parse(bad)
     assert PoolSettings.parse({"memory": "1G", "idle": "5m"}).idle == 300
+
+
+def test_a_row_read_alone_keeps_its_layer_order(tmp_path: Path) -> None:
+    """Reading one sandbox row (a take, a lookup) reads only its leases, in the order of its
+    layer stack, as reading every row does."""
+    from dsec_cli.run.state import NodeDB, SandboxRecord
+
+    db = NodeDB(tmp_path / "node.db")
+    stack = ["/c/zz-bottom", "/c/aa-middle", "/c/mm-top"]
+    for sid in ("one", "two"):
+        db.insert(SandboxRecord(sid, "container", "img", "d", "running", None, {}, 1.0, None,
+                                layers=[f"{p}-{sid}" for p in stack]), [])
+    assert db.get("one").layers == [f"{p}-one" for p in stack]  # type: ignore[union-attr]
+    assert [r.layers for r in db.all()] == [[f"{p}-{s}" for p in stack] for s in ("one", "two")]
