@@ -13,9 +13,11 @@ digest of the client's whole environment, working directory, dsec install and co
 (Ctrl-C) stops waiting; the command it sent runs on in the server to its end or its
 ``--timeout``.
 
-Started on demand: a call that finds no server runs in-process and, when a call of the same
-environment came less than the idle time before it (or ``DSEC_CLI_SERVER`` is set), starts
-one in the background for the next calls, so a one-off command never leaves a process.
+Started on demand: a call that finds no server runs in-process, unless a call of the same
+environment came less than the idle time before it (or ``DSEC_CLI_SERVER`` is set): then it
+starts one in the background, or finds one starting, and waits up to `START_WAIT` for it
+(less than its own imports would cost; in a burst, all callers wait for one server instead
+of all running in-process). So a one-off command never leaves a process.
 Safe to kill: no server (or a dead one) means the command runs in-process; a server killed
 while running a command makes that one call fail with a clear message (it is never run
 twice), and the next call starts a new server. A server exits after the idle time, removing
@@ -39,6 +41,8 @@ _VOLATILE = ("_", "OLDPWD", "SHLVL")
 DEFAULT_IDLE = 30.0
 #: seconds after a client started a server during which others do not start another
 SPAWN_WAIT = 5.0
+#: seconds a call that finds a server starting waits for it before running in-process
+START_WAIT = 2.0
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -111,14 +115,21 @@ def try_run(argv: list[str], idle: str, eager: bool = True) -> int | None:
         if eager or _seen_recently(d, key, float(idle)):
             _spawn(d, sock_path, idle)
         return None
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(str(sock_path))
-    except OSError:
-        s.close()
-        if eager or _seen_recently(d, key, float(idle)):
-            _spawn(d, sock_path, idle)
-        return None
+    s = _connect(sock_path)
+    if s is None:
+        if not (eager or _seen_recently(d, key, float(idle))) or \
+                not _spawn(d, sock_path, idle):
+            return None
+        # a server is starting: waiting for it costs less than this command's own imports
+        # (and, in a burst of calls, than every caller running in-process at once)
+        import time
+
+        deadline = time.monotonic() + START_WAIT
+        while s is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            s = _connect(sock_path)
+        if s is None:
+            return None
     with s:
         msg = json.dumps({"argv": argv}).encode()
         fds = array.array("i", [0, 1, 2])
@@ -134,6 +145,16 @@ def try_run(argv: list[str], idle: str, eager: bool = True) -> int | None:
         raise ServerGone()
     answer = json.loads(data)
     return None if answer.get("fallback") else int(answer["code"])
+
+
+def _connect(sock_path: Path) -> socket.socket | None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(sock_path))
+        return s
+    except OSError:
+        s.close()
+        return None
 
 
 def _seen_recently(d: Path, key: str, idle: float) -> bool:
@@ -169,21 +190,22 @@ def _private(d: Path) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
-def _spawn(d: Path, sock_path: Path, idle: str) -> None:
-    """Start a server for this environment in the background (it does not delay this call)."""
+def _spawn(d: Path, sock_path: Path, idle: str) -> bool:
+    """Start a server for this environment in the background; whether one is starting (by
+    this call, or by another less than `SPAWN_WAIT` ago)."""
     import subprocess
     import time
 
     try:
         d.mkdir(mode=0o700, exist_ok=True)
         if not _private(d):
-            return  # not a directory private to us: never serve from it
+            return False  # not a directory private to us: never serve from it
         # many clients finding no server at once start one, not one each (the others would
         # only find its lock taken and exit)
         started = d / f"{sock_path.stem}.spawn"
         try:
             if time.time() - started.stat().st_mtime < SPAWN_WAIT:
-                return
+                return True
         except OSError:
             pass
         os.close(os.open(started, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -195,8 +217,9 @@ def _spawn(d: Path, sock_path: Path, idle: str) -> None:
             subprocess.Popen([sys.executable, "-c", code, str(sock_path), idle],
                              stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                              start_new_session=True, close_fds=True)
+        return True
     except (OSError, ValueError):
-        pass  # no server: every call runs in-process, as with DSEC_CLI_SERVER=0
+        return False  # no server: every call runs in-process, as with DSEC_CLI_SERVER=0
 
 
 # -- server -------------------------------------------------------------------------------------
