@@ -2,12 +2,17 @@
 over nodes whose node services are resident vs started per connection.
 
     python -m benchmarks start [--runs 10] [--nodes 8] [--skip-cluster] [--skip-cli]
+                               [--creates 200 --clients 16] [--skip-creates]
 
 1. CLI, on this machine, interleaved run by run (medians of wall and of CPU time):
    ``python -c pass`` (the floor), ``dsec --help``, ``dsec exec ID -- true`` on a warm
-   container through the fast launcher (the default), through the typer application (as
-   every command ran before), and through the command server (``DSEC_CLI_SERVER``), and
-   ``dsec ps --json``. Overhead = the command's median minus the floor's.
+   container in-process through the fast launcher (``DSEC_CLI_SERVER=0``), through the typer
+   application (as every command ran before), and through the command server (the default),
+   and ``dsec ps --json`` in-process. Overhead = the command's median minus the floor's.
+   Then ``--creates`` ``dsec run -d`` from ``--clients`` shell clients at once, each running
+   its share one after another: wall time in-process (``DSEC_CLI_SERVER=0``, the fast
+   launcher) and with the command server started on demand (the default; no server at the
+   start, so its own start is counted).
 2. Cluster: ``--nodes`` sshd nodes on loopback (tests/cluster/sshnodes.py); ``dsec ps
    --all-nodes --json`` warm (masters and services up), with the resident node services
    (the default) and with a ``dsec agent --stdio`` session per node and call
@@ -87,11 +92,11 @@ def cli(runs: int) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "DSEC_STORE": url, "XDG_DATA_HOME": str(data),
            "XDG_CONFIG_HOME": str(root / "config"), "DSEC_STATE_DIR": str(root / "state"),
            "XDG_RUNTIME_DIR": runtime}
-    env.pop("DSEC_CLI_SERVER", None)
+    env["DSEC_CLI_SERVER"] = "0"  # in-process; the served case leaves it unset (the default)
     py = sys.executable
     sid = subprocess.run([py, "-m", "dsec_cli", "run", "-d", IMAGE], env=env, check=True,
                          capture_output=True, text=True).stdout.strip()
-    served = {**env, "DSEC_CLI_SERVER": "120"}
+    served = {k: v for k, v in env.items() if k != "DSEC_CLI_SERVER"}
     try:
         exec_argv = ["exec", sid, "--", "true"]
         for _ in range(3):  # warm: page cache, the sandbox's exec server, the command server
@@ -100,7 +105,7 @@ def cli(runs: int) -> dict[str, Any]:
         cases = {
             "python -c pass": ([py, "-c", "pass"], env),
             "dsec --help": ([py, "-m", "dsec_cli", "--help"], env),
-            "dsec exec (fast launcher)": ([py, "-m", "dsec_cli", *exec_argv], env),
+            "dsec exec (fast launcher, in-process)": ([py, "-m", "dsec_cli", *exec_argv], env),
             "dsec exec (typer)": ([py, "-c", TYPER, *exec_argv], env),
             "dsec exec (command server)": ([py, "-m", "dsec_cli", *exec_argv], served),
             "dsec ps --json": ([py, "-m", "dsec_cli", "ps", "--json"], env),
@@ -119,6 +124,59 @@ def cli(runs: int) -> dict[str, Any]:
         v["overhead_cpu_ms"] = v["cpu_ms"] - floor["cpu_ms"]
         print(f"{k:28} wall {v['wall_ms']:6.0f} ms (+{v['overhead_wall_ms']:4.0f})   "
               f"cpu {v['cpu_ms']:5.0f} ms (+{v['overhead_cpu_ms']:4.0f})", flush=True)
+    return out
+
+
+def creates(n: int, clients: int) -> dict[str, Any]:
+    """n `dsec run -d` from `clients` shell loops at once, in-process and served."""
+    from tests.cluster.conftest import IMAGE, _build_store
+
+    root = Path(tempfile.mkdtemp(prefix="dsec-bench-creates-"))
+    runtime = tempfile.mkdtemp(prefix="dsec-r-", dir="/tmp")
+    data = root / "data"
+    data.mkdir()
+    url = _build_store(root, data)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DSEC_STORE": url, "XDG_DATA_HOME": str(data),
+           "XDG_CONFIG_HOME": str(root / "config"), "DSEC_STATE_DIR": str(root / "state"),
+           "XDG_RUNTIME_DIR": runtime}
+    env.pop("DSEC_CLI_SERVER", None)
+    py = sys.executable
+    subprocess.run([py, "-m", "dsec_cli", "rm", subprocess.run(
+        [py, "-m", "dsec_cli", "run", "-d", IMAGE], env={**env, "DSEC_CLI_SERVER": "0"},
+        check=True, capture_output=True, text=True).stdout.strip()], env=env, check=True,
+        capture_output=True)  # the layer in the node's cache
+
+    def burst(e: dict[str, str]) -> float:
+        share = [n // clients + (i < n % clients) for i in range(clients)]
+        t = time.perf_counter()
+        procs = [subprocess.Popen(["bash", "-c", f'for i in $(seq {k}); do "$0" -m dsec_cli '
+                                   f'run -d {IMAGE} >/dev/null || exit 1; done', py], env=e)
+                 for k in share]
+        codes = [p.wait() for p in procs]
+        wall = time.perf_counter() - t
+        assert codes == [0] * clients, codes
+        ids = subprocess.run([py, "-m", "dsec_cli", "ps", "--json"], env=e, check=True,
+                             capture_output=True, text=True).stdout
+        import json
+
+        sids = [r["id"] for r in json.loads(ids)]
+        assert len(sids) == n, len(sids)
+        subprocess.run([py, "-m", "dsec_cli", "rm", *sids], env=e, check=True,
+                       capture_output=True)
+        return wall
+
+    out: dict[str, Any] = {"creates": n, "clients": clients}
+    try:
+        out["in_process_s"] = burst({**env, "DSEC_CLI_SERVER": "0"})
+        out["served_s"] = burst(env)
+    finally:
+        for pid in _servers(runtime):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(runtime, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+    out["ratio"] = out["in_process_s"] / out["served_s"]
+    print(f"{n} run -d from {clients} clients: in-process {out['in_process_s']:.1f} s, "
+          f"command server {out['served_s']:.1f} s ({out['ratio']:.1f}x)", flush=True)
     return out
 
 
@@ -171,6 +229,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--skip-cli", action="store_true")
     ap.add_argument("--skip-cluster", action="store_true")
+    ap.add_argument("--creates", type=int, default=200)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--skip-creates", action="store_true")
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("needs root (sandboxes and sshd)")
@@ -180,10 +241,12 @@ def main(argv: list[str]) -> None:
 
     prev = RESULTS / "start.json"  # a partial run keeps the other part's last figures
     out: dict[str, Any] = {k: v for k, v in (json.loads(prev.read_text()) if prev.is_file()
-                                             else {}).items() if k in ("cli", "fanout")}
+                                             else {}).items() if k in ("cli", "fanout", "creates")}
     out.update({"load_average_at_start": os.getloadavg()[0], "runs": a.runs})
     if not a.skip_cli:
         out["cli"] = cli(a.runs)
+    if not a.skip_creates:
+        out["creates"] = creates(a.creates, a.clients)
     if not a.skip_cluster:
         out["fanout"] = cluster(a.nodes, max(3, a.runs // 2))
     print(save("start", out))

@@ -27,6 +27,55 @@ def skip_unless(ok: bool, reason: str):  # type: ignore[no-untyped-def]
     return guard
 
 
+def command_servers(marker: str) -> list[int]:
+    """Pids of dsec command servers (dsec_cli/cli/server.py) whose environment mentions
+    ``marker`` (a directory of this test session)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if b"dsec_cli.cli.server import serve" not in f.read():
+                    continue
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    out.append(int(d))
+        except OSError:
+            continue
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_command_servers_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """`dsec` calls start command servers on demand (they exit when idle). The suite's
+    commands run in-process (``DSEC_CLI_SERVER=0``), each test of the server itself
+    (tests/run/test_cli_fast.py) sets or clears it; servers keep their sockets in a
+    directory of this session's own and are stopped when it ends, so no process or file
+    outlives the suite."""
+    import signal
+
+    base = tmp_path_factory.getbasetemp()
+    runtime = base / "runtime"
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    old = {k: os.environ.get(k) for k in ("XDG_RUNTIME_DIR", "DSEC_CLI_SERVER")}
+    os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+    os.environ["DSEC_CLI_SERVER"] = "0"
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for pid in command_servers(str(base)):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
 @pytest.fixture(autouse=True)
 def dsec_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Every test gets its own data, config and state directories, never the user's."""

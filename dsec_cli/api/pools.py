@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..run.node import local_node
+from ..run.node import finish_pool_refills, local_node
 from ..run.pool import parse_size_arg
 from .sandboxes import create_options
 
-__all__ = ["list_pools", "set_pool", "drain_pools", "fill_pools"]
+__all__ = ["list_pools", "set_pool", "drain_pools", "fill_pools", "finish_refills"]
 
 
 def list_pools(state_dir: str | Path | None = None) -> dict[str, Any]:
@@ -44,3 +44,9 @@ def drain_pools(key: str | None = None, state_dir: str | Path | None = None) -> 
     """Stop keeping the pools (all, or the one whose key starts with ``key``) and remove
     their ready members; the ids removed."""
     return local_node(state_dir).pools.drain(key)
+
+
+def finish_refills() -> None:
+    """Make the pool members this process's creates took, and stop refilling until the next
+    take (a long-lived process serving short commands calls it after each)."""
+    finish_pool_refills()

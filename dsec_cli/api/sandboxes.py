@@ -29,7 +29,7 @@ __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "Create
            "run",
            "list_sandboxes", "gc_node", "create_many", "create", "create_options", "target",
            "exec_in", "command_for", "copy", "ps", "remove", "pause", "resume", "snapshot",
-           "fork", "park", "thaw", "top", "CPU_CLASSES"]
+           "fork", "park", "thaw", "top", "CPU_CLASSES", "drop_connections"]
 
 if TYPE_CHECKING:
     from ..backends.fnpool import FunctionCallError, FunctionPool
@@ -513,3 +513,12 @@ def fork(sandbox_id: str, n: int, node: str | None = None,
 
     check_count(n)
     return target(sandbox_id, node, state_dir).fork(sandbox_id, n)
+
+
+def drop_connections() -> None:
+    """Close the connections to sandboxes this process keeps open for later calls (a
+    long-lived process serving short commands calls it between them: a VM's agent takes one
+    connection at a time)."""
+    from ..run.node import drop_connections as drop
+
+    drop()

@@ -62,6 +62,13 @@ class AgentBackend(Backend):
         if c is not None:
             c.close()
 
+    def drop_connections(self) -> None:
+        with self._lock:
+            clients = list(self._clients.values())
+            self._clients.clear()
+        for c in clients:
+            c.close()
+
     def exec(self, handle: SandboxHandle, request: ExecRequest,
              on_output: OutputCallback | None = None) -> ExecResult:
         return self.client(handle).exec(request.argv, request.env, request.cwd, request.stdin,

@@ -196,6 +196,12 @@ class Backend(abc.ABC):
             log.warning(
                 "sandbox %s: egress names not pinned in /etc/hosts: %s", handle.sandbox_id, e)
 
+    def drop_connections(self) -> None:
+        """Close the connections to sandboxes this object keeps open for later calls (a
+        long-lived process between commands: an agent may take one connection at a time).
+        None by default."""
+        return None
+
     def is_alive(self, handle: SandboxHandle) -> bool:
         return True
 

@@ -144,28 +144,22 @@ def _print_error(e: DsecError) -> None:
         err_console().print(f"[dim]hint:[/] {escape(e.hint[:MAX_MESSAGE])}", highlight=False)
 
 
-def _served(argv: list[str], idle: str | None) -> int | None:
-    """The exit code of ``argv`` run by the command server (server.py), when one is enabled
-    and takes it; None to run it here."""
-    if not idle or not argv or argv[0] not in ("exec", "run", "ps"):
+def _served(argv: list[str], setting: str | None) -> int | None:
+    """The exit code of ``argv`` run by the command server (server.py), when it takes it;
+    None to run it here."""
+    if not argv or argv[0] not in ("exec", "run", "ps"):
         return None
-    from ..core.errors import ConfigError
-
-    try:
-        ok = 0 < float(idle) < 1e9
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ConfigError(f"$DSEC_CLI_SERVER: {idle!r} must be the seconds a command server "
-                          "may stay idle (a number above 0), or unset")
     from . import server
 
+    idle = server.idle_seconds(setting)
+    if idle is None:
+        return None
     try:
-        return server.try_run(argv, idle)
+        return server.try_run(argv, idle, eager=setting is not None)
     except server.ServerGone:
         raise DsecError("the dsec command server stopped before the command finished; it was "
-                        "not run again", hint="run it again: a new server starts, or unset "
-                        "DSEC_CLI_SERVER to run commands in-process") from None
+                        "not run again", hint="run it again: a new server starts, or set "
+                        "DSEC_CLI_SERVER=0 to run commands in-process") from None
 
 
 def main() -> None:

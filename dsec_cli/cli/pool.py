@@ -71,6 +71,9 @@ def set_(
     out = set_pool(image, size, backend, cpus=cpus, memory=memory, pids=pids, disk=disk,
                    network=network, env=parse_env(env), workdir=workdir, fill=fill,
                    state_dir=state_dir, prefix="--")
+    if isinstance(out["size"], int) and out["size"] > out["budget_members"]:
+        typer.echo(f"warning: the pool memory budget holds {out['budget_members']} of these "
+                   f"members, not {out['size']} (raise config pool.memory)", err=True)
     if json_out:
         print_json(out)
     else:

@@ -1,20 +1,27 @@
 """The command server: a per-user process that keeps dsec imported and runs the plain hot
-commands (fast.py: `exec ID -- CMD`, `run -d`, `ps`) for short-lived `dsec` processes, which
-then cost little more than Python's own start. Off unless ``DSEC_CLI_SERVER`` is set to the
-seconds a server may stay idle.
+commands on this node (fast.py: `exec ID -- CMD`, `run -d`, `ps`; not the ``--node`` forms,
+which reach a node's own resident service) for short-lived `dsec` processes, which then cost
+little more than Python's own start. On by default: ``DSEC_CLI_SERVER`` is the seconds a
+server may stay idle (default 30); ``0`` or ``off`` runs every command in-process.
 
 A client connects to the server's unix socket and passes its stdin, stdout and stderr along
 (SCM_RIGHTS) with its argv; the server runs the command on those descriptors (output streams
-straight to the client's terminal or pipe, stdin is read from the client's) and answers with
-the exit code. The server's socket is named by a digest of the client's whole environment,
-working directory, dsec install and config files (their size and time), so a command always
-runs as it would in-process. A client interrupted (Ctrl-C) stops waiting; the command it sent
-runs on in the server to its end or its ``--timeout``.
+straight to the client's terminal or pipe, stdin is read from the client's, log messages go
+to the client's stderr) and answers with the exit code. The server's socket is named by a
+digest of the client's whole environment, working directory, dsec install and config files
+(their size and time), so a command always runs as it would in-process. A client interrupted
+(Ctrl-C) stops waiting; the command it sent runs on in the server to its end or its
+``--timeout``.
 
-Safe to kill: no server (or a dead one) means the command runs in-process, and a server is
-started in the background for the next call; a server killed while running a command makes
-that one call fail with a clear message (it is never run twice), and the next call starts a
-new server. A server exits after ``DSEC_CLI_SERVER`` idle seconds, removing its socket.
+Started on demand: a call that finds no server runs in-process, unless a call of the same
+environment came less than the idle time before it (or ``DSEC_CLI_SERVER`` is set): then it
+starts one in the background, or finds one starting, and waits up to `START_WAIT` for it
+(less than its own imports would cost; in a burst, all callers wait for one server instead
+of all running in-process). So a one-off command never leaves a process.
+Safe to kill: no server (or a dead one) means the command runs in-process; a server killed
+while running a command makes that one call fail with a clear message (it is never run
+twice), and the next call starts a new server. A server exits after the idle time, removing
+its socket.
 """
 
 from __future__ import annotations
@@ -30,6 +37,12 @@ from typing import Any
 
 #: environment variables that vary between calls without changing what a command does
 _VOLATILE = ("_", "OLDPWD", "SHLVL")
+#: seconds a server started on demand stays idle when DSEC_CLI_SERVER is not set
+DEFAULT_IDLE = 30.0
+#: seconds after a client started a server during which others do not start another
+SPAWN_WAIT = 5.0
+#: seconds a call that finds a server starting waits for it before running in-process
+START_WAIT = 2.0
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -63,21 +76,60 @@ class ServerGone(Exception):
     """The server accepted the command, then went away before answering."""
 
 
-def try_run(argv: list[str], idle: str) -> int | None:
-    """Run ``argv`` on this environment's server: its exit code, or None when there is no
-    server (one is started for next time) or it does not take this command line."""
-    d = server_dir()
-    sock_path = d / f"{server_key()}.sock"
-    if not _private(d):  # a socket anyone else could have put there would get our stdio
-        _spawn(d, sock_path, idle)
+def idle_seconds(setting: str | None) -> str | None:
+    """The idle time ``DSEC_CLI_SERVER`` asks for (unset: the default), None when it turns
+    the server off."""
+    if setting is None:
+        return f"{DEFAULT_IDLE:g}"
+    if setting.strip().lower() in ("0", "off", "no", "false", ""):
         return None
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        s.connect(str(sock_path))
-    except OSError:
-        s.close()
-        _spawn(d, sock_path, idle)
+        ok = 0 < float(setting) < 1e9
+    except ValueError:
+        ok = False
+    if not ok:
+        from ..core.errors import ConfigError
+
+        raise ConfigError(f"$DSEC_CLI_SERVER: {setting!r} must be the seconds a command "
+                          "server may stay idle (a number above 0), or 0 / off for none")
+    return setting
+
+
+def _local(argv: list[str]) -> bool:
+    """The command works on this node's sandboxes (a ``--node`` form goes to that node's
+    resident service from this process)."""
+    opts = argv[:argv.index("--")] if "--" in argv else argv
+    return not any(a in ("--node", "--all-nodes") or a.startswith("--node=") for a in opts)
+
+
+def try_run(argv: list[str], idle: str, eager: bool = True) -> int | None:
+    """Run ``argv`` on this environment's server: its exit code, or None when there is no
+    server or it does not take this command line. Without a server, one is started for the
+    next calls (``eager``), or when a call of this environment came within the idle time."""
+    if not _local(argv):
         return None
+    d = server_dir()
+    key = server_key()
+    sock_path = d / f"{key}.sock"
+    if not _private(d):  # a socket anyone else could have put there would get our stdio
+        if eager or _seen_recently(d, key, float(idle)):
+            _spawn(d, sock_path, idle)
+        return None
+    s = _connect(sock_path)
+    if s is None:
+        if not (eager or _seen_recently(d, key, float(idle))) or \
+                not _spawn(d, sock_path, idle):
+            return None
+        # a server is starting: waiting for it costs less than this command's own imports
+        # (and, in a burst of calls, than every caller running in-process at once)
+        import time
+
+        deadline = time.monotonic() + START_WAIT
+        while s is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            s = _connect(sock_path)
+        if s is None:
+            return None
     with s:
         msg = json.dumps({"argv": argv}).encode()
         fds = array.array("i", [0, 1, 2])
@@ -95,6 +147,37 @@ def try_run(argv: list[str], idle: str) -> int | None:
     return None if answer.get("fallback") else int(answer["code"])
 
 
+def _connect(sock_path: Path) -> socket.socket | None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(sock_path))
+        return s
+    except OSError:
+        s.close()
+        return None
+
+
+def _seen_recently(d: Path, key: str, idle: float) -> bool:
+    """Whether a call of this environment ran in-process less than ``idle`` seconds ago;
+    notes this call."""
+    import time
+
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        if not _private(d):
+            return False
+        seen = d / f"{key}.seen"
+        try:
+            recent = time.time() - seen.stat().st_mtime < idle
+        except OSError:
+            recent = False
+        os.close(os.open(seen, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        os.utime(seen)
+        return recent
+    except OSError:
+        return False
+
+
 def _private(d: Path) -> bool:
     """``d`` is a real directory that only this user can write to (and so holds only
     sockets this user made)."""
@@ -107,22 +190,36 @@ def _private(d: Path) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
-def _spawn(d: Path, sock_path: Path, idle: str) -> None:
-    """Start a server for this environment in the background (it does not delay this call)."""
+def _spawn(d: Path, sock_path: Path, idle: str) -> bool:
+    """Start a server for this environment in the background; whether one is starting (by
+    this call, or by another less than `SPAWN_WAIT` ago)."""
     import subprocess
+    import time
 
     try:
         d.mkdir(mode=0o700, exist_ok=True)
         if not _private(d):
-            return  # not a directory private to us: never serve from it
+            return False  # not a directory private to us: never serve from it
+        # many clients finding no server at once start one, not one each (the others would
+        # only find its lock taken and exit)
+        started = d / f"{sock_path.stem}.spawn"
+        try:
+            if time.time() - started.stat().st_mtime < SPAWN_WAIT:
+                return True
+        except OSError:
+            pass
+        os.close(os.open(started, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600))
+        os.utime(started)
         code = (f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
                 "from dsec_cli.cli.server import serve; serve(sys.argv[1], float(sys.argv[2]))")
         with open(d / f"{sock_path.stem}.log", "ab") as log:
             subprocess.Popen([sys.executable, "-c", code, str(sock_path), idle],
                              stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                              start_new_session=True, close_fds=True)
+        return True
     except (OSError, ValueError):
-        pass  # no server: every call runs in-process, as without DSEC_CLI_SERVER
+        return False  # no server: every call runs in-process, as with DSEC_CLI_SERVER=0
 
 
 # -- server -------------------------------------------------------------------------------------
@@ -154,7 +251,6 @@ def serve(sock_path: str, idle: float) -> None:
     from . import fast
     from .render import err_console
 
-    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = Path(sock_path)
     lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 - held for the process's life
     try:
@@ -166,6 +262,13 @@ def serve(sock_path: str, idle: float) -> None:
     streams = {n: _ThreadStream(n, getattr(sys, n)) for n in ("stdin", "stdout", "stderr")}
     for n, proxy in streams.items():
         setattr(sys, n, proxy)
+    # a command's log messages go to its client's stderr, as in-process; the server's own
+    # (a pool refill in the background) to the server's log
+    from ..core.config import env
+
+    level = (env("DSEC_LOG") or "WARNING").upper()
+    logging.basicConfig(level=level if level in logging.getLevelNamesMapping() else "WARNING",
+                        format="%(levelname)s %(name)s: %(message)s", stream=streams["stderr"])
     path.unlink(missing_ok=True)
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(sock_path)
@@ -182,6 +285,8 @@ def serve(sock_path: str, idle: float) -> None:
             with guard:
                 state["busy"] -= 1
                 state["last"] = time.monotonic()
+                if not state["busy"]:
+                    _between_commands()
 
     try:
         while True:
@@ -189,8 +294,10 @@ def serve(sock_path: str, idle: float) -> None:
                 conn, _ = srv.accept()
             except TimeoutError:
                 with guard:
-                    if not state["busy"] and time.monotonic() - state["last"] >= idle:
-                        return
+                    if not state["busy"]:
+                        _reap()
+                        if time.monotonic() - state["last"] >= idle:
+                            return
                 continue
             conn.settimeout(None)
             with guard:
@@ -201,6 +308,29 @@ def serve(sock_path: str, idle: float) -> None:
         path.unlink(missing_ok=True)
 
 
+def _between_commands() -> None:
+    """What an exiting CLI process leaves behind, done while no command runs: connections
+    to sandboxes closed (a VM's agent takes one at a time: another process's command must
+    get it), ended children collected."""
+    from ..api.sandboxes import drop_connections
+
+    drop_connections()
+    _reap()
+
+
+def _reap() -> None:
+    """Collect the children that have ended: sandbox processes and mount daemons a command
+    started here and another process removed (an exiting CLI process leaves them to init).
+    Called only while no command runs, so no command's own wait loses its child."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def _handle(conn: socket.socket, streams: dict[str, _ThreadStream], fast: Any,
             err_console: Any) -> None:
     from ..core.errors import DsecError
@@ -208,7 +338,10 @@ def _handle(conn: socket.socket, streams: dict[str, _ThreadStream], fast: Any,
     with conn:
         fds: list[int] = []
         try:
-            msg, anc, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * 4))
+            # close-on-exec from the start: a process a command starts (a sandbox) must never
+            # inherit the client's stdio (it would hold the client's pipes open, or reach them)
+            msg, anc, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * 4),
+                                          socket.MSG_CMSG_CLOEXEC)
             for level, kind, data in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds += array.array("i", data[:len(data) - len(data) % 4]).tolist()
@@ -231,6 +364,11 @@ def _handle(conn: socket.socket, streams: dict[str, _ThreadStream], fast: Any,
                     code = e.exit_code
                 for f in files[1:]:
                     f.flush()
+                # pool members the command took are replaced before it answers, as an
+                # exiting CLI process does: no refill runs on in the server between commands
+                from ..api.pools import finish_refills
+
+                finish_refills()
             finally:
                 for name in streams:
                     streams[name].bind(None)

@@ -212,8 +212,8 @@ ENV_SETTINGS: dict[str, str] = {
                        "service per node, the default) or stdio (one per connection)",
     "DSEC_AGENT_DIR": "where a node's resident service keeps its socket, pid and log "
                       "(default $XDG_RUNTIME_DIR/dsec-node or /tmp/dsec-node-UID)",
-    "DSEC_CLI_SERVER": "seconds a per-user command server that runs plain exec, run -d and ps "
-                       "stays idle (unset: commands run in-process)",
+    "DSEC_CLI_SERVER": "seconds a per-user command server that runs plain local exec, run -d "
+                       "and ps stays idle (default 30; 0 or off: commands run in-process)",
     "DSEC_AGENT_IDLE": "seconds a resident node service stays without clients (default 900)",
     "DSEC_PY_WALK": "any value: scan and read build trees in Python, not the compiled walker",
 }

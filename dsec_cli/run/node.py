@@ -74,6 +74,7 @@ class Node:
                                               cfg.kernel or None)
         self._backends: dict[str, Backend] = {}
         self._lock = threading.Lock()
+        self._thread = threading.local()
         self._cache_bytes: tuple[float, int] = (0.0, 0)
         from ..core.errors import ConfigError
         from .pool import Pools
@@ -129,23 +130,36 @@ class Node:
         it by that id)."""
         opts = opts or CreateOptions()
         opts.validate()
-        fetch = images.fetch_mode(opts.fetch, image, self.store(), self.cache_root)
-        # pool members run as their image's user: one asked for by name is made now
-        if fetch == "eager" and from_pool and opts.user is None and self.pools.active():
-            img = self.resolve_image(image)
-            rec = self.pools.take(image, img, opts)
+        pooled = from_pool and self._poolable(opts)
+        if pooled:
+            rec = self.pools.take(image, opts)
             if rec is not None:
                 return rec
-            return self._make(image, img, opts, fetch, sid=sid)
-        return self._make(image, None, opts, fetch, sid=sid)
+        fetch = images.fetch_mode(opts.fetch, image, self.store(), self.cache_root)
+        img = self.resolve_image(image) if pooled and fetch == "eager" else None
+        return self._make(image, img, opts, fetch, sid=sid)
+
+    def _poolable(self, opts: CreateOptions) -> bool:
+        """Whether a create may take a warm pool member. Members are made eagerly and run as
+        their image's user: a create asking for a lazy mount or for a user by name is made
+        now. (``auto`` takes one: an image with a member is in the layer cache, which makes
+        ``auto`` eager.)"""
+        return opts.user is None and opts.fetch in ("auto", "eager") and self.pools.active()
 
     def take_pooled(self, image: str, opts: CreateOptions) -> SandboxRecord | None:
         """A warm pool member for this create, or None (no pool, or it is empty)."""
         opts.validate()
-        if opts.user is not None or not self.pools.active() or \
-                images.fetch_mode(opts.fetch, image, self.store(), self.cache_root) != "eager":
-            return None
-        return self.pools.take(image, self.resolve_image(image), opts)
+        return self.pools.take(image, opts) if self._poolable(opts) else None
+
+    def image_digest(self, image: str) -> str:
+        """The manifest digest a store reference names now: one small read of the store
+        (through a store opened once per thread), nothing materialized."""
+        from ..format.refs import resolve
+
+        store = getattr(self._thread, "store", None)
+        if store is None:
+            store = self._thread.store = self.store()
+        return resolve(store, image)
 
     def _make(self, image: str, img: Image | None, opts: CreateOptions, fetch: str,
               pool_key: str | None = None, sid: str | None = None) -> SandboxRecord:
@@ -493,12 +507,37 @@ _nodes_lock = threading.Lock()
 
 
 def local_node(state_dir: str | Path | None = None, store: str | None = None) -> Node:
-    """The process-wide Node for a state dir (shared so agent connections stay warm)."""
+    """The process-wide Node for a state dir (shared so agent connections stay warm); a
+    long-lived process (the command server) gets a new one when the state dir was removed
+    and made again."""
     from ..core.config import load_config
 
     key = str(Path(state_dir or load_config().state_dir).absolute()) + "|" + (store or "")
     with _nodes_lock:
         n = _nodes.get(key)
+        if n is not None and not n.db.same_file():
+            n.pools.stop(timeout=0)
+            n = None
         if n is None:
             n = _nodes[key] = Node(state_dir, store)
         return n
+
+
+def finish_pool_refills() -> None:
+    """`Pools.finish` on every Node of this process."""
+    with _nodes_lock:
+        nodes = list(_nodes.values())
+    for n in nodes:
+        n.pools.finish()
+
+
+def drop_connections() -> None:
+    """Close every connection to a sandbox the Nodes of this process keep open (call it
+    while nothing uses them: between the commands of a long-lived process)."""
+    with _nodes_lock:
+        nodes = list(_nodes.values())
+    for n in nodes:
+        with n._lock:
+            backends = list(n._backends.values())
+        for b in backends:
+            b.drop_connections()

@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends import _rootfs
 from ..core.errors import ConfigError, DsecError, UsageError
+from . import images as _images
 from .options import CreateOptions
 from .state import SandboxRecord, now
 
 if TYPE_CHECKING:
-    from .images import Image
     from .node import Node
 
 log = logging.getLogger(__name__)
@@ -190,15 +190,18 @@ class Pools:
         return out
 
     # -- take ----------------------------------------------------------------------------------
-    def take(self, image: str, img: Image, opts: CreateOptions) -> SandboxRecord | None:
-        """Claim a member for this create (or None) and note the demand."""
-        if not img.from_store:
+    def take(self, image: str, opts: CreateOptions) -> SandboxRecord | None:
+        """Claim a member for this create (or None) and note the demand. Costs one read of
+        the image's ref and one write transaction: the member was made whole from this very
+        manifest digest, so nothing is resolved or materialized again."""
+        if _images.is_directory_image(image):
             return None
-        key = pool_key(img.digest, opts)
+        digest = self.node.image_digest(image)
+        key = pool_key(digest, opts)
         try:
             noted = False
             while True:
-                rec = self._claim(key, image, img.digest, opts, note=not noted)
+                rec = self._claim(key, image, digest, opts, note=not noted)
                 noted = True
                 if rec is None:
                     return None
@@ -303,6 +306,8 @@ class Pools:
                         "size": "auto" if row.size is None else row.size,
                         "target": self.target(row, t), "ready": len(m["pooled"]),
                         "creating": len(m["creating"]), "member_memory": member_cost(opts),
+                        # how many members the memory budget holds (of this pool alone)
+                        "budget_members": self.settings.memory // member_cost(opts),
                         "last_create": row.last})
         return out
 
@@ -415,6 +420,22 @@ class Pools:
         t = self._thread
         if t is not None:
             t.join(300.0)
+
+    def finish(self) -> None:
+        """Make the members this process's takes asked for, then end the refill thread until
+        the next take: what a CLI process does at exit, for a process that serves short
+        commands (the command server) after each."""
+        with self._lock:
+            t = self._thread
+            if t is None or self._stopping.is_set():
+                return
+            self._last_pass = True
+            self._wake.set()
+        t.join(300.0)
+        with self._lock:
+            if self._thread is t and not t.is_alive():
+                self._thread = None
+                self._last_pass = False
 
     def stop(self, timeout: float = 300.0) -> None:
         """Stop the refill thread; a member being made is finished first (a kill instead

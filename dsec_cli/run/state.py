@@ -51,6 +51,9 @@ CREATE TABLE IF NOT EXISTS pools (    -- warm pools kept on this node (pool.py)
     recent TEXT NOT NULL,           -- recent creation times of the key (JSON list)
     last REAL NOT NULL              -- the key's last creation
 );
+-- a create takes the oldest member of its pool without reading every row (pool.py)
+CREATE INDEX IF NOT EXISTS sandboxes_pooled ON sandboxes (json_extract(spec, '$.pool'), created)
+    WHERE status = 'pooled';
 """
 
 
@@ -84,6 +87,17 @@ class NodeDB:
         db = self._connect()
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(SCHEMA)
+        st = path.stat()
+        self._ident = (st.st_dev, st.st_ino)
+
+    def same_file(self) -> bool:
+        """Whether ``path`` is still the database this object opened (a state dir removed
+        and made again holds a new one)."""
+        try:
+            st = self.path.stat()
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._ident
 
     def _connect(self) -> sqlite3.Connection:
         return thread_connection(self._local, "db", self.path,
@@ -124,7 +138,12 @@ class NodeDB:
         db = self._connect()
         rows = db.execute(f"SELECT * FROM sandboxes {where} ORDER BY created", args).fetchall()
         leases: dict[str, list[str]] = {}
-        for sid, layer in db.execute("SELECT sandbox_id, layer FROM leases"):
+        # one row (a lookup, a take) reads its own leases, not every sandbox's; in the order
+        # they were written (the layer stack's order: an index would give them sorted)
+        lease_rows = db.execute("SELECT sandbox_id, layer FROM leases WHERE sandbox_id=? "
+                                "ORDER BY rowid", (rows[0][0],)) if len(rows) == 1 else \
+            db.execute("SELECT sandbox_id, layer FROM leases ORDER BY rowid")
+        for sid, layer in lease_rows:
             leases.setdefault(sid, []).append(layer)
         return [SandboxRecord(r[0], r[1], r[2], r[3], r[4],
                               json.loads(r[5]) if r[5] else None, json.loads(r[6]), r[7], r[8],

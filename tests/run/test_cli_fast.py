@@ -239,3 +239,79 @@ def test_command_server_in_a_shared_directory_is_never_used(node_env: dict[str, 
                 planted.accept()
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_command_server_starts_on_demand_by_default(node_env: dict[str, str]) -> None:
+    """Without DSEC_CLI_SERVER: a one-off call leaves no process, a second call of the same
+    environment starts a server that serves the next ones (log messages reach the client's
+    stderr, a state dir made anew is seen as new); ``DSEC_CLI_SERVER=0`` never starts one."""
+    import shutil
+    import signal
+    import tempfile
+
+    runtime = tempfile.mkdtemp(prefix="dsec-r-", dir="/tmp")
+    state = tempfile.mkdtemp(prefix="dsec-s-", dir="/tmp")
+    env = {**node_env, "XDG_RUNTIME_DIR": runtime, "DSEC_STATE_DIR": state}
+    sid = None
+    try:
+        off = {**env, "DSEC_CLI_SERVER": "0"}
+        for _ in range(3):
+            assert _run(off, ["ps", "--json"])[:2] == (0, b"[]\n")
+        assert not _server_pids(runtime)
+        base = dict(os.environ)  # restored after: the rest of the suite runs in-process
+        os.environ.pop("DSEC_CLI_SERVER", None)
+        try:
+            assert _run(env, ["ps", "--json"])[:2] == (0, b"[]\n")
+            assert not _server_pids(runtime)  # one call: no server
+            assert _run(env, ["ps", "--json"])[:2] == (0, b"[]\n")
+            _poll("a server", lambda: list(Path(runtime).glob("dsec-cli-*/*.sock")))
+            _poll("its pid", lambda: _server_pids(runtime))
+            # a served create: the client imports none of it, its debug log reaches stderr
+            debug = {**env, "DSEC_LOG": "DEBUG"}
+            for _ in range(2):
+                _run(debug, ["ps"])
+            _poll("the debug server", lambda: len(list(
+                Path(runtime).glob("dsec-cli-*/*.sock"))) == 2)
+            rc, out, err, loaded = _run(debug, ["run", "-d", IMAGE],
+                                        heavy=(*HEAVY, "dsec_cli.run.node"))
+            assert rc == 0 and loaded == [], (err, loaded)
+            assert b"DEBUG dsec_cli" in err, err
+            sid = out.decode().strip()
+            assert json.loads(_run(env, ["ps", "--json"])[1])[0]["id"] == sid
+            subprocess.run([sys.executable, "-m", "dsec_cli", "rm", sid], check=True,
+                           env={**os.environ, **off}, capture_output=True)
+            sid = None
+            # the state dir removed and made again: the server reads the new one
+            shutil.rmtree(state)
+            rc, out, err, _ = _run(off, ["run", "-d", IMAGE])
+            assert rc == 0, err
+            sid = out.decode().strip()
+            assert [r["id"] for r in json.loads(_run(env, ["ps", "--json"])[1])] == [sid]
+            # a sandbox process the server started (fncall: its own child) and another
+            # process removed is collected, not left a zombie of the server
+            rc, out, err, loaded = _run(env, ["run", "-d", "-b", "fncall", IMAGE],
+                                        heavy=("dsec_cli.run.node",))
+            assert rc == 0 and loaded == [], (err, loaded)
+            fsid = out.decode().strip()
+            from dsec_cli.run.node import Node
+
+            pid = Node(state).lookup(fsid).handle["pid"]  # type: ignore[index]
+            assert Path(f"/proc/{pid}").exists()
+            subprocess.run([sys.executable, "-m", "dsec_cli", "rm", fsid], check=True,
+                           env={**os.environ, **off}, capture_output=True)
+            _poll("the fncall process to be collected", lambda: not Path(f"/proc/{pid}").exists())
+        finally:
+            os.environ.clear()
+            os.environ.update(base)
+    finally:
+        for pid in _server_pids(runtime):
+            os.kill(pid, signal.SIGKILL)
+        if sid is not None:
+            subprocess.run([sys.executable, "-m", "dsec_cli", "rm", sid], check=True,
+                           env={**os.environ, **env, "DSEC_CLI_SERVER": "0"},
+                           capture_output=True)
+        left = leaks(state)
+        shutil.rmtree(runtime, ignore_errors=True)
+        if left == {"mounts": [], "cgroups": [], "dirs": []}:
+            shutil.rmtree(state, ignore_errors=True)
+    assert left == {"mounts": [], "cgroups": [], "dirs": []}

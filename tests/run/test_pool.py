@@ -5,6 +5,7 @@ reconcile."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -97,6 +98,37 @@ def test_a_pool_member_shows_nothing_of_the_sandbox_before_it(pnode: Node) -> No
     c = pnode.create(IMAGE, CreateOptions(memory=32 << 20))
     assert c.id not in members
     pnode.remove(c.id)
+
+
+def test_a_take_reads_the_ref_now_and_matches_members_by_digest(
+        pnode: Node, node_env: dict[str, str]) -> None:
+    """A create takes a member by the manifest digest its reference names at that moment:
+    another name for the same digest takes it (and the sandbox bears the name asked for), a
+    name removed from the store fails as it would without a pool and takes nothing."""
+    from dsec_cli.core.errors import NotFoundError
+    from dsec_cli.format.refs import delete_ref, resolve, set_ref
+    from dsec_cli.push.stores import open_store
+
+    st = pnode.pools.set(IMAGE, CreateOptions(**OPTS), 2)  # type: ignore[arg-type]
+    assert st["ready"] == 2 and st["budget_members"] == (2 << 30) // (64 << 20)
+    pnode.pools.stop()
+    members = ready_ids(pnode)
+    store = open_store(node_env["DSEC_STORE"])
+    digest = resolve(store, IMAGE)
+    set_ref(store, "pooltest", "alias", digest)
+    try:
+        a = pnode.create("pooltest@alias", CreateOptions(**OPTS))  # type: ignore[arg-type]
+        assert a.id in members and a.image == "pooltest@alias" and a.image_digest == digest
+        delete_ref(store, "pooltest@alias")
+        with pytest.raises(NotFoundError):
+            pnode.create("pooltest@alias", CreateOptions(**OPTS))  # type: ignore[arg-type]
+        assert ready_ids(pnode) == members - {a.id}
+        # a create asking for a lazy mount is made now, never served by a member
+        assert not pnode._poolable(CreateOptions(**OPTS, fetch="lazy"))  # type: ignore[arg-type]
+        pnode.remove(a.id)
+    finally:
+        with contextlib.suppress(NotFoundError):
+            delete_ref(store, "pooltest@alias")
 
 
 def test_the_pool_refills_in_the_background(pnode: Node) -> None:
@@ -222,16 +254,30 @@ def test_pool_command(node_env: dict[str, str]) -> None:
     ps = json.loads(dsec(node_env, "ps", "--json").stdout)
     assert [s["id"] for s in ps] == [sid]
     dsec(node_env, "rm", sid)
-    # a pool of learned size: empty until a matching create, then sized by it (the exiting
-    # CLI process makes the member)
+    # a pool of learned size: empty until a matching create, then sized by it
     auto = json.loads(dsec(node_env, "pool", "set", IMAGE, "--pids", "45", "--json").stdout)
     assert (auto["size"], auto["target"], auto["ready"]) == ("auto", 0, 0)
     sid = dsec(node_env, "run", "-d", "--pids", "45", IMAGE).stdout.decode().strip()
-    pools = {p["key"]: p for p in json.loads(dsec(node_env, "pool", "ls", "--json").stdout)
-             ["pools"]}
-    assert (pools[auto["key"]]["target"], pools[auto["key"]]["ready"]) == (1, 1)
+
+    def pools_now() -> dict[str, dict[str, object]]:
+        return {p["key"]: p for p in json.loads(dsec(node_env, "pool", "ls", "--json").stdout)
+                ["pools"]}
+
+    # the member is made by the CLI process before it exits, or by the command server that
+    # ran the create before it answers
+    wait_for("both pools refilled", lambda: [(p["target"], p["ready"])
+                                             for p in pools_now().values()] == [(1, 1), (1, 1)])
+    assert pools_now()[auto["key"]]["size"] == "auto"
     dsec(node_env, "rm", sid)
     assert len(json.loads(dsec(node_env, "pool", "drain", "--json").stdout)["removed"]) == 2
+    assert json.loads(dsec(node_env, "pool", "ls", "--json").stdout)["pools"] == []
+    # a size the memory budget cannot hold is said so (the pool holds what fits)
+    big = dsec(node_env, "pool", "set", IMAGE, "--size", "40", "--memory", "64M", "--no-fill",
+               "--json")
+    assert b"memory budget holds 32" in big.stderr
+    assert json.loads(dsec(node_env, "pool", "set", IMAGE, "--size", "0", "--memory", "64M",
+                           "--json").stdout)["ready"] == 0
+    dsec(node_env, "pool", "drain")
     assert json.loads(dsec(node_env, "pool", "ls", "--json").stdout)["pools"] == []
     for bad in (["set", IMAGE, "--size", "-1"], ["set", IMAGE, "--size", "many"],
                 ["set", IMAGE, "--memory", "1"], ["drain", "nosuchpool"]):
@@ -253,3 +299,17 @@ def test_learned_size_and_settings() -> None:
         with pytest.raises(ConfigError):
             PoolSettings.parse(bad)
     assert PoolSettings.parse({"memory": "1G", "idle": "5m"}).idle == 300
+
+
+def test_a_row_read_alone_keeps_its_layer_order(tmp_path: Path) -> None:
+    """Reading one sandbox row (a take, a lookup) reads only its leases, in the order of its
+    layer stack, as reading every row does."""
+    from dsec_cli.run.state import NodeDB, SandboxRecord
+
+    db = NodeDB(tmp_path / "node.db")
+    stack = ["/c/zz-bottom", "/c/aa-middle", "/c/mm-top"]
+    for sid in ("one", "two"):
+        db.insert(SandboxRecord(sid, "container", "img", "d", "running", None, {}, 1.0, None,
+                                layers=[f"{p}-{sid}" for p in stack]), [])
+    assert db.get("one").layers == [f"{p}-one" for p in stack]  # type: ignore[union-attr]
+    assert [r.layers for r in db.all()] == [[f"{p}-{s}" for p in stack] for s in ("one", "two")]
