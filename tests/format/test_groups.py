@@ -309,3 +309,32 @@ def test_lazy_reads_of_a_grouped_layer(tmp_path: Path, store: Store) -> None:
         off = rnd.randrange(len(want))
         assert source.read(e, off, 5000) == want[off:off + 5000]
         assert source.read(e, 0, e.size) == want
+
+
+def test_lazy_reading_every_file_of_a_grouped_layer_fetches_each_group_once(
+        tmp_path: Path, store: Store) -> None:
+    """A file's chunk sits in a group with its neighbours' (one range holds them all): the
+    first read of any member fetches and decodes the whole group, so reading every file,
+    one file at a time and without read-ahead, fetches no more than the packs hold."""
+    from dsec_cli.run.lazy.cache import ChunkCache
+    from dsec_cli.run.lazy.source import Fetcher, LayerSource
+
+    src = similar_tree(tmp_path / "src")
+    build_layer_from_dir(store, src, "lib", "1", known=KnownChunks())
+    ix = _index(store, "lib@1")
+    groups = {(c.pack, c.offset + c.clen) for c in ix.chunks if c.codec == CODEC_ZGROUP}
+    assert len(groups) >= 2
+
+    def fetch(pack: str, off: int, length: int) -> bytes:
+        with open(tmp_path / "store" / object_key("packs", pack), "rb") as f:
+            f.seek(off)
+            return f.read(length)
+
+    fetcher = Fetcher(fetch, ChunkCache(tmp_path / "cache", 1 << 30), max_read=4 << 20)
+    source = LayerSource(ix, fetcher)
+    for e in ix.entries:
+        if e.chunks:
+            assert source.read(e, 0, e.size) == (src / e.path).read_bytes()
+    stored = sum((tmp_path / "store" / object_key("packs", p)).stat().st_size
+                 for p in ix.packs)
+    assert 0 < fetcher.stats.bytes_fetched <= stored

@@ -4,6 +4,7 @@ under it, and helpers to mount layers for real (FUSE, as root) and read their st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -65,6 +66,21 @@ def s3_endpoint() -> Iterator[str]:
             os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _one_frame_per_chunk() -> Iterator[None]:
+    """The test layer stores each chunk in a frame of its own (as format 1 did, and as a
+    store written before chunk groups holds), so the read-ahead tests can count fetched
+    bytes chunk by chunk; grouped layers are read lazily in tests/format/test_groups.py."""
+    from dsec_cli.build import layer
+
+    saved = layer.GROUP_CHUNKS
+    layer.GROUP_CHUNKS = 1
+    try:
+        yield
+    finally:
+        layer.GROUP_CHUNKS = saved
+
+
 def publish(url: str, tree: Path, data: Path) -> Published:
     """Build busybox and the test layer into a store, and an image stacking them."""
     from dsec_cli.build.builder import build
@@ -76,7 +92,7 @@ def publish(url: str, tree: Path, data: Path) -> Published:
     with data_home(data):
         subprocess.run(["bash", str(REPO / "layerspecs/busybox/make-rootfs.sh")], check=True)
         build([REPO / "layerspecs/busybox/busybox.yaml"], url)
-        with open_store(url) as st:
+        with open_store(url) as st, _one_frame_per_chunk():
             layer, _ = build_layer_from_dir(st, tree, "lazytest", "1")
             base = resolve(st, "busybox@1.35-1")
             write_image(st, "lazyimg", "1", [base, layer], set_ref_too=True)

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +115,17 @@ def test_corrupt_cache_file_is_fetched_again(s3_image: Published, mounter: Any,
     cache = tmp_path / "c"
     m = mounter(s3_image.url, s3_image.layer, cache=cache)
     want = read_all(m.lower_dirs[0] / "data/medium.bin")
-    files = [p for p in cache.glob("??/*") if p.is_file()]
-    assert files
+    # the chunk cache is written behind, by its own thread: wait until it is written out
+    # (no file in progress, the same files twice in a row)
+    deadline, seen = time.monotonic() + 60, None
+    while True:
+        names = sorted(p for p in cache.glob("??/*") if p.is_file())
+        if names and names == seen and not any("." in p.name for p in names):
+            break
+        assert time.monotonic() < deadline, f"the disk cache never settled: {names}"
+        seen = names
+        time.sleep(0.2)
+    files = names
     for p in files:
         p.write_bytes(b"x" * p.stat().st_size)  # same length, wrong bytes
     # (whole files assembled by a kernel-served mount are checked apart: test_kernel.py)

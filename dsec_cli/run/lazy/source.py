@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ...core.digests import chunk_id as xxh3_id
 from ...core.errors import IntegrityError
+from ...format.codec import CODEC_ZGROUP
 from ...format.index import ChunkLoc, Entry, LayerIndex
 from ...format.reader import decode_run, spans
 from .cache import ChunkCache
@@ -72,6 +73,24 @@ class Fetcher:
         self._pending: dict[bytes, threading.Event] = {}
         self._loading: set[bytes] = set()  # chunks `preload` is reading from the disk cache
         self._loader: ThreadPoolExecutor | None = None
+        #: per index: the members of each chunk group, by (pack, where the group ends)
+        self._groups: dict[int, tuple[LayerIndex, dict[tuple[int, int], list[int]]]] = {}
+
+    def _siblings(self, index: LayerIndex, i: int) -> list[int]:
+        """The chunks stored in one group with chunk ``i`` (codec 2), itself included: one
+        range holds them all, so they are fetched and decoded together, never one by one."""
+        loc = index.chunks[i]
+        if loc.codec != CODEC_ZGROUP:
+            return []
+        known = self._groups.get(id(index))
+        if known is None or known[0] is not index:
+            groups: dict[tuple[int, int], list[int]] = {}
+            for j, c in enumerate(index.chunks):
+                if c.codec == CODEC_ZGROUP:
+                    groups.setdefault((c.pack, c.offset + c.clen), []).append(j)
+            with self._lock:
+                known = self._groups[id(index)] = (index, groups)
+        return known[1].get((loc.pack, loc.offset + loc.clen), [])
 
     # -- memory cache --------------------------------------------------------------------------
     def _remember(self, cid: bytes, data: bytes) -> None:
@@ -157,7 +176,8 @@ class Fetcher:
     def _fetch_missing(self, index: LayerIndex, missing: list[int], readahead: Iterable[int],
                        out: dict[int, bytes], gap: int) -> None:
         want = set(missing)
-        extra = [i for i in readahead if i not in want
+        siblings = [s for i in missing for s in self._siblings(index, i)]
+        extra = [i for i in dict.fromkeys([*siblings, *readahead]) if i not in want
                  and not self.cache.has(index.chunks[i].chunk_id)]
         mine: list[int] = []  # chunks this call fetches; others wait for their fetcher
         waits: list[tuple[int, threading.Event]] = []
