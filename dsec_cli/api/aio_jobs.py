@@ -436,9 +436,10 @@ class AsyncJob:
         here, *_ = await asyncio.gather(self._jobs.thaw(self.name, prefetch), *remote)
         return dict(here)
 
-    def prewarm(self) -> asyncio.Task[dict[str, Any]]:
-        """As `Job.prewarm`: a task thawing the job with its memory read back; await it
-        before the turn that needs the sandboxes."""
+    async def prewarm(self) -> asyncio.Task[dict[str, Any]]:
+        """As `Job.prewarm`: returns at once with a task thawing the job with its memory
+        read back (``warm = await job.prewarm()``); await the task before the turn that
+        needs the sandboxes."""
         return asyncio.get_running_loop().create_task(self.thaw(prefetch=True))
 
     async def rollouts(self, status: str | None = "live") -> list[AsyncRollout]:

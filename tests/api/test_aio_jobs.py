@@ -403,7 +403,7 @@ def test_async_prewarm_thaws_a_parked_job(node_env: dict[str, str]) -> None:
             await job.park()
             n = local_node()
             assert {n.lookup(ro.sandbox_id or "").status for ro in ros} == {"parked"}
-            task = job.prewarm()  # runs while the loop does other work
+            task = await job.prewarm()  # runs while the loop does other work
             assert (await task)["parked"] is False
             assert {n.lookup(ro.sandbox_id or "").status for ro in ros} == {"running"}
             for ro in ros:
