@@ -544,16 +544,7 @@ class QemuBackend(AgentBackend):
         elif vmpark.saved(handle) and not self._is_our_qemu(handle, pid):
             pid = _find_qemu(handle.sandbox_id)  # a thaw killed before its row was written
         if pid and self._is_our_qemu(handle, pid):
-            try:
-                qmp(st["qmp"], "quit", timeout=2)
-            except QMPError:
-                pass
-            if not _wait_gone(pid, 3.0):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                _wait_gone(pid, 10.0)
+            quit_qemu(st["qmp"], pid, 3.0)
         mnt = st.get("snap_mount")
         if mnt and os.path.ismount(mnt):
             subprocess.run(["umount", "-l", mnt], capture_output=True)
@@ -752,6 +743,20 @@ def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
 def _safe_hostname(name: str) -> str:
     cleaned = "".join(ch for ch in name if ch.isalnum() or ch in "-.")[:63]
     return cleaned or "sandbox"
+
+
+def quit_qemu(qmp_path: str, pid: int, grace: float) -> None:
+    """End a QEMU: asked to quit over QMP, killed if it has not gone within ``grace``."""
+    try:
+        qmp(qmp_path, "quit", timeout=2)
+    except QMPError:
+        pass
+    if not _wait_gone(pid, grace):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _wait_gone(pid, 10.0)
 
 
 def _wait_gone(pid: int, timeout: float) -> bool:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -183,20 +182,11 @@ def _save(qmp_path: str, tmp: Path, timeout: float) -> None:
 
 
 def _end_qemu(st: dict[str, Any], pid: int | None) -> None:
-    from .qemu import _proc_start, _wait_gone
+    from .qemu import _proc_start, quit_qemu
 
     if pid is None or _proc_start(pid) is None:
         return
-    try:
-        qmp(st["qmp"], "quit", timeout=5)
-    except QMPError:
-        pass
-    if not _wait_gone(pid, 10.0):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        _wait_gone(pid, 10.0)
+    quit_qemu(st["qmp"], pid, 10.0)
 
 
 def thaw(b: QemuBackend, handle: SandboxHandle, commit: Callable[[dict[str, Any]], None],
@@ -228,7 +218,8 @@ def thaw(b: QemuBackend, handle: SandboxHandle, commit: Callable[[dict[str, Any]
         try:
             _start(st, argv + ["-S", "-incoming", f"exec:cat {vmsnap._quote(final)}"],
                    cpu_class)
-            _wait_loaded(st["qmp"], b.boot_timeout, lambda: b._is_our_qemu(new, st["pid"]))
+            vmsnap.wait_loaded(st["qmp"], b.boot_timeout, lambda: b._is_our_qemu(new, st["pid"]),
+                               ("paused", "postmigrate", "prelaunch"), "loading the parked VM")
             commit(st)  # the row knows the new QEMU before the file goes
             _pause_for_tests("vm_thaw")
         except BaseException:
@@ -268,23 +259,6 @@ def _start(st: dict[str, Any], argv: list[str], cpu_class: str | None) -> None:
         cg.apply_class(cpu_class)
     elif cpu_class:
         Path(f"/proc/{pid}/oom_score_adj").write_text(str(_cgroups.OOM_SCORE_ADJ[cpu_class]))
-
-
-def _wait_loaded(qmp_path: str, timeout: float, alive: Callable[[], bool]) -> None:
-    """Wait until QEMU has read the whole stream (the guest stays stopped: ``-S``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            status = (qmp(qmp_path, "query-status", timeout=5) or {}).get("status")
-        except QMPError:
-            status = None  # the control socket may not be listening yet
-        if status in ("paused", "postmigrate", "prelaunch"):
-            return
-        if status in ("internal-error", "shutdown", "guest-panicked") or not alive():
-            raise BackendError(f"loading the parked VM failed (QEMU status {status})")
-        if time.monotonic() > deadline:
-            raise BackendError(f"loading the parked VM took over {timeout:.0f}s")
-        time.sleep(0.02)
 
 
 def recover(b: QemuBackend, handle: SandboxHandle) -> str | None:

@@ -127,21 +127,29 @@ def incoming_fd_argv(fd: int) -> list[str]:
     return ["-incoming", f"fd:{fd}"]
 
 
-def wait_restored(qmp_path: str, timeout: float, alive: Any) -> None:
-    """Wait for the incoming stream to be loaded, then let the guest run."""
+def wait_loaded(qmp_path: str, timeout: float, alive: Any, done: tuple[str, ...],
+                what: str) -> str:
+    """Wait until QEMU has read an incoming stream: its status once it is one of ``done``;
+    a failed load (QEMU ended or in error) or ``timeout`` raises, naming ``what``."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             status = (qmp(qmp_path, "query-status", timeout=5) or {}).get("status")
         except QMPError:
             status = None  # the control socket may not be listening yet
-        if status in ("paused", "postmigrate", "running"):
-            break
+        if status in done:
+            return str(status)
         if status in ("internal-error", "shutdown", "guest-panicked") or not alive():
-            raise BackendError(f"restoring the VM snapshot failed (QEMU status {status})")
+            raise BackendError(f"{what} failed (QEMU status {status})")
         if time.monotonic() > deadline:
-            raise BackendError(f"restoring the VM snapshot took over {timeout:.0f}s")
+            raise BackendError(f"{what} took over {timeout:.0f}s")
         time.sleep(0.02)
+
+
+def wait_restored(qmp_path: str, timeout: float, alive: Any) -> None:
+    """Wait for the incoming stream to be loaded, then let the guest run."""
+    status = wait_loaded(qmp_path, timeout, alive, ("paused", "postmigrate", "running"),
+                         "restoring the VM snapshot")
     if status != "running":
         qmp(qmp_path, "cont")
 
