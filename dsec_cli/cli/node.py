@@ -127,7 +127,8 @@ def _host(facts: dict[str, Any], json_out: bool) -> None:
     ksm = facts["ksm"]
     typer.echo(f"cgroups:  {ctl}")
     typer.echo(f"reclaim:  {facts['reclaim'] or 'none'}; cpu.idle "
-               f"{'yes' if facts['cpu_idle'] else 'no'}")
+               f"{'yes' if facts['cpu_idle'] else 'no'}; per-task slices "
+               f"{'yes' if facts.get('custom_slices') else 'no'}")
     typer.echo(f"swap:     {human_bytes(facts['swap_total'])} "
                f"({human_bytes(facts['swap_free'])} free)")
     typer.echo("ksm:      " + ("not in this kernel" if not ksm["available"] else

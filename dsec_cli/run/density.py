@@ -438,6 +438,10 @@ def host_facts() -> dict[str, Any]:
         notes.append("no cpu controller: CPU classes are recorded but not applied")
     elif not cpu_idle:
         notes.append("no cpu.idle: the idle class gets the smallest weight instead")
+    slices = _cgroups.custom_slices()
+    if cpu is not None and not slices:
+        notes.append("no per-task EEVDF slices (kernel before 6.12): latency-class wake-ups "
+                     "wait for the scheduler's tick under batch load")
     criu = criu_state()
     if not criu["usable"]:
         notes.append(f"no process checkpoints ({criu['reason']}): container and fncall "
@@ -449,6 +453,7 @@ def host_facts() -> dict[str, Any]:
         notes.append("network allowlist unavailable: missing " + ", ".join(egress["missing"])
                      + " (scripts/setup.sh installs iproute2 and iptables)")
     return {"cgroup_controllers": controllers, "reclaim": reclaim, "cpu_idle": cpu_idle,
+            "custom_slices": slices,
             "swap_total": info.get("SwapTotal", 0), "swap_free": info.get("SwapFree", 0),
             "zswap": zswap_enabled(), "ksm": ksm,
             "park": park_mechanisms(info.get("SwapTotal", 0)), "criu": criu, "egress": egress,

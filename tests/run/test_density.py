@@ -56,6 +56,9 @@ def made(node: Node) -> Iterator[list[str]]:
             pass
 
 
+SHORT_SLICE = _cgroups.SCHED_CLASSES["latency"][1]
+
+
 @pytest.mark.parametrize("backend", ["container", "fncall"])
 def test_cpu_classes_reach_the_sandbox_cgroup(node: Node, made: list[str], backend: str) -> None:
     for cls in ("latency", "batch", "idle"):
@@ -71,6 +74,18 @@ def test_cpu_classes_reach_the_sandbox_cgroup(node: Node, made: list[str], backe
             assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == want
         r = node.exec(rec.id, ["cat", "/proc/self/oom_score_adj"])  # 300 above the agent
         assert r.stdout.strip() == str(min(1000, int(want) + 300)).encode()
+        # and the class's scheduling (policy, EEVDF slice), inherited by commands: read from
+        # the host's view of a command's /proc/PID/sched while it runs
+        policy, slice_ns = _cgroups.SCHED_CLASSES[cls]
+        r = node.exec(rec.id, ["sh", "-c", "cat /proc/$$/sched"])
+        sched = dict(line.split(":", 1) for line in r.stdout.decode().splitlines()
+                     if line.count(":") == 1)
+        sched = {k.strip(): v.strip() for k, v in sched.items()}
+        assert int(sched["policy"]) == policy, (cls, sched.get("policy"))
+        if slice_ns:
+            assert int(sched["se.slice"]) == slice_ns, (cls, sched.get("se.slice"))
+        else:
+            assert int(sched["se.slice"]) != SHORT_SLICE, (cls, sched.get("se.slice"))
     # the classes are relative: latency outweighs batch, batch outweighs idle
     lat, bat, idl = (cpu_files(node, sid) for sid in made)
     key = "cpu.weight" if "cpu.weight" in lat else "cpu.shares"
@@ -324,6 +339,12 @@ def test_node_check_reports_host_facilities(node_env: dict[str, str]) -> None:
     else:
         assert not doc["criu"]["usable"]
     assert any("criu" in n for n in doc["notes"]) == (not doc["criu"]["usable"])
+    # per-task EEVDF slices: the kernel's own report of this process's slice decides
+    with open("/proc/self/sched") as f:
+        has_slice = any(line.startswith("se.slice") for line in f)
+    kernel = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    assert doc["custom_slices"] == (has_slice and kernel >= (6, 12))
+    assert any("slices" in n for n in doc["notes"]) == (not doc["custom_slices"])
 
 
 def test_swap_setup_refuses_bad_input_and_leaves_nothing(tmp_path: Path) -> None:
