@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import threading
@@ -239,6 +240,25 @@ def test_unknown_frame_is_answered_enosys(agent: tuple[AgentClient, Path]) -> No
         s.sendall(struct.pack(">IBI", 5, 5, 7))  # PING on the same connection
         kind, rid, body = read_frame(s)
         assert (kind, rid) == (19, 7) and b"dsec-agent 1" in body, body
+
+
+def test_malformed_identity_requests_change_nothing(agent: tuple[AgentClient, Path]) -> None:
+    """The identity request (a restored VM's first) is checked whole before it acts: a name
+    too long, a NUL inside it, or too few random bytes is refused and the host's name (this
+    agent runs on the host) is untouched. Its effect in a guest: tests/backends/vm."""
+    import socket
+
+    from dsec_cli.backends.sandbox_agent.client import AgentError
+
+    client = agent[0]
+    before = socket.gethostname()
+    for host, mid, seed in (("h" * 65, "m", os.urandom(64)), ("a\0b", "m", os.urandom(64)),
+                            ("ok", "m", os.urandom(8)), ("ok", "m" * 65, os.urandom(64)),
+                            ("ok", "m", os.urandom(513))):
+        with pytest.raises(AgentError, match="malformed identity request"):
+            client.identity(host, mid, seed)
+    assert socket.gethostname() == before
+    assert client.ping().startswith("dsec-agent 1")  # and the connection still serves
 
 
 def test_exec_frames_keep_output_up_to_the_capture_limit_and_flag_the_cut() -> None:

@@ -23,6 +23,12 @@ def _source_tag() -> str:
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 
 
+def agent_tag() -> str:
+    """The agent's version: a digest of its source (part of a VM template's key, as the saved
+    guest runs the agent it booted with)."""
+    return _source_tag()
+
+
 @cache
 def agent_binary() -> Path:
     """Path of a static dsec-agent built from the current source."""

@@ -27,7 +27,7 @@ from ...core.errors import NotFoundError, SandboxError, UsageError
 from ..base import ExecResult, OutputCallback, TreeSink, UserIds
 
 # frame types, client -> agent
-T_EXEC, T_STDIN, T_PUT, T_GET, T_PING, T_SIGNAL, T_TREE = 1, 2, 3, 4, 5, 6, 7
+T_EXEC, T_STDIN, T_PUT, T_GET, T_PING, T_SIGNAL, T_TREE, T_IDENTITY = 1, 2, 3, 4, 5, 6, 7, 8
 # frame types, agent -> client
 T_STDOUT, T_STDERR, T_EXIT, T_RESULT, T_DATA = 16, 17, 18, 19, 20
 
@@ -342,6 +342,18 @@ class AgentClient:
         self._send(T_PING, rid, b"")
         code, msg = self._wait_result(rid, req)
         return msg
+
+    def identity(self, hostname: str, machine_id: str, seed: bytes) -> None:
+        """Give a guest restored from a snapshot its own hostname, machine id (where the image
+        has /etc/machine-id) and a CRNG reseeded from ``seed`` (32–512 host random bytes),
+        done by the agent itself (docs/agent.md)."""
+        host, mid = hostname.encode(), machine_id.encode()
+        rid, req = self._open()
+        self._send(T_IDENTITY, rid, struct.pack(">I", len(host)) + host
+                   + struct.pack(">I", len(mid)) + mid + seed)
+        code, msg = self._wait_result(rid, req)
+        if code:
+            raise AgentError(f"setting the sandbox's identity failed: {msg}")
 
     def start_exec(self, argv: list[str], env: dict[str, str] | None = None,
                    cwd: str | None = None, timeout: float | None = None, stdin: bool = False,

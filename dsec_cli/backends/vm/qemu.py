@@ -42,7 +42,7 @@ from ..base import (
     SandboxHandle,
     SandboxSpec,
 )
-from ..sandbox_agent import agent_binary
+from ..sandbox_agent import agent_binary, agent_tag
 from ..sandbox_agent.client import AgentClient, AgentError
 from . import qemu_accel, vmimage, vmpark, vmsnap
 from .qemu_qmp import QMPError, qmp
@@ -317,7 +317,7 @@ class QemuBackend(AgentBackend):
         key, doc = vmsnap.template_key(
             {"machine": self.machine, "accel": accel, "cpus": lim.cpus,
              "memory": lim.memory or DEFAULT_MEMORY, "pids": lim.pids, "disk": lim.disk,
-             "network": spec.network, "identity": vmsnap.identity_tag()},
+             "network": spec.network, "agent": agent_tag()},
             [boot_image(kernel, self.vm_dir / "kernel"), initramfs, root,
              Path(self._qemu_binary())])
         return key, doc, vmsnap.template_dir(self.vm_dir, key)
@@ -340,8 +340,6 @@ class QemuBackend(AgentBackend):
             (out / "key.json").write_text(doc + "\n")
             h = self._create_cold(tspec, snap=True)
             try:
-                # each restore's first request runs it (`_restore_identity`)
-                self.client(h).put_file(vmsnap.IDENTITY_PATH, vmsnap.identity_binary(), 0o700)
                 self._drop_client(h.sandbox_id)  # the guest's port must not hold a connection
                 time.sleep(0.5)  # let the agent see the port close and reopen it before the stop
                 vmsnap.save(h.state["qmp"], out / "state", self.boot_timeout)
@@ -405,43 +403,28 @@ class QemuBackend(AgentBackend):
         return argv
 
     def _restore_identity(self, handle: SandboxHandle, spec: SandboxSpec) -> None:
-        """The restored guest's first agent request: the identity helper the template holds
-        gives it its hostname, a CRNG reseeded from host randomness and a fresh machine id
-        (what it must not share with its template or its siblings). Its answer is also the
-        agent's first. A connection that gets none in time is made again and pinged; then a
-        copy of the helper is sent under another name and run (the first request may still
-        run, and remove its own copy), removing the template's copy too."""
+        """The restored guest's first agent request: the agent itself gives the guest its
+        hostname, a CRNG reseeded from host randomness and a fresh machine id (what it must
+        not share with its template or its siblings); its answer is also the agent's first.
+        A connection that gets none in time is made again and sends the request again (the
+        request is idempotent, and each carries its own random bytes)."""
         attempts = 0
 
         def first(client: AgentClient) -> None:
             nonlocal attempts
             attempts += 1
-            if attempts == 1:
-                self._run_identity(client, handle, spec, vmsnap.IDENTITY_PATH)
-                return
             # the guest's agent reads one stream across host connections: what an earlier
-            # connection sent may still run and answer, so this one's request ids must not be
-            # the ones it used; and only small frames go out until the agent has answered
-            # (one cut short would put the stream out of step)
+            # connection sent may still be answered, so this one's request ids must not be
+            # the ones it used
             client._next = attempts << 20
-            client.ping()
+            try:
+                client.identity(_safe_hostname(spec.hostname), os.urandom(16).hex(),
+                                os.urandom(256))
+            except AgentError as e:
+                raise SandboxError(f"giving restored sandbox {handle.sandbox_id} its "
+                                   f"identity failed: {e}") from e
 
         self._wait_ready(handle, RESTORED_RETRY, first)
-        if attempts > 1:
-            client = self.client(handle)
-            copy = f"{vmsnap.IDENTITY_PATH}.{attempts}"
-            client.put_file(copy, vmsnap.identity_binary(), 0o700)
-            self._run_identity(client, handle, spec, copy, vmsnap.IDENTITY_PATH)
-
-    @staticmethod
-    def _run_identity(client: AgentClient, handle: SandboxHandle, spec: SandboxSpec,
-                      helper: str, *remove: str) -> None:
-        r = client.exec([helper, _safe_hostname(spec.hostname), os.urandom(16).hex(), *remove],
-                        {}, "/", os.urandom(256), 60)
-        if r.exit_code != 0:
-            raise SandboxError(f"giving restored sandbox {handle.sandbox_id} its identity "
-                               f"failed (code {r.exit_code}): "
-                               f"{r.stderr.decode(errors='replace')}")
 
     def _open_agent(self, handle: SandboxHandle, timeout: float,
                     retry: float = AGENT_RETRY,

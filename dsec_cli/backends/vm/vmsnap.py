@@ -6,15 +6,14 @@ A template is a directory ``<vm dir>/templates/<key>/`` holding ``state`` (QEMU'
 stream of the stopped guest: RAM and device state) and ``disk.ext4`` (the writable disk as the
 guest left it when it was stopped). It is built inside the create that first needs it, in a
 build dir and under a guest name derived from that sandbox's id (so a kill at any point leaves
-only what the sandbox's teardown removes), and renamed into place complete. The saved guest
-already holds the identity helper (`identity_binary`, at `IDENTITY_PATH`). A restore copies
+only what the sandbox's teardown removes), and renamed into place complete. A restore copies
 the disk (each sandbox writes its own copy), starts QEMU with the same devices, reading the
 stream from an open file descriptor (`open_state`, `incoming_fd_argv`: no ``cat`` process and
 pipe in between, the file read ahead into the page cache), and the guest runs as soon as it is
-loaded; its first agent round trip runs the helper, which gives it its own identity (hostname,
-a CRNG reseeded from host randomness, a fresh machine id where the image has one) and removes
-itself. QEMU 7.2 reads the whole stream at restore (its ``mapped-ram`` format, which maps RAM
-on demand, arrived in 9.0).
+loaded; its first agent round trip is the agent's identity request, which gives it its own
+hostname, a CRNG reseeded from host randomness and a fresh machine id where the image has one
+(in the agent itself: no process is started in the guest for it). QEMU 7.2 reads the whole
+stream at restore (its ``mapped-ram`` format, which maps RAM on demand, arrived in 9.0).
 """
 
 from __future__ import annotations
@@ -25,22 +24,18 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 from ...core.errors import BackendError
 from .qemu_qmp import QMPError, qmp
 
-GUEST = Path(__file__).parent / "guest"
-IDENTITY_SOURCE = GUEST / "identity.c"
-#: where a restored guest briefly holds the identity helper (a tmpfs; exec allowed)
-IDENTITY_PATH = "/dev/shm/.dsec-identity"
-FORMAT = 2  # bump when what a template holds changes (2: the identity helper, no run state)
+#: bump when what a template holds changes (2: no run state; 3: no identity helper, the agent
+#: takes the identity itself)
+FORMAT = 3
 
 
 def _stamp(p: Path) -> list[Any]:
@@ -202,40 +197,3 @@ def _quote(p: Path) -> str:
     import shlex
 
     return shlex.quote(str(p))
-
-
-@cache
-def _tag() -> str:
-    return hashlib.sha256(IDENTITY_SOURCE.read_bytes()).hexdigest()[:12]
-
-
-def identity_tag() -> str:
-    """The identity helper's version (part of a template's key: templates hold the helper)."""
-    return _tag()
-
-
-@cache
-def identity_binary() -> bytes:
-    """The identity helper (guest/identity.c: raw syscalls, no libc, a few KB), compiled once
-    per source into the data directory."""
-    from ...core.config import data_home
-
-    dest = data_home() / "agent" / f"dsec-identity-{_tag()}"
-    if not dest.is_file():
-        gcc = shutil.which("gcc")
-        if gcc is None:
-            raise BackendError("gcc is needed to build the VM identity helper",
-                               hint="run scripts/setup.sh")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".identity-")
-        os.close(fd)
-        r = subprocess.run([gcc, "-static", "-nostdlib", "-O2", "-fno-stack-protector",
-                            "-fno-builtin", "-s", "-o", tmp, str(IDENTITY_SOURCE)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            os.unlink(tmp)
-            raise BackendError(f"compiling the VM identity helper failed: "
-                               f"{r.stderr.strip()[-2000:]}", hint="install gcc and libc6-dev")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, dest)
-    return dest.read_bytes()

@@ -80,7 +80,7 @@ def test_restored_sandboxes_share_nothing(base_layer: Path, node_dir: Path) -> N
 
 def test_q35_restores_with_its_own_identity(base_layer: Path, node_dir: Path) -> None:
     """The vm (q35) backend restores too (started without the kernel, as microvm is), and its
-    first request leaves the identity helper nowhere in the guest."""
+    first request (the agent's identity request) leaves nothing in the guest."""
     b = VMBackend(node_dir, boot="snapshot")
     h = b.create(spec_for(f"rq{os.getpid()}", base_layer, node_dir, 256 << 20, "third"))
     try:
@@ -95,8 +95,8 @@ def test_restore_answered_only_on_a_later_connection(base_layer: Path, node_dir:
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """When the first connection's identity request gets no answer in time (here: a wait far
     shorter than QEMU's load, so several connections are given up on, and their requests may
-    still run once the guest does), a later one still gives the sandbox its identity, and no
-    copy of the helper stays behind."""
+    still run once the guest does), a later one still gives the sandbox its identity, and
+    nothing stays behind in the guest."""
     from dsec_cli.backends.vm import qemu
 
     monkeypatch.setattr(qemu, "RESTORED_RETRY", 0.02)
