@@ -119,13 +119,13 @@ MAX_MESSAGE = 2000
 def _check_argv(argv: list[str]) -> None:
     """Arguments are text: bytes that are not UTF-8 (which Python keeps as lone surrogates)
     would fail somewhere deep, or reach a node as something else, so they stop here."""
-    from ..core.errors import UsageError
-    from ..core.validate import shown
-
     for i, arg in enumerate(argv, 1):
         try:
             arg.encode("utf-8")
         except UnicodeEncodeError:
+            from ..core.errors import UsageError
+            from ..core.validate import shown
+
             raise UsageError(f"argument {i} {shown(arg)} is not valid UTF-8",
                              hint="dsec takes names, references, paths and commands as UTF-8"
                              ) from None
@@ -149,14 +149,14 @@ def _served(argv: list[str], setting: str | None) -> int | None:
     None to run it here."""
     if not argv or argv[0] not in ("exec", "run", "ps"):
         return None
-    from . import server
+    from . import served
 
-    idle = server.idle_seconds(setting)
+    idle = served.idle_seconds(setting)
     if idle is None:
         return None
     try:
-        return server.try_run(argv, idle, eager=setting is not None)
-    except server.ServerGone:
+        return served.try_run(argv, idle, eager=setting is not None)
+    except served.ServerGone:
         raise DsecError("the dsec command server stopped before the command finished; it was "
                         "not run again", hint="run it again: a new server starts, or set "
                         "DSEC_CLI_SERVER=0 to run commands in-process") from None
@@ -168,7 +168,7 @@ def main() -> None:
         if not sys.argv[1:]:
             sys.exit(2)  # no command is a usage error, as click has it
         return
-    from ..core.config import env
+    from ..core.settings import env  # not config.py: a served call needs none of it
 
     try:
         _check_argv(sys.argv[1:])

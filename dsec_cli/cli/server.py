@@ -26,200 +26,13 @@ its socket.
 
 from __future__ import annotations
 
-import array
-import hashlib
-import json
 import os
 import socket
 import sys
 from pathlib import Path
 from typing import Any
 
-#: environment variables that vary between calls without changing what a command does
-_VOLATILE = ("_", "OLDPWD", "SHLVL")
-#: seconds a server started on demand stays idle when DSEC_CLI_SERVER is not set
-DEFAULT_IDLE = 30.0
-#: seconds after a client started a server during which others do not start another
-SPAWN_WAIT = 5.0
-#: seconds a call that finds a server starting waits for it before running in-process
-START_WAIT = 2.0
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-
-
-def server_dir() -> Path:
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return Path(base) / f"dsec-cli-{os.getuid()}"
-
-
-def _stamp(path: Path) -> list[int]:
-    try:
-        st = path.stat()
-    except OSError:
-        return []
-    return [st.st_mtime_ns, st.st_size, st.st_ino]
-
-
-def server_key() -> str:
-    """What a server's behaviour depends on: the environment, the working directory, the
-    install, and the config files as they are now (an edited config means a new server)."""
-    from ..core.config import SYSTEM_FILE, user_config_file
-
-    env = sorted((k, v) for k, v in os.environ.items() if k not in _VOLATILE)
-    files = [_stamp(p) for p in (SYSTEM_FILE, user_config_file(), Path("dsec.yaml"))]
-    doc = json.dumps([env, os.getcwd(), sys.executable, _PACKAGE_ROOT, os.getuid(),
-                      os.umask(os.umask(0o022)), files])
-    return hashlib.sha256(doc.encode()).hexdigest()[:20]
-
-
-# -- client -------------------------------------------------------------------------------------
-class ServerGone(Exception):
-    """The server accepted the command, then went away before answering."""
-
-
-def idle_seconds(setting: str | None) -> str | None:
-    """The idle time ``DSEC_CLI_SERVER`` asks for (unset: the default), None when it turns
-    the server off."""
-    if setting is None:
-        return f"{DEFAULT_IDLE:g}"
-    if setting.strip().lower() in ("0", "off", "no", "false", ""):
-        return None
-    try:
-        ok = 0 < float(setting) < 1e9
-    except ValueError:
-        ok = False
-    if not ok:
-        from ..core.errors import ConfigError
-
-        raise ConfigError(f"$DSEC_CLI_SERVER: {setting!r} must be the seconds a command "
-                          "server may stay idle (a number above 0), or 0 / off for none")
-    return setting
-
-
-def _local(argv: list[str]) -> bool:
-    """The command works on this node's sandboxes (a ``--node`` form goes to that node's
-    resident service from this process)."""
-    opts = argv[:argv.index("--")] if "--" in argv else argv
-    return not any(a in ("--node", "--all-nodes") or a.startswith("--node=") for a in opts)
-
-
-def try_run(argv: list[str], idle: str, eager: bool = True) -> int | None:
-    """Run ``argv`` on this environment's server: its exit code, or None when there is no
-    server or it does not take this command line. Without a server, one is started for the
-    next calls (``eager``), or when a call of this environment came within the idle time."""
-    if not _local(argv):
-        return None
-    d = server_dir()
-    key = server_key()
-    sock_path = d / f"{key}.sock"
-    if not _private(d):  # a socket anyone else could have put there would get our stdio
-        if eager or _seen_recently(d, key, float(idle)):
-            _spawn(d, sock_path, idle)
-        return None
-    s = _connect(sock_path)
-    if s is None:
-        if not (eager or _seen_recently(d, key, float(idle))) or \
-                not _spawn(d, sock_path, idle):
-            return None
-        # a server is starting: waiting for it costs less than this command's own imports
-        # (and, in a burst of calls, than every caller running in-process at once)
-        import time
-
-        deadline = time.monotonic() + START_WAIT
-        while s is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-            s = _connect(sock_path)
-        if s is None:
-            return None
-    with s:
-        msg = json.dumps({"argv": argv}).encode()
-        fds = array.array("i", [0, 1, 2])
-        try:
-            s.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-            s.shutdown(socket.SHUT_WR)
-        except OSError:  # a closed stdin, a server dying as we came: nothing was sent
-            return None
-        data = b""
-        while chunk := s.recv(4096):
-            data += chunk
-    if not data:
-        raise ServerGone()
-    answer = json.loads(data)
-    return None if answer.get("fallback") else int(answer["code"])
-
-
-def _connect(sock_path: Path) -> socket.socket | None:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(str(sock_path))
-        return s
-    except OSError:
-        s.close()
-        return None
-
-
-def _seen_recently(d: Path, key: str, idle: float) -> bool:
-    """Whether a call of this environment ran in-process less than ``idle`` seconds ago;
-    notes this call."""
-    import time
-
-    try:
-        d.mkdir(mode=0o700, exist_ok=True)
-        if not _private(d):
-            return False
-        seen = d / f"{key}.seen"
-        try:
-            recent = time.time() - seen.stat().st_mtime < idle
-        except OSError:
-            recent = False
-        os.close(os.open(seen, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
-        os.utime(seen)
-        return recent
-    except OSError:
-        return False
-
-
-def _private(d: Path) -> bool:
-    """``d`` is a real directory that only this user can write to (and so holds only
-    sockets this user made)."""
-    try:
-        st = d.lstat()
-    except OSError:
-        return False
-    import stat
-
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
-
-
-def _spawn(d: Path, sock_path: Path, idle: str) -> bool:
-    """Start a server for this environment in the background; whether one is starting (by
-    this call, or by another less than `SPAWN_WAIT` ago)."""
-    import subprocess
-    import time
-
-    try:
-        d.mkdir(mode=0o700, exist_ok=True)
-        if not _private(d):
-            return False  # not a directory private to us: never serve from it
-        # many clients finding no server at once start one, not one each (the others would
-        # only find its lock taken and exit)
-        started = d / f"{sock_path.stem}.spawn"
-        try:
-            if time.time() - started.stat().st_mtime < SPAWN_WAIT:
-                return True
-        except OSError:
-            pass
-        os.close(os.open(started, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600))
-        os.utime(started)
-        code = (f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
-                "from dsec_cli.cli.server import serve; serve(sys.argv[1], float(sys.argv[2]))")
-        with open(d / f"{sock_path.stem}.log", "ab") as log:
-            subprocess.Popen([sys.executable, "-c", code, str(sock_path), idle],
-                             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                             start_new_session=True, close_fds=True)
-        return True
-    except (OSError, ValueError):
-        return False  # no server: every call runs in-process, as with DSEC_CLI_SERVER=0
+from .served import decode_request
 
 
 # -- server -------------------------------------------------------------------------------------
@@ -333,6 +146,8 @@ def _reap() -> None:
 
 def _handle(conn: socket.socket, streams: dict[str, _ThreadStream], fast: Any,
             err_console: Any) -> None:
+    import array
+
     from ..core.errors import DsecError
 
     with conn:
@@ -345,8 +160,8 @@ def _handle(conn: socket.socket, streams: dict[str, _ThreadStream], fast: Any,
             for level, kind, data in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds += array.array("i", data[:len(data) - len(data) % 4]).tolist()
-            argv = json.loads(msg)["argv"]
-            if len(fds) != 3 or not isinstance(argv, list):
+            argv = decode_request(msg)
+            if len(fds) != 3 or not msg:
                 return
             files = [os.fdopen(fds[0], "r", closefd=True),
                      os.fdopen(fds[1], "w", closefd=True),
@@ -377,8 +192,7 @@ def _handle(conn: socket.socket, streams: dict[str, _ThreadStream], fast: Any,
                         f.close()
                     except OSError:
                         pass
-            conn.sendall(json.dumps({"fallback": True} if code is None else
-                                    {"code": code}).encode())
+            conn.sendall(b"fallback" if code is None else f"code {int(code)}".encode())
         except (OSError, ValueError, KeyError):
             pass  # the client went away, or sent something else: nothing to answer
         finally:

@@ -10,8 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .settings import ENV_SETTINGS, SYSTEM_CONFIG, config_dir, env, user_config_path
 
-SYSTEM_FILE = Path("/etc/dsec/config.yaml")
+__all__ = ["ENV_SETTINGS", "env"]  # declared in settings.py, read through here as ever
+
+SYSTEM_FILE = Path(SYSTEM_CONFIG)
 MAX_SIZE = 1 << 60  # 1 EiB: more than any memory or disk; runtimes take int64 bytes
 MAX_DURATION = 100 * 365 * 86400.0
 
@@ -23,8 +26,7 @@ def data_home() -> Path:
 
 
 def config_home() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
-    return Path(base) / "dsec"
+    return Path(config_dir())
 
 
 @dataclass
@@ -71,7 +73,7 @@ _ENV = {"DSEC_STORE": "store", "DSEC_DATA_DIR": "data_dir", "DSEC_STATE_DIR": "s
 
 
 def user_config_file() -> Path:
-    return Path(os.environ.get("DSEC_CONFIG") or config_home() / "config.yaml")
+    return Path(user_config_path())
 
 
 def _apply_file(cfg: Config, path: Path) -> None:
@@ -191,40 +193,6 @@ def net_timeouts() -> NetTimeouts:
     cfg = load_config()
     return NetTimeouts(_positive_duration(cfg, "connect_timeout"),
                        _positive_duration(cfg, "read_timeout"))
-
-
-#: the DSEC_* settings that are not config keys (those are `_ENV` above, and DSEC_MAX_* the
-#: store limits below). Every DSEC_* variable is read in this module: elsewhere through `env`.
-ENV_SETTINGS: dict[str, str] = {
-    "DSEC_LOG": "log level of the command line and of lazy mount daemons (e.g. INFO)",
-    "DSEC_LAZY_SERVER": "how lazy mounts serve reads: kernel (FUSE passthrough) or daemon "
-                        "(libfuse); default kernel where the kernel has passthrough",
-    "DSEC_STORE_RETRIES": "attempts per store request (a whole number >= 1)",
-    "DSEC_LEASE_TTL": "seconds a writer lease lives without renewal (default 600)",
-    "DSEC_GC_MARKER_TTL": "seconds a store gc's marker lives without renewal (default 60)",
-    "DSEC_NODE_TIMEOUT": "seconds a fan-out waits for each cluster node (default 15)",
-    "DSEC_SSH_CONTROL_DIR": "where ssh ControlMaster sockets go (default a private temp dir)",
-    "DSEC_SSH_TIMEOUT": "seconds ssh may take to connect (default: connect_timeout)",
-    "DSEC_SSH_CONFIG": "an ssh config file used instead of ~/.ssh/config",
-    "DSEC_SSH_PERSIST": "how long an idle ssh master connection stays (ssh syntax, 600)",
-    "DSEC_VM_VERBOSE": "any value: show the guest kernel's full boot log",
-    "DSEC_NODE_AGENT": "how the client reaches a node's service: resident (one long-lived "
-                       "service per node, the default) or stdio (one per connection)",
-    "DSEC_AGENT_DIR": "where a node's resident service keeps its socket, pid and log "
-                      "(default $XDG_RUNTIME_DIR/dsec-node or /tmp/dsec-node-UID)",
-    "DSEC_CLI_SERVER": "seconds a per-user command server that runs plain local exec, run -d "
-                       "and ps stays idle (default 30; 0 or off: commands run in-process)",
-    "DSEC_AGENT_IDLE": "seconds a resident node service stays without clients (default 900)",
-    "DSEC_PY_WALK": "any value: scan and read build trees in Python, not the compiled walker",
-}
-
-
-def env(name: str, default: str | None = None) -> str | None:
-    """A DSEC_* setting from the environment (``default`` when unset); only names listed in
-    `ENV_SETTINGS`, so this module stays the one list of what dsec reads."""
-    if name not in ENV_SETTINGS:
-        raise KeyError(f"{name} is not a declared DSEC_* setting (core/config.py)")
-    return os.environ.get(name, default)
 
 
 def debug_delay(name: str) -> float:

@@ -220,7 +220,7 @@ def test_command_server_in_a_shared_directory_is_never_used(node_env: dict[str, 
         assert rc == 0 and json.loads(out) is not None, err
         assert not _server_pids(runtime)
         # a planted listener is never connected to
-        from dsec_cli.cli import server
+        from dsec_cli.cli import served
 
         planted = socket.socket(socket.AF_UNIX)
         with planted:
@@ -228,7 +228,7 @@ def test_command_server_in_a_shared_directory_is_never_used(node_env: dict[str, 
             os.environ.clear()
             os.environ.update({**old, **env})
             try:
-                planted.bind(str(shared / f"{server.server_key()}.sock"))
+                planted.bind(str(shared / f"{served.server_key()}.sock"))
             finally:
                 os.environ.clear()
                 os.environ.update(old)
