@@ -65,6 +65,7 @@ from ..push.stores.base import Store
 from .image import write_image
 from .layer import _Batcher, _Writer, canonical_entries, chunk_stream, layer_manifest
 from .tarball import MAX_SPARSE_SIZE, scan_members
+from .tarhdr import tarinfo_class
 
 log = logging.getLogger(__name__)
 
@@ -194,14 +195,15 @@ class _Prefetch:
 
     PIECE = 1 << 20
 
-    def __init__(self, f: Any, depth: int = 8) -> None:
+    def __init__(self, f: Any, depth: int = 8, name: str = "oci-layer-read") -> None:
         self.f = f
         self.q: queue.Queue[bytes | BaseException] = queue.Queue(depth)
         self.stop = threading.Event()
         self.buf = memoryview(b"")
+        self.piece = b""  # what ``buf`` is a view of
         self.eof = False
         self.pos = 0
-        self.t = threading.Thread(target=self._run, name="oci-layer-read", daemon=True)
+        self.t = threading.Thread(target=self._run, name=name, daemon=True)
         self.t.start()
 
     def _put(self, item: bytes | BaseException) -> bool:
@@ -231,6 +233,7 @@ class _Prefetch:
                 raise item
             if not item:
                 self.eof = True
+            self.piece = item
             self.buf = memoryview(item)
         return bool(self.buf)
 
@@ -239,7 +242,10 @@ class _Prefetch:
             n = self.PIECE
         if not self._fill():
             return b""
-        if len(self.buf) >= n:  # the common case: one piece holds it
+        if len(self.buf) == n == len(self.piece):  # a whole piece: no copy
+            out = self.piece
+            self.buf = memoryview(b"")
+        elif len(self.buf) >= n:  # the common case: one piece holds it
             out = bytes(self.buf[:n])
             self.buf = self.buf[n:]
         else:
@@ -415,13 +421,17 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
     w = _Writer(store, known, params, staging, None, False, defer_uploads=True)
     try:
         with source.blob(desc) as f, open(staging / "small-files", "w+b") as spool:
-            raw = _Hashed(f, desc.size if desc.digest else None, tick)
+            # three threads per layer: the blob's bytes come in (a registry's are waited
+            # for) on one, they are inflated and hashed on a second, parsed and chunked here
+            fetched = _Prefetch(f, depth=1, name="oci-blob-read")
+            raw = _Hashed(fetched, desc.size if desc.digest else None, tick)
             plain = _Hashed(None)
             ahead = None
             try:
                 plain.f = _decompressed(raw)
                 ahead = _Prefetch(plain)
-                with tarfile.open(fileobj=ahead, mode="r:") as tf:  # type: ignore[call-overload]
+                with tarfile.open(fileobj=ahead, mode="r:",  # type: ignore[call-overload]
+                                  tarinfo=tarinfo_class()) as tf:
                     entries = _scan_layer(tf, ahead, label, w, params, spool)
                 ahead.drain()  # the end-of-archive padding is part of the diff_id
                 raw.drain()
@@ -434,6 +444,7 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
             finally:
                 if ahead is not None:
                     ahead.close()
+                fetched.close()
         if desc.digest is not None:
             if raw.n != desc.size:
                 got = f"over {desc.size}" if raw.n > desc.size else str(raw.n)
