@@ -465,6 +465,7 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
     assert all(loc is not None for loc in w.locs)
     index = LayerIndex(entries=entries, chunks=list(w.locs),  # type: ignore[arg-type]
                        packs=w.packs, params=params)
+    index.to_bytes()  # serialized here, beside the other layers, not at publish
     known.add_index(index)  # later layers of the import reuse its chunks
     return StagedLayer(w, staging, index, diff_id.removeprefix("sha256:"), diff_id,
                        desc.digest or "")

@@ -365,3 +365,26 @@ def test_imported_layers_chunk_tables_are_kept_for_the_next_import(env: dict[str
             assert index and (tables / index).is_file(), layer.ref
         cached = KnownChunks.load(st, tables).chunks
         assert cached and cached == KnownChunks.load(st, None).chunks
+
+
+def test_chunk_tables_parsed_once_per_process_give_the_same_chunks(
+        env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second load in the same process takes the tables it parsed before (no disk read)
+    and knows exactly the chunks a load from the tables on disk, or from the indexes, does."""
+    from dsec_cli.push import dedup
+
+    write_layout(base_image(), tmp_path / "l")
+    oci.import_image(str(tmp_path / "l"), as_ref="t@1")
+    tables = Path(env["DSEC_DATA_DIR"]) / "chunk-tables"
+    monkeypatch.setattr(dedup, "_PARSED", {})
+    monkeypatch.setattr(dedup, "_PARSED_ROWS", 0)
+    with open_store(env["DSEC_STORE"]) as st:
+        first = KnownChunks.load(st, tables).chunks
+        assert len(dedup._PARSED) == 2  # both layers' tables, parsed from disk
+        reads = []
+        real = dedup._add_table
+        monkeypatch.setattr(dedup, "_add_table", lambda *a: reads.append(1) or real(*a))
+        again = KnownChunks.load(st, tables).chunks
+        assert not reads and again == first == KnownChunks.load(st, None).chunks
+        again.clear()  # a loaded set is the caller's own: the parsed tables are unchanged
+        assert KnownChunks.load(st, tables).chunks == first
