@@ -391,16 +391,20 @@ class StagedLayer:
     diff_id: str
     digest: str
 
+    manifest: tuple[str, Manifest] | None = None  # once published
+
     def publish(self, store: Store, tables: Path | None = None) -> ImportedLayer:
         """Packs, index, manifest, then the ref; with ``tables``, the chunk table is kept
-        there too (`push.dedup`), so the next import does not read the index back."""
+        there too (`push.dedup`), so the next import does not read the index back. The
+        staging directory is left for `discard` (or the caller) to remove."""
         try:
             self.w.publish()  # the packs, before anything that names them
         finally:
-            self.discard()
+            self.w.abort()
         digest, m = layer_manifest(store, self.index, name=LAYER_NAME, version=self.version,
                                    created_by=f"dsec import {self.digest or self.diff_id}")
         set_ref(store, LAYER_NAME, self.version, digest)
+        self.manifest = (digest, m)
         if tables is not None and m.index:
             cache_table(tables, m.index, self.index)
         return ImportedLayer(m.ref, digest, m.content_digest, self.diff_id, self.digest,
@@ -409,6 +413,11 @@ class StagedLayer:
     def discard(self) -> None:
         self.w.abort()
         shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _remove_dirs(paths: list[Path]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
@@ -671,10 +680,12 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
 
     slots: list[StagedLayer | ImportedLayer | None] = []
     todo: list[tuple[int, Descriptor, str]] = []
+    manifests: dict[str, Manifest] = {}  # the layers' manifests, not read back for the image
     for desc, diff_id in zip(layers, diff_ids, strict=True):
         have = _existing_layer(store, diff_id)  # by diff_id: nothing is downloaded
         if have is not None:
             d, m = have
+            manifests[d] = m
             slots.append(ImportedLayer(m.ref, d, m.content_digest, diff_id,
                                        desc.digest or "", m.size, m.stored_size, True))
             prog.bytes_done += desc.size
@@ -683,26 +694,40 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
             todo.append((len(slots), desc, diff_id))
             slots.append(None)
     tables = _chunk_tables()
+    sweep: threading.Thread | None = None
     try:
         if todo:
             _stage_all(store, source, todo, slots, tables, tick, done)
         # every layer verified: only now does the store change
         for x in slots:
             assert x is not None
-            report.layers.append(x.publish(store, tables) if isinstance(x, StagedLayer)
-                                 else x)
+            if isinstance(x, StagedLayer):
+                report.layers.append(x.publish(store, tables))
+                assert x.manifest is not None
+                manifests[x.manifest[0]] = x.manifest[1]
+            else:
+                report.layers.append(x)
+        # the staging directories (their packs now in the store) are removed beside the
+        # image's own writes, not before them
+        sweep = threading.Thread(target=_remove_dirs, name="oci-import-sweep", daemon=True,
+                                 args=([x.staging for x in slots
+                                        if isinstance(x, StagedLayer)],))
+        sweep.start()
+        ann["oci.source"] = source_text
+        if top_digest:
+            ann["oci.digest"] = top_digest
+        digest, _ = write_image(store, name, version, [x.manifest for x in report.layers],
+                                env=env, workdir=workdir, annotations=ann,
+                                manifests=[manifests[x.manifest] for x in report.layers],
+                                created_by=f"dsec import {source_text}")
+        if as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
+            _set_image_ref(store, name, version, digest, replace)
     finally:
+        if sweep is not None:
+            sweep.join()
         for x in slots:
             if isinstance(x, StagedLayer):
                 x.discard()
-    ann["oci.source"] = source_text
-    if top_digest:
-        ann["oci.digest"] = top_digest
-    digest, _ = write_image(store, name, version, [x.manifest for x in report.layers],
-                            env=env, workdir=workdir, annotations=ann,
-                            created_by=f"dsec import {source_text}")
-    if as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
-        _set_image_ref(store, name, version, digest, replace)
     report.manifest = digest
     report.seconds = time.monotonic() - t0
     return report

@@ -13,6 +13,7 @@ import pytest
 
 from dsec_cli.api import images, oci
 from dsec_cli.build.layer import _Writer, chunk_stream
+from dsec_cli.core.errors import IntegrityError
 from dsec_cli.format.chunker import cut
 from dsec_cli.format.index import ChunkParams
 from dsec_cli.push.dedup import KnownChunks
@@ -388,3 +389,19 @@ def test_chunk_tables_parsed_once_per_process_give_the_same_chunks(
         assert not reads and again == first == KnownChunks.load(st, None).chunks
         again.clear()  # a loaded set is the caller's own: the parsed tables are unchanged
         assert KnownChunks.load(st, tables).chunks == first
+
+
+def test_no_staging_left_after_an_import_or_a_refused_one(env: dict[str, str],
+                                                          tmp_path: Path) -> None:
+    """Each layer's staging directory (its packs until publish) is gone when the import
+    returns, whether it published or refused the image."""
+    write_layout(base_image(), tmp_path / "ok")
+    write_layout(Image([[file("z", b"z" * 5000)], [file("y", b"y")]]), tmp_path / "bad",
+                 tamper=1)
+    with open_store(env["DSEC_STORE"]) as st:
+        staging = st.staging_dir()
+        oci.import_image(str(tmp_path / "ok"), as_ref="ok@1")
+        assert not list(staging.glob("import-*"))
+        with pytest.raises(IntegrityError, match="layer sha256:"):
+            oci.import_image(str(tmp_path / "bad"), as_ref="bad@1")
+        assert not list(staging.glob("import-*"))
