@@ -698,28 +698,31 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
     try:
         if todo:
             _stage_all(store, source, todo, slots, tables, tick, done)
-        # every layer verified: only now does the store change
-        for x in slots:
-            assert x is not None
-            if isinstance(x, StagedLayer):
-                report.layers.append(x.publish(store, tables))
-                assert x.manifest is not None
-                manifests[x.manifest[0]] = x.manifest[1]
-            else:
-                report.layers.append(x)
-        # the staging directories (their packs now in the store) are removed beside the
-        # image's own writes, not before them
-        sweep = threading.Thread(target=_remove_dirs, name="oci-import-sweep", daemon=True,
-                                 args=([x.staging for x in slots
-                                        if isinstance(x, StagedLayer)],))
-        sweep.start()
-        ann["oci.source"] = source_text
-        if top_digest:
-            ann["oci.digest"] = top_digest
-        digest, _ = write_image(store, name, version, [x.manifest for x in report.layers],
-                                env=env, workdir=workdir, annotations=ann,
-                                manifests=[manifests[x.manifest] for x in report.layers],
-                                created_by=f"dsec import {source_text}")
+        # every layer verified: only now does the store change. Each layer's packs, then
+        # its index, manifest and ref, then the image manifest, in that order; the objects
+        # after the packs are made durable together (`Store.write_batch`)
+        with store.write_batch():
+            for x in slots:
+                assert x is not None
+                if isinstance(x, StagedLayer):
+                    report.layers.append(x.publish(store, tables))
+                    assert x.manifest is not None
+                    manifests[x.manifest[0]] = x.manifest[1]
+                else:
+                    report.layers.append(x)
+            # the staging directories (their packs now in the store) are removed beside
+            # the image's own writes, not before them
+            sweep = threading.Thread(target=_remove_dirs, name="oci-import-sweep",
+                                     daemon=True, args=([x.staging for x in slots
+                                                         if isinstance(x, StagedLayer)],))
+            sweep.start()
+            ann["oci.source"] = source_text
+            if top_digest:
+                ann["oci.digest"] = top_digest
+            digest, _ = write_image(store, name, version, [x.manifest for x in report.layers],
+                                    env=env, workdir=workdir, annotations=ann,
+                                    manifests=[manifests[x.manifest] for x in report.layers],
+                                    created_by=f"dsec import {source_text}")
         if as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
             _set_image_ref(store, name, version, digest, replace)
     finally:
