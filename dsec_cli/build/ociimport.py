@@ -237,7 +237,9 @@ class _Prefetch:
             self.buf = memoryview(item)
         return bool(self.buf)
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int = -1, view: bool = False) -> bytes:
+        """``n`` bytes (fewer at the end); with ``view``, bytes held by one piece come as a
+        read-only view of it, not a copy (a member's data on its way to the chunker)."""
         if n is None or n < 0:
             n = self.PIECE
         if not self._fill():
@@ -246,7 +248,7 @@ class _Prefetch:
             out = self.piece
             self.buf = memoryview(b"")
         elif len(self.buf) >= n:  # the common case: one piece holds it
-            out = bytes(self.buf[:n])
+            out = self.buf[:n] if view else bytes(self.buf[:n])  # type: ignore[assignment]
             self.buf = self.buf[n:]
         else:
             parts = []
@@ -337,7 +339,7 @@ def _scan_layer(tf: tarfile.TarFile, ahead: _Prefetch, label: str, w: _Writer,
     end = 0  # the spool's length (kept here: tell() on a buffered file is not free)
 
     def exact(n: int) -> bytes:
-        data = ahead.read(n)
+        data = ahead.read(n, view=True)
         if len(data) < n:
             raise tarfile.ReadError("unexpected end of data")
         return data
