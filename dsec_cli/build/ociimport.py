@@ -393,7 +393,7 @@ class StagedLayer:
     diff_id: str
     digest: str
 
-    manifest: tuple[str, Manifest] | None = None  # once published
+    published: tuple[str, Manifest] | None = None  # its manifest digest and manifest
 
     def publish(self, store: Store, tables: Path | None = None) -> ImportedLayer:
         """Packs, index, manifest, then the ref; with ``tables``, the chunk table is kept
@@ -406,7 +406,7 @@ class StagedLayer:
         digest, m = layer_manifest(store, self.index, name=LAYER_NAME, version=self.version,
                                    created_by=f"dsec import {self.digest or self.diff_id}")
         set_ref(store, LAYER_NAME, self.version, digest)
-        self.manifest = (digest, m)
+        self.published = (digest, m)
         if tables is not None and m.index:
             cache_table(tables, m.index, self.index)
         return ImportedLayer(m.ref, digest, m.content_digest, self.diff_id, self.digest,
@@ -708,8 +708,8 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
                 assert x is not None
                 if isinstance(x, StagedLayer):
                     report.layers.append(x.publish(store, tables))
-                    assert x.manifest is not None
-                    manifests[x.manifest[0]] = x.manifest[1]
+                    assert x.published is not None
+                    manifests[x.published[0]] = x.published[1]
                 else:
                     report.layers.append(x)
             # the staging directories (their packs now in the store) are removed beside

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,13 +83,15 @@ class KnownChunks:
 _PARSED: dict[str, dict[bytes, KnownChunk]] = {}
 _PARSED_ROWS = 0
 PARSED_MAX_ROWS = 1 << 18
+_PARSED_LOCK = threading.Lock()
 
 
 def _add_parsed(index_digest: str, table: dict[bytes, KnownChunk], known: KnownChunks) -> None:
     global _PARSED_ROWS
-    if index_digest not in _PARSED and _PARSED_ROWS + len(table) <= PARSED_MAX_ROWS:
-        _PARSED[index_digest] = table
-        _PARSED_ROWS += len(table)
+    with _PARSED_LOCK:
+        if index_digest not in _PARSED and _PARSED_ROWS + len(table) <= PARSED_MAX_ROWS:
+            _PARSED[index_digest] = table
+            _PARSED_ROWS += len(table)
     if not known.chunks:
         known.chunks = dict(table)
         return
