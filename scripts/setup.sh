@@ -68,6 +68,19 @@ if [ ! -f "$walk_so" ] || [ "$walk_src" -nt "$walk_so" ]; then
   fi
 fi
 
+# The compiled tar header decoder (dsec_cli/build/_tarhdr.c): `dsec import` reads each
+# layer member's header in one call. Without it tarfile's own parser reads every header.
+tarhdr_src=dsec_cli/build/_tarhdr.c
+tarhdr_so=dsec_cli/build/_tarhdr$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+if [ ! -f "$tarhdr_so" ] || [ "$tarhdr_src" -nt "$tarhdr_so" ]; then
+  pyinc=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+  if gcc -O2 -Wall -shared -fPIC -I"$pyinc" -o "$tarhdr_so.tmp" "$tarhdr_src"; then
+    mv "$tarhdr_so.tmp" "$tarhdr_so"
+  else
+    echo "warning: the compiled tar header decoder did not build; imports use tarfile's" >&2
+  fi
+fi
+
 # The in-sandbox exec server: static, so it runs in any image (docs/agent.md).
 agent_src=dsec_cli/backends/sandbox_agent/dsec-agent.c
 agent_tag=$(sha256sum "$agent_src" | cut -c1-12)

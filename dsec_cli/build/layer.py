@@ -168,6 +168,8 @@ class _Writer:
         self.written.append(fp.digest)
         if self.defer_uploads:
             self.deferred.append(fp)
+            if self.store.local:  # its data on disk now, beside the stream, not at publish
+                self.uploads.append(self.upload_pool.submit(_sync_file, fp.path))
         else:
             self.uploads.append(self.upload_pool.submit(self._upload, fp))
 
@@ -211,6 +213,19 @@ class _Writer:
         self.upload_pool.shutdown(cancel_futures=True)
         if self.pack is not None:
             self.pack.abort()
+
+
+def _sync_file(path: Path) -> None:
+    """fsync a sealed pack kept in staging: a file store's `put_file` fsyncs it again
+    before it becomes visible, and then finds nothing left to write."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # already published (and synced there) or discarded
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 #: files per batch read, and the batches read ahead of the chunker

@@ -65,6 +65,7 @@ from ..push.stores.base import Store
 from .image import write_image
 from .layer import _Batcher, _Writer, canonical_entries, chunk_stream, layer_manifest
 from .tarball import MAX_SPARSE_SIZE, scan_members
+from .tarhdr import tarinfo_class
 
 log = logging.getLogger(__name__)
 
@@ -194,14 +195,15 @@ class _Prefetch:
 
     PIECE = 1 << 20
 
-    def __init__(self, f: Any, depth: int = 8) -> None:
+    def __init__(self, f: Any, depth: int = 8, name: str = "oci-layer-read") -> None:
         self.f = f
         self.q: queue.Queue[bytes | BaseException] = queue.Queue(depth)
         self.stop = threading.Event()
         self.buf = memoryview(b"")
+        self.piece = b""  # what ``buf`` is a view of
         self.eof = False
         self.pos = 0
-        self.t = threading.Thread(target=self._run, name="oci-layer-read", daemon=True)
+        self.t = threading.Thread(target=self._run, name=name, daemon=True)
         self.t.start()
 
     def _put(self, item: bytes | BaseException) -> bool:
@@ -231,16 +233,22 @@ class _Prefetch:
                 raise item
             if not item:
                 self.eof = True
+            self.piece = item
             self.buf = memoryview(item)
         return bool(self.buf)
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int = -1, view: bool = False) -> bytes:
+        """``n`` bytes (fewer at the end); with ``view``, bytes held by one piece come as a
+        read-only view of it, not a copy (a member's data on its way to the chunker)."""
         if n is None or n < 0:
             n = self.PIECE
         if not self._fill():
             return b""
-        if len(self.buf) >= n:  # the common case: one piece holds it
-            out = bytes(self.buf[:n])
+        if len(self.buf) == n == len(self.piece):  # a whole piece: no copy
+            out = self.piece
+            self.buf = memoryview(b"")
+        elif len(self.buf) >= n:  # the common case: one piece holds it
+            out = self.buf[:n] if view else bytes(self.buf[:n])  # type: ignore[assignment]
             self.buf = self.buf[n:]
         else:
             parts = []
@@ -331,7 +339,7 @@ def _scan_layer(tf: tarfile.TarFile, ahead: _Prefetch, label: str, w: _Writer,
     end = 0  # the spool's length (kept here: tell() on a buffered file is not free)
 
     def exact(n: int) -> bytes:
-        data = ahead.read(n)
+        data = ahead.read(n, view=True)
         if len(data) < n:
             raise tarfile.ReadError("unexpected end of data")
         return data
@@ -385,16 +393,20 @@ class StagedLayer:
     diff_id: str
     digest: str
 
+    published: tuple[str, Manifest] | None = None  # its manifest digest and manifest
+
     def publish(self, store: Store, tables: Path | None = None) -> ImportedLayer:
         """Packs, index, manifest, then the ref; with ``tables``, the chunk table is kept
-        there too (`push.dedup`), so the next import does not read the index back."""
+        there too (`push.dedup`), so the next import does not read the index back. The
+        staging directory is left for `discard` (or the caller) to remove."""
         try:
             self.w.publish()  # the packs, before anything that names them
         finally:
-            self.discard()
+            self.w.abort()
         digest, m = layer_manifest(store, self.index, name=LAYER_NAME, version=self.version,
                                    created_by=f"dsec import {self.digest or self.diff_id}")
         set_ref(store, LAYER_NAME, self.version, digest)
+        self.published = (digest, m)
         if tables is not None and m.index:
             cache_table(tables, m.index, self.index)
         return ImportedLayer(m.ref, digest, m.content_digest, self.diff_id, self.digest,
@@ -403,6 +415,11 @@ class StagedLayer:
     def discard(self) -> None:
         self.w.abort()
         shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _remove_dirs(paths: list[Path]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
@@ -415,13 +432,17 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
     w = _Writer(store, known, params, staging, None, False, defer_uploads=True)
     try:
         with source.blob(desc) as f, open(staging / "small-files", "w+b") as spool:
-            raw = _Hashed(f, desc.size if desc.digest else None, tick)
+            # three threads per layer: the blob's bytes come in (a registry's are waited
+            # for) on one, they are inflated and hashed on a second, parsed and chunked here
+            fetched = _Prefetch(f, depth=1, name="oci-blob-read")
+            raw = _Hashed(fetched, desc.size if desc.digest else None, tick)
             plain = _Hashed(None)
             ahead = None
             try:
                 plain.f = _decompressed(raw)
                 ahead = _Prefetch(plain)
-                with tarfile.open(fileobj=ahead, mode="r:") as tf:  # type: ignore[call-overload]
+                with tarfile.open(fileobj=ahead, mode="r:",  # type: ignore[call-overload]
+                                  tarinfo=tarinfo_class()) as tf:
                     entries = _scan_layer(tf, ahead, label, w, params, spool)
                 ahead.drain()  # the end-of-archive padding is part of the diff_id
                 raw.drain()
@@ -434,6 +455,7 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
             finally:
                 if ahead is not None:
                     ahead.close()
+                fetched.close()
         if desc.digest is not None:
             if raw.n != desc.size:
                 got = f"over {desc.size}" if raw.n > desc.size else str(raw.n)
@@ -454,6 +476,7 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
     assert all(loc is not None for loc in w.locs)
     index = LayerIndex(entries=entries, chunks=list(w.locs),  # type: ignore[arg-type]
                        packs=w.packs, params=params)
+    index.to_bytes()  # serialized here, beside the other layers, not at publish
     known.add_index(index)  # later layers of the import reuse its chunks
     return StagedLayer(w, staging, index, diff_id.removeprefix("sha256:"), diff_id,
                        desc.digest or "")
@@ -659,10 +682,12 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
 
     slots: list[StagedLayer | ImportedLayer | None] = []
     todo: list[tuple[int, Descriptor, str]] = []
+    manifests: dict[str, Manifest] = {}  # the layers' manifests, not read back for the image
     for desc, diff_id in zip(layers, diff_ids, strict=True):
         have = _existing_layer(store, diff_id)  # by diff_id: nothing is downloaded
         if have is not None:
             d, m = have
+            manifests[d] = m
             slots.append(ImportedLayer(m.ref, d, m.content_digest, diff_id,
                                        desc.digest or "", m.size, m.stored_size, True))
             prog.bytes_done += desc.size
@@ -671,26 +696,43 @@ def _import(store: Store, source: Source, source_text: str, as_ref: str | None, 
             todo.append((len(slots), desc, diff_id))
             slots.append(None)
     tables = _chunk_tables()
+    sweep: threading.Thread | None = None
     try:
         if todo:
             _stage_all(store, source, todo, slots, tables, tick, done)
-        # every layer verified: only now does the store change
-        for x in slots:
-            assert x is not None
-            report.layers.append(x.publish(store, tables) if isinstance(x, StagedLayer)
-                                 else x)
+        # every layer verified: only now does the store change. Each layer's packs, then
+        # its index, manifest and ref, then the image manifest, in that order; the objects
+        # after the packs are made durable together (`Store.write_batch`)
+        with store.write_batch():
+            for x in slots:
+                assert x is not None
+                if isinstance(x, StagedLayer):
+                    report.layers.append(x.publish(store, tables))
+                    assert x.published is not None
+                    manifests[x.published[0]] = x.published[1]
+                else:
+                    report.layers.append(x)
+            # the staging directories (their packs now in the store) are removed beside
+            # the image's own writes, not before them
+            sweep = threading.Thread(target=_remove_dirs, name="oci-import-sweep",
+                                     daemon=True, args=([x.staging for x in slots
+                                                         if isinstance(x, StagedLayer)],))
+            sweep.start()
+            ann["oci.source"] = source_text
+            if top_digest:
+                ann["oci.digest"] = top_digest
+            digest, _ = write_image(store, name, version, [x.manifest for x in report.layers],
+                                    env=env, workdir=workdir, annotations=ann,
+                                    manifests=[manifests[x.manifest] for x in report.layers],
+                                    created_by=f"dsec import {source_text}")
+        if as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
+            _set_image_ref(store, name, version, digest, replace)
     finally:
+        if sweep is not None:
+            sweep.join()
         for x in slots:
             if isinstance(x, StagedLayer):
                 x.discard()
-    ann["oci.source"] = source_text
-    if top_digest:
-        ann["oci.digest"] = top_digest
-    digest, _ = write_image(store, name, version, [x.manifest for x in report.layers],
-                            env=env, workdir=workdir, annotations=ann,
-                            created_by=f"dsec import {source_text}")
-    if as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
-        _set_image_ref(store, name, version, digest, replace)
     report.manifest = digest
     report.seconds = time.monotonic() - t0
     return report

@@ -50,7 +50,10 @@ def open_tar(path: Path) -> Iterator[tarfile.TarFile]:
 def _norm(name: str, what: str, src: Path) -> str:
     if name.startswith("/"):
         raise SpecError(f"archive entry {name!r} is an absolute path", path=str(src))
-    parts = [p for p in name.split("/") if p not in ("", ".")]
+    parts = name.split("/")
+    if "" not in parts and "." not in parts and ".." not in parts:
+        return name  # already normal (most names): no list rebuilt
+    parts = [p for p in parts if p not in ("", ".")]
     if any(p == ".." for p in parts):
         raise SpecError(f"archive {what} {name!r} escapes the root", path=str(src))
     return "/".join(parts) or "."
@@ -80,17 +83,34 @@ def _symlink_escapes(path: str, target: str) -> bool:
     return False
 
 
+def _parent(p: str) -> str:
+    """`posixpath.dirname` (or "."), without its general case where it is not needed."""
+    i = p.rfind("/")
+    if i > 0 and p[i - 1] != "/":
+        return p[:i]
+    return posixpath.dirname(p) or "."
+
+
 def _check_parents(out: dict[str, Scanned], path: str, base: str, name: str,
-                   src: Path) -> None:
+                   src: Path, clean: set[str] | None = None) -> None:
     """Every ancestor the archive itself made must be a directory: a member is never placed
-    through the archive's own symlink (or file, or device)."""
+    through the archive's own symlink (or file, or device). ``clean`` holds the paths whose
+    own ancestors were found so already (with themselves absent or directories): the walk
+    up stops there. The caller empties it when it places a non-directory at one of them."""
+    stop = base or "."
     p = path
-    while p not in (".", base or "."):
-        p = posixpath.dirname(p) or "."
+    seen = []
+    while p != "." and p != stop:
+        p = _parent(p)
+        if clean is not None and p in clean:
+            break
         prev = out.get(p)
         if prev is not None and prev.entry.type != "dir":
             raise SpecError(f"archive entry {name!r} lies below {p!r}, which the archive made "
                             f"a {prev.entry.type} entry, not a directory", path=str(src))
+        seen.append(p)
+    if clean is not None:
+        clean.update(seen)
 
 
 def _replace(out: dict[str, Scanned], path: str, kind: str) -> None:
@@ -152,6 +172,12 @@ def scan_members(tf: tarfile.TarFile, src: Path, base: str, on_file: OnFile, *,
     device nodes are dropped (logged), except the 0:0 character device overlayfs uses as a
     whiteout, which becomes one."""
     out: dict[str, Scanned] = {}
+    clean: set[str] = set()  # see _check_parents
+
+    def put(path: str, scanned: Scanned) -> None:
+        if scanned.entry.type != "dir" and path in clean:
+            clean.clear()  # a path below which members were checked is no directory now
+        out[path] = scanned
 
     def place(rel: str) -> str:
         if rel == ".":
@@ -166,24 +192,24 @@ def scan_members(tf: tarfile.TarFile, src: Path, base: str, on_file: OnFile, *,
                   for k, v in m.pax_headers.items() if k.startswith("SCHILY.xattr.")}
         if name == WH_OPAQUE:
             parent = place(posixpath.dirname(rel) or ".")
-            _check_parents(out, f"{parent}/{WH_OPAQUE}", base, m.name, src)
+            _check_parents(out, f"{parent}/{WH_OPAQUE}", base, m.name, src, clean)
             if parent in out:
                 out[parent].entry.opaque = True
             else:
-                out[parent] = Scanned(Entry(parent, "dir", 0o755, opaque=True,
-                                            mtime=mtime), None)
+                put(parent, Scanned(Entry(parent, "dir", 0o755, opaque=True, mtime=mtime),
+                                    None))
             continue
         if name.startswith(WH_PREFIX) or (not devices and m.ischr()
                                           and (m.devmajor, m.devminor) == (0, 0)):
             if name.startswith(WH_PREFIX):
                 name = name[len(WH_PREFIX):]
             path = place(posixpath.join(posixpath.dirname(rel), name))
-            _check_parents(out, path, base, m.name, src)
+            _check_parents(out, path, base, m.name, src, clean)
             _replace(out, path, "whiteout")
-            out[path] = Scanned(Entry(path, "whiteout"), None)
+            put(path, Scanned(Entry(path, "whiteout"), None))
             continue
         path = place(rel)
-        _check_parents(out, path, base, m.name, src)
+        _check_parents(out, path, base, m.name, src, clean)
         e = Entry(path, "reg", m.mode & 0o7777, m.uid, m.gid, mtime, xattrs=xattrs)
         source = None
         if m.isreg():
@@ -212,7 +238,7 @@ def scan_members(tf: tarfile.TarFile, src: Path, base: str, on_file: OnFile, *,
         else:
             continue
         _replace(out, path, e.type)
-        out[path] = Scanned(e, source)
+        put(path, Scanned(e, source))
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +77,29 @@ class KnownChunks:
         return known
 
 
-def _add_table(data: bytes, known: KnownChunks) -> bool:
+#: chunk tables already parsed by this process, by index digest (indexes are immutable): a
+#: process importing or building again and again reads each table from disk once. Bounded
+#: by rows held; past the bound, tables are parsed from disk again.
+_PARSED: dict[str, dict[bytes, KnownChunk]] = {}
+_PARSED_ROWS = 0
+PARSED_MAX_ROWS = 1 << 18
+_PARSED_LOCK = threading.Lock()
+
+
+def _add_parsed(index_digest: str, table: dict[bytes, KnownChunk], known: KnownChunks) -> None:
+    global _PARSED_ROWS
+    with _PARSED_LOCK:
+        if index_digest not in _PARSED and _PARSED_ROWS + len(table) <= PARSED_MAX_ROWS:
+            _PARSED[index_digest] = table
+            _PARSED_ROWS += len(table)
+    if not known.chunks:
+        known.chunks = dict(table)
+        return
+    for cid, k in table.items():
+        known.chunks.setdefault(cid, k)
+
+
+def _add_table(data: bytes, known: KnownChunks, index_digest: str | None = None) -> bool:
     """Add a cached chunk table; False when it is damaged (then the index is read again).
     It is written only from validated indexes, but a disk can truncate it."""
     try:
@@ -89,8 +112,14 @@ def _add_table(data: bytes, known: KnownChunks) -> bool:
             return False
     except (struct.error, UnicodeDecodeError):
         return False
+    if index_digest is None:
+        for cid, p, o, cl, ul, codec in rows:
+            known.chunks.setdefault(cid, KnownChunk(packs[p], o, cl, ul, codec))
+        return True
+    table: dict[bytes, KnownChunk] = {}
     for cid, p, o, cl, ul, codec in rows:
-        known.chunks.setdefault(cid, KnownChunk(packs[p], o, cl, ul, codec))
+        table.setdefault(cid, KnownChunk(packs[p], o, cl, ul, codec))
+    _add_parsed(index_digest, table, known)
     return True
 
 
@@ -114,7 +143,11 @@ def _add_cached(store: Store, index_digest: str, known: KnownChunks,
                 cache_dir: Path | None) -> None:
     """Chunk tables are kept on disk in a compact binary form keyed by index digest."""
     path = cache_dir / check_digest(index_digest) if cache_dir else None
-    if path is not None and path.is_file() and _add_table(path.read_bytes(), known):
+    if path is not None and index_digest in _PARSED and path.is_file():
+        _add_parsed(index_digest, _PARSED[index_digest], known)
+        return
+    if path is not None and path.is_file() and _add_table(path.read_bytes(), known,
+                                                          index_digest):
         return
     index = load_index(store, index_digest)
     known.add_index(index)

@@ -17,6 +17,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -122,6 +123,11 @@ class RetryingStore(Store):
 
     def staging_dir(self) -> Path:
         return self._inner.staging_dir()
+
+    @contextmanager
+    def write_batch(self) -> Iterator[None]:
+        with self._inner.write_batch():
+            yield
 
     def close(self) -> None:
         self._inner.close()

@@ -13,6 +13,7 @@ import pytest
 
 from dsec_cli.api import images, oci
 from dsec_cli.build.layer import _Writer, chunk_stream
+from dsec_cli.core.errors import IntegrityError
 from dsec_cli.format.chunker import cut
 from dsec_cli.format.index import ChunkParams
 from dsec_cli.push.dedup import KnownChunks
@@ -365,3 +366,42 @@ def test_imported_layers_chunk_tables_are_kept_for_the_next_import(env: dict[str
             assert index and (tables / index).is_file(), layer.ref
         cached = KnownChunks.load(st, tables).chunks
         assert cached and cached == KnownChunks.load(st, None).chunks
+
+
+def test_chunk_tables_parsed_once_per_process_give_the_same_chunks(
+        env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second load in the same process takes the tables it parsed before (no disk read)
+    and knows exactly the chunks a load from the tables on disk, or from the indexes, does."""
+    from dsec_cli.push import dedup
+
+    write_layout(base_image(), tmp_path / "l")
+    oci.import_image(str(tmp_path / "l"), as_ref="t@1")
+    tables = Path(env["DSEC_DATA_DIR"]) / "chunk-tables"
+    monkeypatch.setattr(dedup, "_PARSED", {})
+    monkeypatch.setattr(dedup, "_PARSED_ROWS", 0)
+    with open_store(env["DSEC_STORE"]) as st:
+        first = KnownChunks.load(st, tables).chunks
+        assert len(dedup._PARSED) == 2  # both layers' tables, parsed from disk
+        reads = []
+        real = dedup._add_table
+        monkeypatch.setattr(dedup, "_add_table", lambda *a: reads.append(1) or real(*a))
+        again = KnownChunks.load(st, tables).chunks
+        assert not reads and again == first == KnownChunks.load(st, None).chunks
+        again.clear()  # a loaded set is the caller's own: the parsed tables are unchanged
+        assert KnownChunks.load(st, tables).chunks == first
+
+
+def test_no_staging_left_after_an_import_or_a_refused_one(env: dict[str, str],
+                                                          tmp_path: Path) -> None:
+    """Each layer's staging directory (its packs until publish) is gone when the import
+    returns, whether it published or refused the image."""
+    write_layout(base_image(), tmp_path / "ok")
+    write_layout(Image([[file("z", b"z" * 5000)], [file("y", b"y")]]), tmp_path / "bad",
+                 tamper=1)
+    with open_store(env["DSEC_STORE"]) as st:
+        staging = st.staging_dir()
+        oci.import_image(str(tmp_path / "ok"), as_ref="ok@1")
+        assert not list(staging.glob("import-*"))
+        with pytest.raises(IntegrityError, match="layer sha256:"):
+            oci.import_image(str(tmp_path / "bad"), as_ref="bad@1")
+        assert not list(staging.glob("import-*"))

@@ -106,3 +106,22 @@ def test_invalid_keys_rejected(any_store: Store) -> None:
     for bad in ("../escape", "/abs", "a//b", "refs/x/..", ""):
         with pytest.raises(UsageError):
             any_store.put(bad, b"x")
+
+
+def test_write_batch_shows_every_object_put_inside(any_store: Store, tmp_path) -> None:
+    """Inside a batch the writing thread reads its own objects back; after it, everyone
+    does (a store may show them as they come or at the end, never lose one)."""
+    data = [os.urandom(1000 + n) for n in range(3)]
+    path = tmp_path / "f"
+    path.write_bytes(b"file" * 100)
+    fkey = object_key("packs", hashlib.sha256(path.read_bytes()).hexdigest())
+    with any_store.write_batch():
+        keys = [object_key("indexes", put_object(any_store, "indexes", d)) for d in data]
+        any_store.put_file(fkey, path)
+        any_store.put("pins/batch", b"pinned")
+        assert [any_store.get(k) for k in keys] == data
+        assert any_store.has(fkey) and any_store.stat("pins/batch") is not None
+    with ThreadPoolExecutor(1) as pool:  # another thread sees them all
+        assert pool.submit(lambda: [any_store.get(k) for k in keys]).result() == data
+        assert pool.submit(any_store.get, "pins/batch").result() == b"pinned"
+    assert any_store.get(fkey) == path.read_bytes()

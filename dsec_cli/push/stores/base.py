@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -86,6 +87,13 @@ class Store(abc.ABC):
 
     def delete(self, key: str) -> None:
         self._delete(validate_key(key))
+
+    @contextmanager
+    def write_batch(self) -> Iterator[None]:
+        """Objects this thread puts inside become visible in the order they were put, each
+        durable before the next is visible, as with one put at a time; a store may make them
+        durable together and show them at the end. The default puts each as it comes."""
+        yield
 
     def staging_dir(self) -> Path:
         """Where writers stage local files (packs) before `put_file`; a store on a local
