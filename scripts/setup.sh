@@ -65,6 +65,20 @@ if [ ! -f "$walk_so" ] || [ "$walk_src" -nt "$walk_so" ]; then
   fi
 fi
 
+# The compiled request loop of kernel-served lazy mounts (dsec_cli/run/lazy/_fuseloop.c):
+# opens, reads of small files and releases answered without Python (docs/lazy.md). Without
+# it the same requests are answered by the Python loop.
+loop_src=dsec_cli/run/lazy/_fuseloop.c
+loop_so=dsec_cli/run/lazy/_fuseloop$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+if [ ! -f "$loop_so" ] || [ "$loop_src" -nt "$loop_so" ]; then
+  pyinc=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+  if gcc -O2 -Wall -shared -fPIC -I"$pyinc" -o "$loop_so.tmp" "$loop_src"; then
+    mv "$loop_so.tmp" "$loop_so"
+  else
+    echo "warning: the compiled FUSE loop did not build; lazy mounts use the Python loop" >&2
+  fi
+fi
+
 # The in-sandbox exec server: static, so it runs in any image (docs/agent.md).
 agent_src=dsec_cli/backends/sandbox_agent/dsec-agent.c
 agent_tag=$(sha256sum "$agent_src" | cut -c1-12)

@@ -13,6 +13,14 @@ reads and mmaps of that file go to the backing file inside the kernel and never 
 process. Debian's libfuse (3.14) predates passthrough, hence the protocol spoken directly;
 the structures below are those of ``include/uapi/linux/fuse.h`` (protocol 7.40+).
 
+The hot requests of a walk — every file's OPEN, a small file's READs, RELEASE, FLUSH,
+GETATTR, FORGET — are answered by a compiled loop (``_fuseloop.c``, built by scripts/setup.sh)
+from per-inode tables this module fills as it learns the answers: open flags and backing ids,
+the verified bytes of small files whose chunks are in memory (handed over a read-ahead window
+at a time), attributes. The loop reads ``/dev/fuse`` without the GIL and hands every other
+request back here as bytes. Without the extension, or with ``DSEC_PY_FUSELOOP`` set, this
+module answers every request itself.
+
 A killed server closes ``/dev/fuse``: the kernel aborts the connection (readers get
 ``ENOTCONN``) and drops every backing id; cleanup detaches the mount as for the libfuse
 daemon.
@@ -34,8 +42,14 @@ from typing import Any
 
 import xxhash
 
+from ...core.config import env
 from .cache import ChunkCache
 from .fs import OPAQUE_XATTR, LazyFS, Node
+
+try:  # built by scripts/setup.sh; without it the Python loop below answers every request
+    from . import _fuseloop  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _fuseloop = None
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +85,16 @@ SMALL_FILE = 256 << 10  # files up to this size bring their pack neighbours alon
 #: a named file can cost a millisecond or more on a contended ext4, more than the reads)
 INLINE_FILE = 128 << 10
 CONTENT_XATTR = "user.dsec.xxh3"  # a backing file's content hash, checked on reuse
+#: small files' bytes the compiled loop holds at most (copies of verified bytes in memory;
+#: past it, reads of further small files are answered here from the chunk memory cache)
+LOOP_INLINE_BUDGET = 64 << 20
+#: threads reading /dev/fuse through the compiled loop (each answers in C without the GIL)
+LOOP_READERS = 2
+
+
+def compiled_loop() -> bool:
+    """Whether new servers answer their hot requests in the compiled loop."""
+    return _fuseloop is not None and not env("DSEC_PY_FUSELOOP")
 
 
 def supported() -> str | None:
@@ -96,7 +120,7 @@ class PassthroughServer:
     """One mount, served from ``fs``'s tree; files opened through backing files in ``files``."""
 
     def __init__(self, fs: LazyFS, mountpoint: str, files: ChunkCache, *, xattrs: bool,
-                 on_init: Any = None, workers: int = 4) -> None:
+                 on_init: Any = None, workers: int = 4, compiled: bool | None = None) -> None:
         self.fs = fs
         self.mountpoint = mountpoint
         self.files = files
@@ -115,6 +139,9 @@ class PassthroughServer:
         self.lock = threading.Lock()
         self.fd = -1
         self.passthrough = False
+        self.compiled = compiled_loop() if compiled is None else compiled
+        self.loop: Any = None  # the compiled loop's tables, once mounted
+        self._small: dict[int, dict[int, list[int]]] = {}  # layer -> chunk -> small files
 
     # -- lifecycle ----------------------------------------------------------------------------
     def sweep(self) -> None:
@@ -128,9 +155,53 @@ class PassthroughServer:
                     os.ST_RDONLY | os.ST_NOSUID | os.ST_NODEV,
                     f"fd={self.fd},rootmode=40000,user_id=0,group_id=0,allow_other,"
                     "default_permissions")
+        if self.compiled:
+            self.loop = _fuseloop.Loop(self.fd, max(self.inodes) + 1, LOOP_INLINE_BUDGET)
+            rec = self.fs.recorder
+            if rec is not None:
+                self.loop.record_until(rec.started + rec.window)
+                rec.pull = self._collect_opens
+            for src in self.fs.sources:
+                src.fetcher.stats.pull = self._loop_counts
 
     def serve(self) -> None:
         """Answer requests until the mount goes (ENODEV) or DESTROY."""
+        if self.loop is None:
+            return self._serve_python()
+        for n in range(LOOP_READERS - 1):
+            threading.Thread(target=self._serve_compiled, name=f"fuse{n}", daemon=True).start()
+        self._serve_compiled()
+
+    def _serve_compiled(self) -> None:
+        """One reader of the compiled loop: it answers what its tables know and returns the
+        rest (a copy of the request), answered here as by the Python loop."""
+        while True:
+            got = self.loop.next()
+            if got is None:
+                return  # unmounted
+            if isinstance(got, int):  # a small file of the read-ahead window was read
+                self._walked(got)
+                continue
+            ln, op, unique, nodeid, _, _, _, _, _ = _IN.unpack_from(got)
+            if self._dispatch(op, unique, nodeid, memoryview(got)[_IN.size:ln]):
+                return
+
+    def counters(self) -> dict[str, int]:
+        """What the compiled loop did: requests answered there and handed here, bytes it
+        served, inline bytes it holds (empty without the loop)."""
+        return self.loop.counters() if self.loop is not None else {}
+
+    def _loop_counts(self) -> dict[str, int]:
+        return {"bytes_served": self.loop.counters()["bytes_served"]}
+
+    def _collect_opens(self) -> None:
+        """First opens the compiled loop answered, into the access profile."""
+        rec = self.fs.recorder
+        for ino, at in self.loop.opens():
+            node = self.inodes[ino][1]
+            rec.touch(node.layer, node.entry.path, at=at)
+
+    def _serve_python(self) -> None:
         # requests of a read-only mount are small (no WRITE; max_write is the minimum), so
         # one buffer is reused and each request's body copied out
         buf = bytearray(REQUEST_BUFFER)
@@ -146,18 +217,22 @@ class PassthroughServer:
                 raise
             ln, op, unique, nodeid, _, _, _, _, _ = _IN.unpack_from(buf)
             body = view[_IN.size:min(ln, n)]  # valid until the next read: copied for the pool
-            # opens that may fetch or assemble, and reads of bytes not in memory, go to the
-            # pool; the rest (metadata, re-opens, small files' opens) is answered here at once
-            if op == READ:
-                if not self._read_inline(unique, nodeid, body):
-                    self.pool.submit(self._handle, op, unique, nodeid, memoryview(bytes(body)))
-                continue
-            if op == OPEN and self._needs_backing(nodeid):
-                self.pool.submit(self._handle, op, unique, nodeid, memoryview(bytes(body)))
-                continue
-            self._handle(op, unique, nodeid, body)
-            if op == DESTROY:
+            if self._dispatch(op, unique, nodeid, body):
                 return
+
+    def _dispatch(self, op: int, unique: int, nodeid: int, body: memoryview) -> bool:
+        """Answer one request (True after DESTROY). Opens that may fetch or assemble, and
+        reads of bytes not in memory, go to the pool; the rest (metadata, re-opens, small
+        files' opens) is answered at once."""
+        if op == READ:
+            if not self._read_inline(unique, nodeid, body):
+                self.pool.submit(self._handle, op, unique, nodeid, memoryview(bytes(body)))
+            return False
+        if op == OPEN and self._needs_backing(nodeid):
+            self.pool.submit(self._handle, op, unique, nodeid, memoryview(bytes(body)))
+            return False
+        self._handle(op, unique, nodeid, body)
+        return op == DESTROY
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -207,7 +282,10 @@ class PassthroughServer:
     def _entry(self, node: Node | None) -> bytes:
         if node is None:  # negative entry, cached as long as a positive one
             return _ENTRY.pack(0, 0, TIMEOUT, TIMEOUT, 0, 0) + bytes(_ATTR.size)
-        return _ENTRY.pack(node.ino, 0, TIMEOUT, TIMEOUT, 0, 0) + self._attr(node)
+        attr = self._attr(node)
+        if self.loop is not None:  # its GETATTRs are answered in the compiled loop
+            self.loop.set_attr(node.ino, _ATTR_OUT.pack(TIMEOUT, 0, 0) + attr)
+        return _ENTRY.pack(node.ino, 0, TIMEOUT, TIMEOUT, 0, 0) + attr
 
     # -- operations ---------------------------------------------------------------------------
     def _init(self, nodeid: int, body: memoryview) -> bytes:
@@ -225,6 +303,8 @@ class PassthroughServer:
                              MAX_READ // 4096, 0, F2_PASSTHROUGH if full else 0, 1)
         if not full:
             log.warning("lazy mount: the kernel did not offer FUSE passthrough")
+        if self.loop is not None:
+            self._register_small_opens()
         if self.on_init is not None:
             threading.Timer(0, self.on_init).start()  # after the reply is written
         return out
@@ -236,13 +316,27 @@ class PassthroughServer:
         return self._entry(self.fs.nodes.get(f"{base}/{name}"))
 
     def _getattr(self, nodeid: int, body: memoryview) -> bytes:
-        return _ATTR_OUT.pack(TIMEOUT, 0, 0) + self._attr(self._node(nodeid)[1])
+        out = _ATTR_OUT.pack(TIMEOUT, 0, 0) + self._attr(self._node(nodeid)[1])
+        if self.loop is not None:
+            self.loop.set_attr(nodeid, out)
+        return out
 
     def _readlink(self, nodeid: int, body: memoryview) -> bytes:
         node = self._node(nodeid)[1]
         if node.entry.type != "sym":
             raise OSError(errno.EINVAL, "not a link")
         return os.fsencode(node.entry.target)
+
+    def _register_small_opens(self) -> None:
+        """Opens answered without a backing file (small files; every file without
+        passthrough) are the same for every such file: all answered in the compiled loop.
+        Empty files' reads too (nothing to read)."""
+        for ino, (_, node) in self.inodes.items():
+            e = node.entry
+            if e.type == "reg" and (not self.passthrough or e.size <= INLINE_FILE):
+                self.loop.set_open(ino, FOPEN_KEEP_CACHE | FOPEN_NOFLUSH, 0)
+                if e.size == 0:
+                    self.loop.set_data(ino, b"", False)
 
     def _needs_backing(self, nodeid: int) -> bool:
         """Whether an open of ``nodeid`` is answered with a backing file not registered yet
@@ -264,6 +358,8 @@ class PassthroughServer:
             bid = self.backing.get(node.ino)
             if bid is None:
                 bid = self.backing[node.ino] = self._register(node, path)
+                if self.loop is not None:  # its next opens are answered in the loop
+                    self.loop.set_open(node.ino, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, bid)
         return _OPEN_OUT.pack(0, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, bid)
 
     def _register(self, node: Node, path: str) -> int:
@@ -311,15 +407,21 @@ class PassthroughServer:
         src = self.fs.sources[node.layer]
         own = [ci for ci, _, _ in node.entry.chunks]
         if all(src.fetcher.in_memory(src.index.chunks[ci].chunk_id) for ci in own):
+            self._publish(node.layer, own)
             return
         following = self._following(node.layer, own)
         src.fetcher.chunks(src.index, own, readahead=following)
-        # on a warm node the neighbours were not fetched (they are in the chunk cache):
-        # read them from the disk ahead of the walk
-        src.fetcher.preload(src.index, following)
         if following:
             with self.lock:
+                old = self._windows.get(node.layer)
                 self._windows[node.layer] = (frozenset(following), following[-1])
+            if old is not None:
+                self._arm(node.layer, old[0], False)
+        self._publish(node.layer, own + following)
+        # on a warm node the neighbours were not fetched (they are in the chunk cache):
+        # read them from the disk ahead of the walk
+        src.fetcher.preload(src.index, following,
+                            then=lambda: self._publish(node.layer, following))
 
     def _sequential(self, node: Node) -> None:
         """A read of a file in its layer's last read-ahead window is a walk in pack order:
@@ -332,6 +434,7 @@ class PassthroughServer:
             if self._windows.get(node.layer) is not w:
                 return  # another read took this window's turn
             del self._windows[node.layer]
+        self._arm(node.layer, w[0], False)
         nxt = self._following(node.layer, [w[1]])
         if nxt:
             with self.lock:
@@ -344,6 +447,68 @@ class PassthroughServer:
             src.fetcher.chunks(src.index, idxs, count_stall=False)
         except Exception as e:  # readers fetch on demand, and get EIO only from their own fetch
             log.warning("lazy mount: reading ahead in layer %d failed: %s", layer, e)
+            return
+        self._publish(layer, idxs)
+
+    # -- the compiled loop's tables ----------------------------------------------------------
+    def _small_files(self, layer: int) -> dict[int, list[int]]:
+        """Per chunk number, the inodes of the small files (answered from memory) of
+        ``layer`` that have bytes in it."""
+        with self.lock:
+            got = self._small.get(layer)
+            if got is None:
+                got = self._small[layer] = {}
+                for ino, (_, node) in self.inodes.items():
+                    e = node.entry
+                    if node.layer == layer and e.type == "reg" and 0 < e.size <= INLINE_FILE:
+                        for ci, _, _ in e.chunks:
+                            got.setdefault(ci, []).append(ino)
+        return got
+
+    def _publish(self, layer: int, idxs: list[int]) -> None:
+        """Hand the compiled loop the bytes of the small files stored in chunks ``idxs``
+        whose chunks are all in memory (decoded and verified by the fetcher): their reads are
+        then answered there. Files of the layer's read-ahead window are marked so that their
+        first read there still starts the next window (`_walked`)."""
+        if self.loop is None:
+            return
+        src = self.fs.sources[layer]
+        files = self._small_files(layer)
+        w = self._windows.get(layer)
+        done: set[int] = set()
+        for ci in idxs:
+            for ino in files.get(ci, ()):
+                if ino in done or self.loop.has_data(ino):
+                    continue
+                done.add(ino)
+                e = self.inodes[ino][1].entry
+                parts = []
+                for c, off, ln in e.chunks:
+                    data = src.fetcher.recall(src.index.chunks[c].chunk_id)
+                    if data is None:
+                        break
+                    parts.append(data[off:off + ln])
+                else:
+                    armed = w is not None and any(c in w[0] for c, _, _ in e.chunks)
+                    if not self.loop.set_data(ino, b"".join(parts), armed):
+                        return  # the loop's budget is spent: the rest is answered here
+
+    def _arm(self, layer: int, chunks: frozenset[int], on: bool) -> None:
+        """Whether reads of the small files in ``chunks`` answered by the loop are reported
+        (the window's read-ahead starts with the first of them)."""
+        if self.loop is None:
+            return
+        files = self._small_files(layer)
+        for ci in chunks:
+            for ino in files.get(ci, ()):
+                self.loop.set_notify(ino, on)
+
+    def _walked(self, ino: int) -> None:
+        """The loop answered a read of a small file in its layer's read-ahead window."""
+        try:
+            self._sequential(self.inodes[ino][1])
+        except Exception as e:  # read-ahead only: readers fetch what is missing themselves
+            log.warning("lazy mount: reading ahead after inode %d failed: %s", ino, e)
 
     def _following(self, layer: int, own: list[int]) -> list[int]:
         """Chunk numbers stored right after ``own`` in their pack, up to one preferred read."""

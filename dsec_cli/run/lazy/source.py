@@ -43,6 +43,8 @@ class Stats:
     prefetched_files: int = 0
     background_done: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: counts kept elsewhere (the compiled FUSE loop's bytes served), added when read
+    pull: Callable[[], dict[str, int]] | None = field(default=None, repr=False)
 
     def add(self, **kw: float) -> None:
         with self.lock:
@@ -50,9 +52,13 @@ class Stats:
                 setattr(self, k, getattr(self, k) + v)
 
     def public(self) -> dict[str, object]:
+        more = self.pull() if self.pull is not None else {}
         with self.lock:
-            return {k: (round(v, 6) if isinstance(v, float) else v)
-                    for k, v in self.__dict__.items() if k != "lock"}
+            out = {k: (round(v, 6) if isinstance(v, float) else v)
+                   for k, v in self.__dict__.items() if k not in ("lock", "pull")}
+        for k, v in more.items():
+            out[k] += v
+        return out
 
 
 class Fetcher:
@@ -115,21 +121,30 @@ class Fetcher:
                 self._mem.move_to_end(cid)
             return data
 
-    def preload(self, index: LayerIndex, idxs: list[int]) -> None:
+    def recall(self, cid: bytes) -> bytes | None:
+        """A chunk's decoded, verified bytes if they are in the memory cache now."""
+        return self._recall(cid)
+
+    def preload(self, index: LayerIndex, idxs: list[int],
+                then: Callable[[], None] | None = None) -> None:
         """Read chunks ``idxs`` of the node's chunk cache into memory in the background,
         never from the store (so no bytes fetched): the next files of a walk over a warm cache
-        are then answered without waiting for the disk."""
+        are then answered without waiting for the disk. ``then`` runs once they are loaded
+        (at once when there is nothing to load)."""
         with self._lock:
             todo = [i for i in idxs if index.chunks[i].chunk_id not in self._mem
                     and index.chunks[i].chunk_id not in self._loading]
-            if not todo:
-                return
-            self._loading.update(index.chunks[i].chunk_id for i in todo)
-            if self._loader is None:
-                self._loader = ThreadPoolExecutor(1, thread_name_prefix="preload")
-        self._loader.submit(self._load, index, todo)
+            if todo:
+                self._loading.update(index.chunks[i].chunk_id for i in todo)
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="preload")
+        if todo:
+            self._loader.submit(self._load, index, todo, then)
+        elif then is not None:
+            then()
 
-    def _load(self, index: LayerIndex, idxs: list[int]) -> None:
+    def _load(self, index: LayerIndex, idxs: list[int],
+              then: Callable[[], None] | None = None) -> None:
         try:
             for i in idxs:
                 loc = index.chunks[i]
@@ -143,6 +158,11 @@ class Fetcher:
         finally:
             with self._lock:
                 self._loading.difference_update(index.chunks[i].chunk_id for i in idxs)
+        if then is not None:
+            try:
+                then()
+            except Exception as e:  # a hint only: readers are answered without it
+                log.warning("after preloading chunks: %s", e)
 
     # -- fetching ------------------------------------------------------------------------------
     def chunks(self, index: LayerIndex, idxs: list[int], *, readahead: Iterable[int] = (),
