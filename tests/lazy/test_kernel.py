@@ -279,12 +279,16 @@ def _window_after(ix: Any, own: list[int], max_read: int) -> list[int]:
     server's read-ahead window)."""
     seq = sorted(range(len(ix.chunks)), key=lambda i: (ix.chunks[i].pack, ix.chunks[i].offset))
     start = max(seq.index(c) for c in own) + 1
-    out, budget = [], max_read
+    out, budget, pack, end = [], max_read, -1, 0
     for ci in seq[start:]:
-        budget -= ix.chunks[ci].clen
+        loc = ix.chunks[ci]  # a chunk group's members overlap: each adds what it extends
+        more = loc.offset + loc.clen - end if loc.pack == pack and loc.offset < end else loc.clen
+        budget -= max(more, 0)
         if budget < 0:
             break
         out.append(ci)
+        end = max(end, loc.offset + loc.clen) if loc.pack == pack else loc.offset + loc.clen
+        pack = loc.pack
     return out
 
 

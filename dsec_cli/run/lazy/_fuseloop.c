@@ -22,11 +22,13 @@
 #include <time.h>
 #include <unistd.h>
 
-enum { OP_GETATTR = 3, OP_FORGET = 2, OP_OPEN = 14, OP_READ = 15, OP_RELEASE = 18,
-       OP_FLUSH = 25, OP_RELEASEDIR = 29, OP_INTERRUPT = 36, OP_BATCH_FORGET = 42 };
+enum { OP_LOOKUP = 1, OP_FORGET = 2, OP_GETATTR = 3, OP_OPEN = 14, OP_READ = 15,
+       OP_RELEASE = 18, OP_FLUSH = 25, OP_OPENDIR = 27, OP_RELEASEDIR = 29,
+       OP_INTERRUPT = 36, OP_BATCH_FORGET = 42, OP_READDIRPLUS = 44 };
 #define IN_HEADER 40
 #define OUT_HEADER 16
 #define ATTR_OUT 104 /* fuse_attr_out: valid, valid_nsec, dummy, fuse_attr */
+#define ENTRY_OUT 128 /* fuse_entry_out */
 #define REQUEST_BUFFER (64 << 10)
 
 typedef struct {
@@ -34,10 +36,21 @@ typedef struct {
     Py_ssize_t len;
     PyObject *obj;
     unsigned char *attr; /* ATTR_OUT bytes, or NULL */
+    PyObject *list_obj;  /* a directory's whole READDIRPLUS listing (bytes), or NULL */
+    uint32_t *list_off;  /* where record i starts in it; list_off[list_n] its length */
+    uint32_t list_n;
     int32_t backing;
     uint32_t open_flags;
-    uint8_t has_open, notify, opened;
+    uint8_t has_open, notify, opened, named; /* named: every child name is in the names */
 } Entry;
+
+/* One name of a directory whose children were handed over: its LOOKUP answer. */
+typedef struct {
+    uint64_t parent;
+    char *name; /* NULL: a free slot */
+    size_t len;
+    unsigned char entry[ENTRY_OUT];
+} Name;
 
 typedef struct {
     PyObject_HEAD
@@ -47,10 +60,14 @@ typedef struct {
     pthread_mutex_t mu;
     Py_ssize_t budget, held;
     double record_until; /* CLOCK_MONOTONIC seconds: first opens answered here are logged */
+    Name *names;
+    size_t names_cap, names_n;
+    unsigned char negative[ENTRY_OUT];
     uint64_t *log_ino;
     double *log_t;
     size_t log_n, log_cap;
     uint64_t answered, bytes_served, handed;
+    uint64_t by_op[64]; /* requests answered here, by opcode */
 } Loop;
 
 static double now_mono(void) {
@@ -80,6 +97,9 @@ static int Loop_init(Loop *self, PyObject *args, PyObject *kw) {
     }
     self->inodes = inodes;
     self->budget = budget;
+    uint64_t day = 86400; /* a negative entry, cached as long as a positive one */
+    memcpy(self->negative + 16, &day, 8);
+    memcpy(self->negative + 24, &day, 8);
     pthread_mutex_init(&self->mu, NULL);
     return 0;
 }
@@ -89,7 +109,12 @@ static void Loop_dealloc(Loop *self) {
         for (uint64_t i = 0; i < self->inodes; i++) {
             Py_XDECREF(self->tab[i].obj);
             free(self->tab[i].attr);
+            Py_XDECREF(self->tab[i].list_obj);
+            free(self->tab[i].list_off);
         }
+        for (size_t i = 0; i < self->names_cap; i++)
+            free(self->names[i].name);
+        free(self->names);
         free(self->tab);
         pthread_mutex_destroy(&self->mu);
     }
@@ -201,6 +226,133 @@ static PyObject *Loop_set_attr(Loop *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static uint64_t name_hash(uint64_t parent, const char *name, size_t len) {
+    uint64_t h = 1469598103934665603ULL ^ parent; /* FNV-1a */
+    for (size_t i = 0; i < len; i++)
+        h = (h ^ (unsigned char)name[i]) * 1099511628211ULL;
+    return h;
+}
+
+/* The slot of (parent, name), or the free slot where it goes (under mu). */
+static Name *name_slot(Loop *self, uint64_t parent, const char *name, size_t len) {
+    size_t mask = self->names_cap - 1;
+    for (size_t i = name_hash(parent, name, len) & mask;; i = (i + 1) & mask) {
+        Name *n = &self->names[i];
+        if (n->name == NULL || (n->parent == parent && n->len == len &&
+                                memcmp(n->name, name, len) == 0))
+            return n;
+    }
+}
+
+static int names_grow(Loop *self) {
+    size_t cap = self->names_cap ? self->names_cap * 2 : 1024;
+    Name *old = self->names, *tab = calloc(cap, sizeof(Name));
+    if (tab == NULL)
+        return -1;
+    size_t oldcap = self->names_cap;
+    self->names = tab;
+    self->names_cap = cap;
+    for (size_t i = 0; i < oldcap; i++)
+        if (old[i].name != NULL)
+            *name_slot(self, old[i].parent, old[i].name, old[i].len) = old[i];
+    free(old);
+    return 0;
+}
+
+static PyObject *Loop_set_names(Loop *self, PyObject *args) {
+    unsigned long long parent;
+    PyObject *items;
+    if (!PyArg_ParseTuple(args, "KO!", &parent, &PyList_Type, &items))
+        return NULL;
+    Entry *e = entry_of(self, parent);
+    if (e == NULL)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *it = PyList_GET_ITEM(items, i);
+        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 2 ||
+            !PyBytes_Check(PyTuple_GET_ITEM(it, 0)) || !PyBytes_Check(PyTuple_GET_ITEM(it, 1)) ||
+            PyBytes_GET_SIZE(PyTuple_GET_ITEM(it, 1)) != ENTRY_OUT) {
+            PyErr_SetString(PyExc_ValueError, "names: [(name, 128-byte entry_out)]");
+            return NULL;
+        }
+    }
+    pthread_mutex_lock(&self->mu);
+    int failed = 0;
+    if (!e->named) {
+        for (Py_ssize_t i = 0; i < n && !failed; i++) {
+            PyObject *it = PyList_GET_ITEM(items, i);
+            const char *name = PyBytes_AS_STRING(PyTuple_GET_ITEM(it, 0));
+            size_t len = (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(it, 0));
+            if ((self->names_n + 1) * 2 > self->names_cap && names_grow(self) < 0) {
+                failed = 1;
+                break;
+            }
+            Name *slot = name_slot(self, parent, name, len);
+            if (slot->name == NULL) {
+                slot->name = malloc(len ? len : 1);
+                if (slot->name == NULL) {
+                    failed = 1;
+                    break;
+                }
+                memcpy(slot->name, name, len);
+                slot->len = len;
+                slot->parent = parent;
+                self->names_n++;
+            }
+            memcpy(slot->entry, PyBytes_AS_STRING(PyTuple_GET_ITEM(it, 1)), ENTRY_OUT);
+        }
+        e->named = !failed; /* from now on a name not in the table is no child of parent */
+    }
+    pthread_mutex_unlock(&self->mu);
+    if (failed)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *Loop_set_listing(Loop *self, PyObject *args) {
+    unsigned long long ino;
+    PyObject *blob, *starts;
+    if (!PyArg_ParseTuple(args, "KSO!", &ino, &blob, &PyList_Type, &starts))
+        return NULL;
+    Entry *e = entry_of(self, ino);
+    if (e == NULL)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(starts);
+    uint32_t *off = malloc((size_t)(n + 1) * sizeof(uint32_t));
+    if (off == NULL)
+        return PyErr_NoMemory();
+    uint32_t prev = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long v = PyLong_AsUnsignedLong(PyList_GET_ITEM(starts, i));
+        if ((v == (unsigned long)-1 && PyErr_Occurred()) || v < prev ||
+            v > (unsigned long)PyBytes_GET_SIZE(blob)) {
+            free(off);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "record starts must rise within the listing");
+            return NULL;
+        }
+        off[i] = prev = (uint32_t)v;
+    }
+    if (PyBytes_GET_SIZE(blob) > UINT32_MAX) {
+        free(off);
+        PyErr_SetString(PyExc_ValueError, "listing too large");
+        return NULL;
+    }
+    off[n] = (uint32_t)PyBytes_GET_SIZE(blob);
+    pthread_mutex_lock(&self->mu);
+    if (e->list_obj == NULL) {
+        Py_INCREF(blob);
+        e->list_obj = blob;
+        e->list_off = off;
+        e->list_n = (uint32_t)n;
+        off = NULL;
+    }
+    pthread_mutex_unlock(&self->mu);
+    free(off);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Loop_record_until(Loop *self, PyObject *arg) {
     double t = PyFloat_AsDouble(arg);
     if (t == -1.0 && PyErr_Occurred())
@@ -235,11 +387,24 @@ static PyObject *Loop_opens(Loop *self, PyObject *unused) {
 }
 
 static PyObject *Loop_counters(Loop *self, PyObject *unused) {
-    return Py_BuildValue("{sKsKsKsn}",
+    PyObject *ops = PyDict_New();
+    for (int i = 0; ops != NULL && i < 64; i++) {
+        uint64_t v = __atomic_load_n(&self->by_op[i], __ATOMIC_RELAXED);
+        if (v == 0)
+            continue;
+        PyObject *k = PyLong_FromLong(i), *n = PyLong_FromUnsignedLongLong(v);
+        if (k == NULL || n == NULL || PyDict_SetItem(ops, k, n) < 0)
+            Py_CLEAR(ops);
+        Py_XDECREF(k);
+        Py_XDECREF(n);
+    }
+    if (ops == NULL)
+        return NULL;
+    return Py_BuildValue("{sKsKsKsnsN}",
                          "answered", (unsigned long long)__atomic_load_n(&self->answered, __ATOMIC_RELAXED),
                          "bytes_served", (unsigned long long)__atomic_load_n(&self->bytes_served, __ATOMIC_RELAXED),
                          "handed", (unsigned long long)__atomic_load_n(&self->handed, __ATOMIC_RELAXED),
-                         "inline_bytes", self->held);
+                         "inline_bytes", self->held, "by_op", ops);
 }
 
 /* One reply; 0, or an errno other than the request having gone meanwhile. */
@@ -312,14 +477,15 @@ static int answer(Loop *self, const unsigned char *buf, size_t n, uint64_t *noti
     if (ino >= self->inodes)
         return 0;
     Entry *e = &self->tab[ino];
-    if (op == OP_OPEN) {
+    if (op == OP_OPEN || op == OP_OPENDIR) { /* an inode is either a file or a directory */
         unsigned char out[16] = {0};
         pthread_mutex_lock(&self->mu);
         int known = e->has_open;
         if (known) {
             memcpy(out + 8, &e->open_flags, 4);
             memcpy(out + 12, &e->backing, 4);
-            log_open(self, e, ino);
+            if (op == OP_OPEN)
+                log_open(self, e, ino);
         }
         pthread_mutex_unlock(&self->mu);
         if (!known)
@@ -337,8 +503,9 @@ static int answer(Loop *self, const unsigned char *buf, size_t n, uint64_t *noti
         pthread_mutex_lock(&self->mu);
         const char *data = e->data;
         Py_ssize_t dlen = e->len;
-        int wants = e->notify;
-        e->notify = 0;
+        int wants = data != NULL && e->notify;
+        if (wants)
+            e->notify = 0;
         pthread_mutex_unlock(&self->mu);
         if (data == NULL)
             return 0;
@@ -353,6 +520,60 @@ static int answer(Loop *self, const unsigned char *buf, size_t n, uint64_t *noti
             return 2;
         }
         return 1;
+    }
+    if (op == OP_READDIRPLUS) {
+        if (blen < 24)
+            return 0;
+        uint64_t off;
+        uint32_t size;
+        memcpy(&off, body + 8, 8);
+        memcpy(&size, body + 16, 4);
+        pthread_mutex_lock(&self->mu);
+        const char *list = e->list_obj ? PyBytes_AS_STRING(e->list_obj) : NULL;
+        const uint32_t *starts = e->list_off;
+        uint32_t n = e->list_n;
+        int wants = list != NULL && e->notify;
+        if (wants)
+            e->notify = 0;
+        pthread_mutex_unlock(&self->mu);
+        if (list == NULL)
+            return 0;
+        /* whole records from record `off` on, as many as fit in size */
+        size_t from = 0, to = 0;
+        if (off < n) {
+            from = starts[off];
+            uint32_t j = (uint32_t)off;
+            while (j < n && starts[j + 1] - from <= size)
+                j++;
+            to = starts[j];
+        }
+        err = reply(self->fd, unique, list + from, to - from);
+        if (err)
+            return -err;
+        if (wants) {
+            *notify = ino;
+            return 2;
+        }
+        return 1;
+    }
+    if (op == OP_LOOKUP) {
+        const unsigned char *nul = memchr(body, 0, blen);
+        if (nul == NULL)
+            return 0;
+        size_t len = (size_t)(nul - body);
+        unsigned char out[ENTRY_OUT];
+        int known = 0;
+        pthread_mutex_lock(&self->mu);
+        if (e->named) {
+            Name *slot = self->names_cap ? name_slot(self, ino, (const char *)body, len) : NULL;
+            memcpy(out, slot && slot->name ? slot->entry : self->negative, ENTRY_OUT);
+            known = 1;
+        }
+        pthread_mutex_unlock(&self->mu);
+        if (!known)
+            return 0;
+        err = reply(self->fd, unique, out, sizeof out);
+        return err ? -err : 1;
     }
     if (op == OP_GETATTR) {
         unsigned char out[ATTR_OUT];
@@ -405,6 +626,9 @@ static PyObject *Loop_next(Loop *self, PyObject *unused) {
                 break;
             }
             __atomic_fetch_add(&self->answered, 1, __ATOMIC_RELAXED);
+            uint32_t op;
+            memcpy(&op, buf + 4, 4);
+            __atomic_fetch_add(&self->by_op[op & 63], 1, __ATOMIC_RELAXED);
             if (r == 2)
                 break;
         }
@@ -450,6 +674,12 @@ static PyMethodDef Loop_methods[] = {
      "set_notify(ino, flag): whether next() reports the next inline read of ino."},
     {"set_attr", (PyCFunction)Loop_set_attr, METH_VARARGS,
      "set_attr(ino, attr_out): answer GETATTRs of ino with these 104 bytes."},
+    {"set_names", (PyCFunction)Loop_set_names, METH_VARARGS,
+     "set_names(dir_ino, [(name, entry_out)]): answer every LOOKUP in dir_ino here (a name "
+     "not given is answered with a negative entry)."},
+    {"set_listing", (PyCFunction)Loop_set_listing, METH_VARARGS,
+     "set_listing(dir_ino, records, starts): answer READDIRPLUS of dir_ino from its whole "
+     "listing (record i, the entry at offset i, starts at starts[i])."},
     {"record_until", (PyCFunction)Loop_record_until, METH_O,
      "record_until(monotonic_seconds): log first opens answered here until then."},
     {"opens", (PyCFunction)Loop_opens, METH_NOARGS,

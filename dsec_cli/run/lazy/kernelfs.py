@@ -142,6 +142,7 @@ class PassthroughServer:
         self.compiled = compiled_loop() if compiled is None else compiled
         self.loop: Any = None  # the compiled loop's tables, once mounted
         self._small: dict[int, dict[int, list[int]]] = {}  # layer -> chunk -> small files
+        self._handed: set[int] = set()  # directories whose listing the loop answers
 
     # -- lifecycle ----------------------------------------------------------------------------
     def sweep(self) -> None:
@@ -197,6 +198,7 @@ class PassthroughServer:
     def _collect_opens(self) -> None:
         """First opens the compiled loop answered, into the access profile."""
         rec = self.fs.recorder
+        assert rec is not None  # pulled by the recorder itself
         for ino, at in self.loop.opens():
             node = self.inodes[ino][1]
             rec.touch(node.layer, node.entry.path, at=at)
@@ -333,7 +335,9 @@ class PassthroughServer:
         Empty files' reads too (nothing to read)."""
         for ino, (_, node) in self.inodes.items():
             e = node.entry
-            if e.type == "reg" and (not self.passthrough or e.size <= INLINE_FILE):
+            if node.children is not None:  # OPENDIR: the same answer for every directory
+                self.loop.set_open(ino, FOPEN_KEEP_CACHE, 0)
+            elif e.type == "reg" and (not self.passthrough or e.size <= INLINE_FILE):
                 self.loop.set_open(ino, FOPEN_KEEP_CACHE | FOPEN_NOFLUSH, 0)
                 if e.size == 0:
                     self.loop.set_data(ino, b"", False)
@@ -419,9 +423,12 @@ class PassthroughServer:
                 self._arm(node.layer, old[0], False)
         self._publish(node.layer, own + following)
         # on a warm node the neighbours were not fetched (they are in the chunk cache):
-        # read them from the disk ahead of the walk
-        src.fetcher.preload(src.index, following,
-                            then=lambda: self._publish(node.layer, following))
+        # read them from the disk ahead of the walk, with the members of the file's chunk
+        # group stored before it (a walk's order is not quite the packing order)
+        before = [s for ci in own for s in src.fetcher.siblings(src.index, ci)
+                  if s not in own and s not in following]
+        ahead = list(dict.fromkeys(before + following))
+        src.fetcher.preload(src.index, ahead, then=lambda got: self._publish(node.layer, got))
 
     def _sequential(self, node: Node) -> None:
         """A read of a file in its layer's last read-ahead window is a walk in pack order:
@@ -443,6 +450,12 @@ class PassthroughServer:
 
     def _load_ahead(self, layer: int, idxs: list[int]) -> None:
         src = self.fs.sources[layer]
+        if self.loop is not None:
+            # chunks in the node's chunk cache: read by the preloaders in parallel and handed
+            # to the loop as they arrive; the rest fetched from the store below
+            cached = [i for i in idxs if src.fetcher.cache.has(src.index.chunks[i].chunk_id)]
+            src.fetcher.preload(src.index, cached, then=lambda got: self._publish(layer, got))
+            idxs = sorted(set(idxs) - set(cached))
         try:
             src.fetcher.chunks(src.index, idxs, count_stall=False)
         except Exception as e:  # readers fetch on demand, and get EIO only from their own fetch
@@ -504,9 +517,15 @@ class PassthroughServer:
                 self.loop.set_notify(ino, on)
 
     def _walked(self, ino: int) -> None:
-        """The loop answered a read of a small file in its layer's read-ahead window."""
+        """The loop answered a listing handed over ahead (its subdirectories' listings are
+        handed over next), or a read of a small file in its layer's read-ahead window."""
+        path, node = self.inodes[ino]
+        if node.children is not None:
+            for sub in node.children:
+                self._hand_over_dir(f"{'' if path == '/' else path}/{sub}")
+            return
         try:
-            self._sequential(self.inodes[ino][1])
+            self._sequential(node)
         except Exception as e:  # read-ahead only: readers fetch what is missing themselves
             log.warning("lazy mount: reading ahead after inode %d failed: %s", ino, e)
 
@@ -523,11 +542,19 @@ class PassthroughServer:
         src = self.fs.sources[layer]
         budget = src.fetcher.max_read
         out: list[int] = []
+        pack, end = -1, 0  # the stored range read so far
         for ci in seq[max(pos[c] for c in own) + 1:] if own else ():
-            budget -= src.index.chunks[ci].clen
+            loc = src.index.chunks[ci]
+            # the members of a chunk group overlap (each runs to the end of the group's
+            # frame): a member costs only the bytes it adds to the range
+            more = loc.offset + loc.clen - end if loc.pack == pack and loc.offset < end \
+                else loc.clen
+            budget -= max(more, 0)
             if budget < 0:
                 break
             out.append(ci)
+            end = max(end, loc.offset + loc.clen) if loc.pack == pack else loc.offset + loc.clen
+            pack = loc.pack
         return out
 
     def _cached(self, key: bytes) -> int | None:
@@ -587,6 +614,16 @@ class PassthroughServer:
         path, node = self._node(nodeid)
         if node.children is None:
             raise OSError(errno.ENOTDIR, "not a directory")
+        if plus and self.loop is not None:
+            recs = self._hand_over(path, node, False)
+            for sub in node.children:  # the walk's next listings, ahead of it
+                self._hand_over_dir(f"{'' if path == '/' else path}/{sub}")
+            out = bytearray()
+            for rec in recs[offset:]:
+                if len(out) + len(rec) > size:
+                    break
+                out += rec
+            return bytes(out)
         base = "" if path == "/" else path
         names = [(".", node), ("..", node)] + [(n, self.fs.nodes[f"{base}/{n}"])
                                                for n in node.children]
@@ -603,6 +640,38 @@ class PassthroughServer:
                 break
             out += rec
         return bytes(out)
+
+    def _hand_over_dir(self, path: str) -> None:
+        node = self.fs.nodes[path]
+        if node.children is not None and node.ino not in self._handed:
+            self._hand_over(path, node, True)
+
+    def _hand_over(self, path: str, node: Node, notify: bool) -> list[bytes]:
+        """A directory's whole listing (READDIRPLUS records) and its children's lookups,
+        handed to the compiled loop, which answers them from now on. With ``notify``, the
+        loop reports the first listing it answers (`_walked`: the walk went in, so its
+        subdirectories are handed over next)."""
+        base = "" if path == "/" else path
+        names = [(".", node), ("..", node)] + [(n, self.fs.nodes[f"{base}/{n}"])
+                                               for n in node.children or ()]
+        recs, starts, pos, lookups = [], [], 0, []
+        for i, (name, child) in enumerate(names):
+            raw = os.fsencode(name)
+            entry = self._entry(child if i >= 2 else None)
+            rec = entry + _DIRENT.pack(child.ino, i + 1, len(raw),
+                                       stat.S_IFMT(child.attrs["st_mode"]) >> 12) + raw
+            rec += bytes(-len(rec) % 8)
+            recs.append(rec)
+            starts.append(pos)
+            pos += len(rec)
+            if i >= 2:
+                lookups.append((raw, entry))
+        self._handed.add(node.ino)
+        self.loop.set_names(node.ino, lookups)
+        self.loop.set_listing(node.ino, b"".join(recs), starts)
+        if notify:
+            self.loop.set_notify(node.ino, True)
+        return recs
 
     def _readdirplus(self, nodeid: int, body: memoryview) -> bytes:
         return self._readdir(nodeid, body, plus=True)
