@@ -613,6 +613,11 @@ static PyObject *Loop_next(Loop *self, PyObject *unused) {
                     continue; /* an interrupted request: the kernel has forgotten it */
                 break;
             }
+            if (n == 0) { /* end of file: not /dev/fuse's way, but the peer is gone */
+                err = ENODEV;
+                n = -1;
+                break;
+            }
             if ((size_t)n < IN_HEADER)
                 continue; /* never sent by the kernel */
             int r = answer(self, buf, (size_t)n, &notify);
