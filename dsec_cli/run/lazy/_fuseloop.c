@@ -152,20 +152,30 @@ static PyObject *Loop_set_data(Loop *self, PyObject *args) {
     unsigned long long ino;
     PyObject *data;
     int notify;
-    if (!PyArg_ParseTuple(args, "KSp", &ino, &data, &notify))
+    Py_ssize_t off = 0, len = -1, cost = -1;
+    if (!PyArg_ParseTuple(args, "KSp|nnn", &ino, &data, &notify, &off, &len, &cost))
         return NULL;
+    Py_ssize_t size = PyBytes_GET_SIZE(data);
+    if (len < 0)
+        len = size - off;
+    if (off < 0 || off > size || len < 0 || len > size - off) {
+        PyErr_SetString(PyExc_ValueError, "offset and length must lie within data");
+        return NULL;
+    }
+    if (cost < 0)
+        cost = len;
     Entry *e = entry_of(self, ino);
     if (e == NULL)
         return NULL;
     int taken = 0;
     pthread_mutex_lock(&self->mu);
-    if (e->obj == NULL && self->held + PyBytes_GET_SIZE(data) <= self->budget) {
+    if (e->obj == NULL && self->held + cost <= self->budget) {
         Py_INCREF(data);
         e->obj = data;
-        e->len = PyBytes_GET_SIZE(data);
-        e->data = PyBytes_AS_STRING(data);
+        e->len = len;
+        e->data = PyBytes_AS_STRING(data) + off;
         e->notify = (uint8_t)notify;
-        self->held += e->len;
+        self->held += cost;
         taken = 1;
     }
     pthread_mutex_unlock(&self->mu);
@@ -672,8 +682,9 @@ static PyMethodDef Loop_methods[] = {
     {"set_open", (PyCFunction)Loop_set_open, METH_VARARGS,
      "set_open(ino, open_flags, backing_id): answer OPENs of ino here."},
     {"set_data", (PyCFunction)Loop_set_data, METH_VARARGS,
-     "set_data(ino, data, notify) -> bool: answer READs of ino from data (kept until the "
-     "loop is freed; False when already set or over the budget)."},
+     "set_data(ino, data, notify, offset=0, length=-1, cost=length) -> bool: answer READs "
+     "of ino from data[offset:offset+length] (data kept, not copied, until the loop is "
+     "freed; cost counted against the budget; False when already set or over it)."},
     {"has_data", (PyCFunction)Loop_has_data, METH_VARARGS, "has_data(ino) -> bool"},
     {"set_notify", (PyCFunction)Loop_set_notify, METH_VARARGS,
      "set_notify(ino, flag): whether next() reports the next inline read of ino."},

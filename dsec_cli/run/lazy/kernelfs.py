@@ -143,6 +143,7 @@ class PassthroughServer:
         self.loop: Any = None  # the compiled loop's tables, once mounted
         self._small: dict[int, dict[int, list[int]]] = {}  # layer -> chunk -> small files
         self._handed: set[int] = set()  # directories whose listing the loop answers
+        self._held: set[bytes] = set()  # chunks whose bytes the loop serves small files from
 
     # -- lifecycle ----------------------------------------------------------------------------
     def sweep(self) -> None:
@@ -500,11 +501,20 @@ class PassthroughServer:
                     data = src.fetcher.recall(src.index.chunks[c].chunk_id)
                     if data is None:
                         break
-                    parts.append(data[off:off + ln])
+                    parts.append((data, off, ln))
                 else:
                     armed = w is not None and any(c in w[0] for c, _, _ in e.chunks)
-                    if not self.loop.set_data(ino, b"".join(parts), armed):
+                    if len(parts) == 1:  # served from the chunk's bytes, not a copy: the
+                        data, off, ln = parts[0]  # chunk counts once against the budget
+                        cid = src.index.chunks[e.chunks[0][0]].chunk_id
+                        cost = 0 if cid in self._held else len(data)
+                    else:
+                        data = b"".join(d[o:o + n] for d, o, n in parts)
+                        off, ln, cost, cid = 0, len(data), len(data), None
+                    if not self.loop.set_data(ino, data, armed, off, ln, cost):
                         return  # the loop's budget is spent: the rest is answered here
+                    if cid is not None:
+                        self._held.add(cid)
 
     def _arm(self, layer: int, chunks: frozenset[int], on: bool) -> None:
         """Whether reads of the small files in ``chunks`` answered by the loop are reported
