@@ -137,3 +137,23 @@ def test_a_reported_read_and_several_readers(pair: Any) -> None:
         t.join(30)
         assert not t.is_alive()
     assert got == [7]
+
+
+def test_slices_of_shared_bytes_and_the_budget(pair: Any) -> None:
+    """A file is served from a slice of bytes it shares (a chunk), checked against their
+    length; what the table holds stays within the budget it was made with."""
+    loop, peer = pair
+    chunk = b"0123456789"
+    assert loop.set_data(1, chunk, False, 2, 3, len(chunk))
+    assert loop.set_data(2, chunk, False, 5, 5, 0)  # the same chunk: counted once
+    for bad in ((3, chunk, False, 8, 5), (3, chunk, False, -1, 2), (3, chunk, False, 11, 0)):
+        with pytest.raises(ValueError):
+            loop.set_data(*bad)
+    assert not loop.set_data(3, b"x" * (1 << 20), False)  # past the budget: not taken
+    assert loop.counters()["inline_bytes"] == len(chunk)
+    peer.send(_req(kernelfs.READ, 1, 1, _read_body(0, 100)))
+    peer.send(_req(kernelfs.READ, 2, 2, _read_body(1, 100)))
+    peer.send(_req(kernelfs.READ, 3, 3, _read_body(0, 100)))  # not taken: handed back
+    assert loop.next() == _req(kernelfs.READ, 3, 3, _read_body(0, 100))
+    assert _reply(peer) == (1, 0, b"234")
+    assert _reply(peer) == (2, 0, b"6789")
