@@ -15,6 +15,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -80,7 +81,8 @@ static int Loop_init(Loop *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"fd", "inodes", "budget", NULL};
     unsigned long long inodes;
     Py_ssize_t budget;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKn", names, &self->fd, &inodes, &budget))
+    int fd;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKn", names, &fd, &inodes, &budget))
         return -1;
     if (self->tab != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Loop initialised twice");
@@ -90,8 +92,16 @@ static int Loop_init(Loop *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "inodes out of range");
         return -1;
     }
+    /* its own descriptor of the connection, closed only when no reader can be using it:
+     * the caller closing its own can never make a reader read or write another file */
+    self->fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    if (self->fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
     self->tab = calloc(inodes, sizeof(Entry));
     if (self->tab == NULL) {
+        close(self->fd);
         PyErr_NoMemory();
         return -1;
     }
@@ -117,6 +127,7 @@ static void Loop_dealloc(Loop *self) {
         free(self->names);
         free(self->tab);
         pthread_mutex_destroy(&self->mu);
+        close(self->fd);
     }
     free(self->log_ino);
     free(self->log_t);

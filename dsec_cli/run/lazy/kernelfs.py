@@ -13,13 +13,14 @@ reads and mmaps of that file go to the backing file inside the kernel and never 
 process. Debian's libfuse (3.14) predates passthrough, hence the protocol spoken directly;
 the structures below are those of ``include/uapi/linux/fuse.h`` (protocol 7.40+).
 
-The hot requests of a walk — every file's OPEN, a small file's READs, RELEASE, FLUSH,
-GETATTR, FORGET — are answered by a compiled loop (``_fuseloop.c``, built by scripts/setup.sh)
-from per-inode tables this module fills as it learns the answers: open flags and backing ids,
-the verified bytes of small files whose chunks are in memory (handed over a read-ahead window
-at a time), attributes. The loop reads ``/dev/fuse`` without the GIL and hands every other
-request back here as bytes. Without the extension, or with ``DSEC_PY_FUSELOOP`` set, this
-module answers every request itself.
+The hot requests of a walk — every file's OPEN and RELEASE, a small file's READs, a
+directory's OPENDIR, READDIRPLUS and LOOKUPs, GETATTR, FORGET — are answered by a compiled
+loop (``_fuseloop.c``, built by scripts/setup.sh) from per-inode tables this module fills as
+it learns the answers: open flags and backing ids, the verified bytes of small files whose
+chunks are in memory (handed over chunk by chunk as they arrive), directory listings and
+their children's entries (handed over a level ahead of the walk), attributes. The loop reads
+``/dev/fuse`` without the GIL and hands every other request back here as bytes. Without the
+extension, or with ``DSEC_PY_FUSELOOP`` set, this module answers every request itself.
 
 A killed server closes ``/dev/fuse``: the kernel aborts the connection (readers get
 ``ENOTCONN``) and drops every backing id; cleanup detaches the mount as for the libfuse
@@ -85,8 +86,8 @@ SMALL_FILE = 256 << 10  # files up to this size bring their pack neighbours alon
 #: a named file can cost a millisecond or more on a contended ext4, more than the reads)
 INLINE_FILE = 128 << 10
 CONTENT_XATTR = "user.dsec.xxh3"  # a backing file's content hash, checked on reuse
-#: small files' bytes the compiled loop holds at most (copies of verified bytes in memory;
-#: past it, reads of further small files are answered here from the chunk memory cache)
+#: small files' bytes the compiled loop holds at most (verified chunks it keeps, or copies of
+#: files spanning chunks; past it, further small files are read here from the memory cache)
 LOOP_INLINE_BUDGET = 64 << 20
 #: threads reading /dev/fuse through the compiled loop (each answers in C without the GIL)
 LOOP_READERS = 2
@@ -188,7 +189,7 @@ class PassthroughServer:
             if self._dispatch(op, unique, nodeid, memoryview(got)[_IN.size:ln]):
                 return
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, Any]:
         """What the compiled loop did: requests answered there and handed here, bytes it
         served, inline bytes it holds (empty without the loop)."""
         return self.loop.counters() if self.loop is not None else {}
