@@ -68,6 +68,7 @@ def test_known_requests_are_answered_and_the_rest_handed_back(pair: Any) -> None
     assert (c["answered"], c["handed"], c["bytes_served"]) == (5, 1, 5)
     assert c["by_op"] == {kernelfs.OPEN: 1, kernelfs.READ: 2, kernelfs.RELEASE: 1,
                           kernelfs.FORGET: 1}
+    assert c["handed_by_op"] == {kernelfs.OPEN: 1}
 
 
 def test_lengths_from_the_request_are_checked(pair: Any) -> None:

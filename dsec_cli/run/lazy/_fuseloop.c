@@ -69,6 +69,7 @@ typedef struct {
     size_t log_n, log_cap;
     uint64_t answered, bytes_served, handed;
     uint64_t by_op[64]; /* requests answered here, by opcode */
+    uint64_t handed_by_op[64]; /* requests handed to Python, by opcode */
 } Loop;
 
 static double now_mono(void) {
@@ -407,10 +408,10 @@ static PyObject *Loop_opens(Loop *self, PyObject *unused) {
     return out;
 }
 
-static PyObject *Loop_counters(Loop *self, PyObject *unused) {
+static PyObject *op_counts(uint64_t *counts) {
     PyObject *ops = PyDict_New();
     for (int i = 0; ops != NULL && i < 64; i++) {
-        uint64_t v = __atomic_load_n(&self->by_op[i], __ATOMIC_RELAXED);
+        uint64_t v = __atomic_load_n(&counts[i], __ATOMIC_RELAXED);
         if (v == 0)
             continue;
         PyObject *k = PyLong_FromLong(i), *n = PyLong_FromUnsignedLongLong(v);
@@ -419,13 +420,23 @@ static PyObject *Loop_counters(Loop *self, PyObject *unused) {
         Py_XDECREF(k);
         Py_XDECREF(n);
     }
+    return ops;
+}
+
+static PyObject *Loop_counters(Loop *self, PyObject *unused) {
+    PyObject *ops = op_counts(self->by_op);
     if (ops == NULL)
         return NULL;
-    return Py_BuildValue("{sKsKsKsnsN}",
+    PyObject *handed = op_counts(self->handed_by_op);
+    if (handed == NULL) {
+        Py_DECREF(ops);
+        return NULL;
+    }
+    return Py_BuildValue("{sKsKsKsnsNsN}",
                          "answered", (unsigned long long)__atomic_load_n(&self->answered, __ATOMIC_RELAXED),
                          "bytes_served", (unsigned long long)__atomic_load_n(&self->bytes_served, __ATOMIC_RELAXED),
                          "handed", (unsigned long long)__atomic_load_n(&self->handed, __ATOMIC_RELAXED),
-                         "inline_bytes", self->held, "by_op", ops);
+                         "inline_bytes", self->held, "by_op", ops, "handed_by_op", handed);
 }
 
 /* One reply; 0, or an errno other than the request having gone meanwhile. */
@@ -665,8 +676,10 @@ static PyObject *Loop_next(Loop *self, PyObject *unused) {
         }
         if (got) {
             __atomic_fetch_add(&self->handed, 1, __ATOMIC_RELAXED);
-            uint32_t len;
+            uint32_t len, op;
             memcpy(&len, buf, 4);
+            memcpy(&op, buf + 4, 4);
+            __atomic_fetch_add(&self->handed_by_op[op & 63], 1, __ATOMIC_RELAXED);
             PyObject *out = PyBytes_FromStringAndSize((char *)buf, len < (size_t)n ? len : n);
             free(buf);
             return out;

@@ -137,6 +137,7 @@ class PassthroughServer:
         # per layer, the last read-ahead window: its chunks and its last one in pack order
         self._windows: dict[int, tuple[frozenset[int], int]] = {}
         self.ahead = ThreadPoolExecutor(1, thread_name_prefix="ahead")
+        self.walks = ThreadPoolExecutor(1, thread_name_prefix="walk")  # `_walked`, in order
         self.lock = threading.Lock()
         self.fd = -1
         self.passthrough = False
@@ -182,8 +183,8 @@ class PassthroughServer:
             got = self.loop.next()
             if got is None:
                 return  # unmounted
-            if isinstance(got, int):  # a small file of the read-ahead window was read
-                self._walked(got)
+            if isinstance(got, int):  # a marked file or directory was read: followed up by
+                self.walks.submit(self._walked, got)  # another thread, this one reads on
                 continue
             ln, op, unique, nodeid, _, _, _, _, _ = _IN.unpack_from(got)
             if self._dispatch(op, unique, nodeid, memoryview(got)[_IN.size:ln]):
@@ -241,6 +242,7 @@ class PassthroughServer:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.ahead.shutdown(wait=False, cancel_futures=True)
+        self.walks.shutdown(wait=False, cancel_futures=True)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
