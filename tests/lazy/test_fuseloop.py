@@ -56,6 +56,8 @@ def test_known_requests_are_answered_and_the_rest_handed_back(pair: Any) -> None
     peer.send(_req(kernelfs.READ, 3, 3, _read_body(1 << 40, 100)))  # past the end: nothing
     peer.send(_req(kernelfs.RELEASE, 4, 3, b"\0" * 24))
     peer.send(_req(kernelfs.FORGET, 5, 3, b"\0" * 8))  # no reply
+    assert loop.set_data(9, b"../target", False)  # a link: its data is its target
+    peer.send(_req(kernelfs.READLINK, 7, 9))
     peer.send(_req(kernelfs.OPEN, 6, 4, b"\0" * 8))  # not in the table: handed back
     got = loop.next()
     assert got == _req(kernelfs.OPEN, 6, 4, b"\0" * 8)
@@ -64,10 +66,11 @@ def test_known_requests_are_answered_and_the_rest_handed_back(pair: Any) -> None
     assert _reply(peer) == (2, 0, b"world")
     assert _reply(peer) == (3, 0, b"")
     assert _reply(peer) == (4, 0, b"")
+    assert _reply(peer) == (7, 0, b"../target")
     c = loop.counters()
-    assert (c["answered"], c["handed"], c["bytes_served"]) == (5, 1, 5)
+    assert (c["answered"], c["handed"], c["bytes_served"]) == (6, 1, 5)
     assert c["by_op"] == {kernelfs.OPEN: 1, kernelfs.READ: 2, kernelfs.RELEASE: 1,
-                          kernelfs.FORGET: 1}
+                          kernelfs.FORGET: 1, kernelfs.READLINK: 1}
     assert c["handed_by_op"] == {kernelfs.OPEN: 1}
 
 

@@ -3,6 +3,8 @@
  * Loop(fd, inodes, budget) reads requests from /dev/fuse with the GIL released and answers
  * those whose answer is already in its per-inode table, filled by Python as it learns them:
  * OPEN (open flags and backing id), READ of a file whose verified bytes were handed over,
+ * READLINK (a link's data is its target), OPENDIR, READDIRPLUS and LOOKUP of a directory
+ * whose listing and names were handed over,
  * GETATTR (a prebuilt fuse_attr_out), RELEASE/RELEASEDIR/FLUSH (empty replies) and
  * FORGET/BATCH_FORGET/INTERRUPT (no reply). Any other request is returned to the caller as
  * bytes and answered by the Python code. Several threads may call next() at once: the kernel
@@ -23,7 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
-enum { OP_LOOKUP = 1, OP_FORGET = 2, OP_GETATTR = 3, OP_OPEN = 14, OP_READ = 15,
+enum { OP_LOOKUP = 1, OP_FORGET = 2, OP_GETATTR = 3, OP_READLINK = 5, OP_OPEN = 14, OP_READ = 15,
        OP_RELEASE = 18, OP_FLUSH = 25, OP_OPENDIR = 27, OP_RELEASEDIR = 29,
        OP_INTERRUPT = 36, OP_BATCH_FORGET = 42, OP_READDIRPLUS = 44 };
 #define IN_HEADER 40
@@ -552,6 +554,16 @@ static int answer(Loop *self, const unsigned char *buf, size_t n, uint64_t *noti
             return 2;
         }
         return 1;
+    }
+    if (op == OP_READLINK) { /* a link's data is its target */
+        pthread_mutex_lock(&self->mu);
+        const char *data = e->data;
+        Py_ssize_t dlen = e->len;
+        pthread_mutex_unlock(&self->mu);
+        if (data == NULL)
+            return 0;
+        err = reply(self->fd, unique, data, (size_t)dlen);
+        return err ? -err : 1;
     }
     if (op == OP_READDIRPLUS) {
         if (blen < 24)

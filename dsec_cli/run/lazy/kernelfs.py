@@ -336,7 +336,7 @@ class PassthroughServer:
     def _register_small_opens(self) -> None:
         """Opens answered without a backing file (small files; every file without
         passthrough) are the same for every such file: all answered in the compiled loop.
-        Empty files' reads too (nothing to read)."""
+        Empty files' reads too (nothing to read), and links' targets."""
         for ino, (_, node) in self.inodes.items():
             e = node.entry
             if node.children is not None:  # OPENDIR: the same answer for every directory
@@ -345,6 +345,8 @@ class PassthroughServer:
                 self.loop.set_open(ino, FOPEN_KEEP_CACHE | FOPEN_NOFLUSH, 0)
                 if e.size == 0:
                     self.loop.set_data(ino, b"", False)
+            elif e.type == "sym":  # READLINK: a link's data in the loop is its target
+                self.loop.set_data(ino, os.fsencode(e.target), False)
 
     def _needs_backing(self, nodeid: int) -> bool:
         """Whether an open of ``nodeid`` is answered with a backing file not registered yet
