@@ -66,8 +66,8 @@ if [ ! -f "$walk_so" ] || [ "$walk_src" -nt "$walk_so" ]; then
 fi
 
 # The compiled request loop of kernel-served lazy mounts (dsec_cli/run/lazy/_fuseloop.c):
-# opens, reads of small files and releases answered without Python (docs/lazy.md). Without
-# it the same requests are answered by the Python loop.
+# a walk's per-file requests (opens, small files' reads, listings, releases) answered without
+# Python (docs/lazy.md). Without it the same requests are answered by the Python loop.
 loop_src=dsec_cli/run/lazy/_fuseloop.c
 loop_so=dsec_cli/run/lazy/_fuseloop$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 if [ ! -f "$loop_so" ] || [ "$loop_src" -nt "$loop_so" ]; then

@@ -1,14 +1,21 @@
-"""The compiled FUSE loop (_fuseloop.c) on its own: requests written into a SOCK_SEQPACKET
-socket pair (one request per read, as /dev/fuse gives them), replies read back from the
-peer. What its tables know is answered there; the rest comes back as the request's bytes;
-every length the request claims is checked against what was read."""
+"""The compiled FUSE loop (_fuseloop.c, built here from its source as scripts/setup.sh
+builds it, warnings as errors) on its own: requests written into a SOCK_SEQPACKET socket
+pair (one request per read, as /dev/fuse gives them), replies read back from the peer. What
+its tables know is answered there; the rest comes back as the request's bytes; every length
+the request claims is checked against what was read."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import socket
 import struct
+import subprocess
+import sysconfig
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -17,13 +24,27 @@ from dsec_cli.run.lazy import kernelfs
 
 _IN = kernelfs._IN
 _OUT = kernelfs._OUT
+SRC = Path(kernelfs.__file__).with_name("_fuseloop.c")
+
+
+@pytest.fixture(scope="module")
+def fuseloop(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    out = tmp_path_factory.mktemp("loop") / f"_fuseloop{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-shared", "-fPIC",
+                    f"-I{sysconfig.get_paths()['include']}", "-o", str(out), str(SRC)],
+                   check=True)
+    loader = importlib.machinery.ExtensionFileLoader("_fuseloop", str(out))
+    spec = importlib.util.spec_from_file_location("_fuseloop", out, loader=loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[Any, socket.socket]]:
-    assert kernelfs._fuseloop is not None, "scripts/setup.sh builds the compiled loop"
+def pair(fuseloop: ModuleType) -> Iterator[tuple[Any, socket.socket]]:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    loop = kernelfs._fuseloop.Loop(a.fileno(), 16, 1 << 20)
+    loop = fuseloop.Loop(a.fileno(), 16, 1 << 20)
     yield loop, b
     a.close()
     b.close()
