@@ -11,7 +11,7 @@ DEV=0
 # Runtime: sandboxes (bubblewrap, runc), the example base layer (busybox-static), zstd,
 # lazy layer mounts (fuse3: libfuse3 and fusermount3).
 PKGS=(bubblewrap runc busybox-static zstd ca-certificates gcc libc6-dev fuse3)
-# The compiled build walker: Python's headers.
+# The compiled parts (build walker, tar header decoder, lazy mounts' request loop): Python's headers.
 PKGS+=(python3-dev)
 # VM backends: QEMU (microvm, q35), guest root images (erofs-utils, e2fsprogs).
 PKGS+=(qemu-system-x86 erofs-utils e2fsprogs)
@@ -55,31 +55,27 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 
-# The compiled build walker (dsec_cli/format/_walk.c): a sorted lstat walk and batched reads
-# outside per-file Python (docs/architecture.md). Without it dsec runs the same walk in Python.
-walk_src=dsec_cli/format/_walk.c
-walk_so=dsec_cli/format/_walk$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-if [ ! -f "$walk_so" ] || [ "$walk_src" -nt "$walk_so" ]; then
-  pyinc=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
-  if gcc -O2 -Wall -shared -fPIC -I"$pyinc" -o "$walk_so.tmp" "$walk_src"; then
-    mv "$walk_so.tmp" "$walk_so"
-  else
-    echo "warning: the compiled build walker did not build; builds use the Python walk" >&2
+# Compiled parts, each optional (without it the same work runs in Python): one gcc call per
+# source against Python's headers, redone when the source is newer than its module.
+ext_suffix=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+pyinc=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+build_ext() {  # SOURCE.c WHAT-RUNS-WITHOUT-IT
+  local src=$1 so=${1%.c}$ext_suffix
+  if [ ! -f "$so" ] || [ "$src" -nt "$so" ]; then
+    if gcc -O2 -Wall -shared -fPIC -I"$pyinc" -o "$so.tmp" "$src"; then
+      mv "$so.tmp" "$so"
+    else
+      echo "warning: $src did not build; $2" >&2
+    fi
   fi
-fi
-
-# The compiled tar header decoder (dsec_cli/build/_tarhdr.c): `dsec import` reads each
-# layer member's header in one call. Without it tarfile's own parser reads every header.
-tarhdr_src=dsec_cli/build/_tarhdr.c
-tarhdr_so=dsec_cli/build/_tarhdr$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-if [ ! -f "$tarhdr_so" ] || [ "$tarhdr_src" -nt "$tarhdr_so" ]; then
-  pyinc=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
-  if gcc -O2 -Wall -shared -fPIC -I"$pyinc" -o "$tarhdr_so.tmp" "$tarhdr_src"; then
-    mv "$tarhdr_so.tmp" "$tarhdr_so"
-  else
-    echo "warning: the compiled tar header decoder did not build; imports use tarfile's" >&2
-  fi
-fi
+}
+# the build walker: a sorted lstat walk and batched reads outside per-file Python
+build_ext dsec_cli/format/_walk.c "builds use the Python walk"
+# the tar header decoder: `dsec import` reads each layer member's header in one call
+build_ext dsec_cli/build/_tarhdr.c "imports use tarfile's parser"
+# the request loop of kernel-served lazy mounts: a walk's per-file requests (opens, small
+# files' reads, listings, releases) answered without Python (docs/lazy.md)
+build_ext dsec_cli/run/lazy/_fuseloop.c "lazy mounts use the Python loop"
 
 # The in-sandbox exec server: static, so it runs in any image (docs/agent.md).
 agent_src=dsec_cli/backends/sandbox_agent/dsec-agent.c

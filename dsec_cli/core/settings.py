@@ -44,6 +44,8 @@ ENV_SETTINGS: dict[str, str] = {
                        "and ps stays idle (default 30; 0 or off: commands run in-process)",
     "DSEC_AGENT_IDLE": "seconds a resident node service stays without clients (default 900)",
     "DSEC_PY_WALK": "any value: scan and read build trees in Python, not the compiled walker",
+    "DSEC_PY_FUSELOOP": "any value: kernel-served lazy mounts answer every request in "
+                        "Python, not in the compiled FUSE loop",
 }
 
 

@@ -56,9 +56,18 @@ class Recorder:
         self.window = window
         self.files: list[dict[str, float]] = [{} for _ in range(layers)]
         self._lock = threading.Lock()
+        #: brings in touches counted elsewhere (first opens the compiled FUSE loop answered)
+        self.pull: Any = None
 
-    def touch(self, layer: int, path: str) -> None:
-        t = time.monotonic() - self.started
+    def collect(self) -> list[dict[str, float]]:
+        """The files touched so far, per layer (path -> seconds after the mount started)."""
+        if self.pull is not None:
+            self.pull()
+        return self.files
+
+    def touch(self, layer: int, path: str, at: float | None = None) -> None:
+        """``path`` was opened now, or at monotonic time ``at``."""
+        t = (time.monotonic() if at is None else at) - self.started
         if t > self.window or path in self.files[layer]:
             return
         with self._lock:

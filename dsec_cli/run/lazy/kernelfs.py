@@ -13,6 +13,15 @@ reads and mmaps of that file go to the backing file inside the kernel and never 
 process. Debian's libfuse (3.14) predates passthrough, hence the protocol spoken directly;
 the structures below are those of ``include/uapi/linux/fuse.h`` (protocol 7.40+).
 
+The hot requests of a walk — every file's OPEN and RELEASE, a small file's READs, a
+directory's OPENDIR, READDIRPLUS and LOOKUPs, GETATTR, FORGET — are answered by a compiled
+loop (``_fuseloop.c``, built by scripts/setup.sh) from per-inode tables this module fills as
+it learns the answers: open flags and backing ids, the verified bytes of small files whose
+chunks are in memory (handed over chunk by chunk as they arrive), directory listings and
+their children's entries (handed over a level ahead of the walk), attributes. The loop reads
+``/dev/fuse`` without the GIL and hands every other request back here as bytes. Without the
+extension, or with ``DSEC_PY_FUSELOOP`` set, this module answers every request itself.
+
 A killed server closes ``/dev/fuse``: the kernel aborts the connection (readers get
 ``ENOTCONN``) and drops every backing id; cleanup detaches the mount as for the libfuse
 daemon.
@@ -34,8 +43,14 @@ from typing import Any
 
 import xxhash
 
+from ...core.config import env
 from .cache import ChunkCache
 from .fs import OPAQUE_XATTR, LazyFS, Node
+
+try:  # built by scripts/setup.sh; without it the Python loop below answers every request
+    from . import _fuseloop  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _fuseloop = None
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +86,16 @@ SMALL_FILE = 256 << 10  # files up to this size bring their pack neighbours alon
 #: a named file can cost a millisecond or more on a contended ext4, more than the reads)
 INLINE_FILE = 128 << 10
 CONTENT_XATTR = "user.dsec.xxh3"  # a backing file's content hash, checked on reuse
+#: small files' bytes the compiled loop holds at most (verified chunks it keeps, or copies of
+#: files spanning chunks; past it, further small files are read here from the memory cache)
+LOOP_INLINE_BUDGET = 64 << 20
+#: threads reading /dev/fuse through the compiled loop (each answers in C without the GIL)
+LOOP_READERS = 2
+
+
+def compiled_loop() -> bool:
+    """Whether new servers answer their hot requests in the compiled loop."""
+    return _fuseloop is not None and not env("DSEC_PY_FUSELOOP")
 
 
 def supported() -> str | None:
@@ -96,7 +121,7 @@ class PassthroughServer:
     """One mount, served from ``fs``'s tree; files opened through backing files in ``files``."""
 
     def __init__(self, fs: LazyFS, mountpoint: str, files: ChunkCache, *, xattrs: bool,
-                 on_init: Any = None, workers: int = 4) -> None:
+                 on_init: Any = None, workers: int = 4, compiled: bool | None = None) -> None:
         self.fs = fs
         self.mountpoint = mountpoint
         self.files = files
@@ -112,9 +137,15 @@ class PassthroughServer:
         # per layer, the last read-ahead window: its chunks and its last one in pack order
         self._windows: dict[int, tuple[frozenset[int], int]] = {}
         self.ahead = ThreadPoolExecutor(1, thread_name_prefix="ahead")
+        self.walks = ThreadPoolExecutor(1, thread_name_prefix="walk")  # `_walked`, in order
         self.lock = threading.Lock()
         self.fd = -1
         self.passthrough = False
+        self.compiled = compiled_loop() if compiled is None else compiled
+        self.loop: Any = None  # the compiled loop's tables, once mounted
+        self._small: dict[int, dict[int, list[int]]] = {}  # layer -> chunk -> small files
+        self._handed: set[int] = set()  # directories whose listing the loop answers
+        self._held: set[bytes] = set()  # chunks whose bytes the loop serves small files from
 
     # -- lifecycle ----------------------------------------------------------------------------
     def sweep(self) -> None:
@@ -128,9 +159,54 @@ class PassthroughServer:
                     os.ST_RDONLY | os.ST_NOSUID | os.ST_NODEV,
                     f"fd={self.fd},rootmode=40000,user_id=0,group_id=0,allow_other,"
                     "default_permissions")
+        if self.compiled:
+            self.loop = _fuseloop.Loop(self.fd, max(self.inodes) + 1, LOOP_INLINE_BUDGET)
+            rec = self.fs.recorder
+            if rec is not None:
+                self.loop.record_until(rec.started + rec.window)
+                rec.pull = self._collect_opens
+            for src in self.fs.sources:
+                src.fetcher.stats.pull = self._loop_counts
 
     def serve(self) -> None:
         """Answer requests until the mount goes (ENODEV) or DESTROY."""
+        if self.loop is None:
+            return self._serve_python()
+        for n in range(LOOP_READERS - 1):
+            threading.Thread(target=self._serve_compiled, name=f"fuse{n}", daemon=True).start()
+        self._serve_compiled()
+
+    def _serve_compiled(self) -> None:
+        """One reader of the compiled loop: it answers what its tables know and returns the
+        rest (a copy of the request), answered here as by the Python loop."""
+        while True:
+            got = self.loop.next()
+            if got is None:
+                return  # unmounted
+            if isinstance(got, int):  # a marked file or directory was read: followed up by
+                self.walks.submit(self._walked, got)  # another thread, this one reads on
+                continue
+            ln, op, unique, nodeid, _, _, _, _, _ = _IN.unpack_from(got)
+            if self._dispatch(op, unique, nodeid, memoryview(got)[_IN.size:ln]):
+                return
+
+    def counters(self) -> dict[str, Any]:
+        """What the compiled loop did: requests answered there and handed here, bytes it
+        served, inline bytes it holds (empty without the loop)."""
+        return self.loop.counters() if self.loop is not None else {}
+
+    def _loop_counts(self) -> dict[str, int]:
+        return {"bytes_served": self.loop.counters()["bytes_served"]}
+
+    def _collect_opens(self) -> None:
+        """First opens the compiled loop answered, into the access profile."""
+        rec = self.fs.recorder
+        assert rec is not None  # pulled by the recorder itself
+        for ino, at in self.loop.opens():
+            node = self.inodes[ino][1]
+            rec.touch(node.layer, node.entry.path, at=at)
+
+    def _serve_python(self) -> None:
         # requests of a read-only mount are small (no WRITE; max_write is the minimum), so
         # one buffer is reused and each request's body copied out
         buf = bytearray(REQUEST_BUFFER)
@@ -146,22 +222,27 @@ class PassthroughServer:
                 raise
             ln, op, unique, nodeid, _, _, _, _, _ = _IN.unpack_from(buf)
             body = view[_IN.size:min(ln, n)]  # valid until the next read: copied for the pool
-            # opens that may fetch or assemble, and reads of bytes not in memory, go to the
-            # pool; the rest (metadata, re-opens, small files' opens) is answered here at once
-            if op == READ:
-                if not self._read_inline(unique, nodeid, body):
-                    self.pool.submit(self._handle, op, unique, nodeid, memoryview(bytes(body)))
-                continue
-            if op == OPEN and self._needs_backing(nodeid):
-                self.pool.submit(self._handle, op, unique, nodeid, memoryview(bytes(body)))
-                continue
-            self._handle(op, unique, nodeid, body)
-            if op == DESTROY:
+            if self._dispatch(op, unique, nodeid, body):
                 return
+
+    def _dispatch(self, op: int, unique: int, nodeid: int, body: memoryview) -> bool:
+        """Answer one request (True after DESTROY). Opens that may fetch or assemble, and
+        reads of bytes not in memory, go to the pool; the rest (metadata, re-opens, small
+        files' opens) is answered at once."""
+        if op == READ:
+            if not self._read_inline(unique, nodeid, body):
+                self.pool.submit(self._handle, op, unique, nodeid, memoryview(bytes(body)))
+            return False
+        if op == OPEN and self._needs_backing(nodeid):
+            self.pool.submit(self._handle, op, unique, nodeid, memoryview(bytes(body)))
+            return False
+        self._handle(op, unique, nodeid, body)
+        return op == DESTROY
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.ahead.shutdown(wait=False, cancel_futures=True)
+        self.walks.shutdown(wait=False, cancel_futures=True)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -207,7 +288,10 @@ class PassthroughServer:
     def _entry(self, node: Node | None) -> bytes:
         if node is None:  # negative entry, cached as long as a positive one
             return _ENTRY.pack(0, 0, TIMEOUT, TIMEOUT, 0, 0) + bytes(_ATTR.size)
-        return _ENTRY.pack(node.ino, 0, TIMEOUT, TIMEOUT, 0, 0) + self._attr(node)
+        attr = self._attr(node)
+        if self.loop is not None:  # its GETATTRs are answered in the compiled loop
+            self.loop.set_attr(node.ino, _ATTR_OUT.pack(TIMEOUT, 0, 0) + attr)
+        return _ENTRY.pack(node.ino, 0, TIMEOUT, TIMEOUT, 0, 0) + attr
 
     # -- operations ---------------------------------------------------------------------------
     def _init(self, nodeid: int, body: memoryview) -> bytes:
@@ -225,6 +309,8 @@ class PassthroughServer:
                              MAX_READ // 4096, 0, F2_PASSTHROUGH if full else 0, 1)
         if not full:
             log.warning("lazy mount: the kernel did not offer FUSE passthrough")
+        if self.loop is not None:
+            self._register_small_opens()
         if self.on_init is not None:
             threading.Timer(0, self.on_init).start()  # after the reply is written
         return out
@@ -236,13 +322,31 @@ class PassthroughServer:
         return self._entry(self.fs.nodes.get(f"{base}/{name}"))
 
     def _getattr(self, nodeid: int, body: memoryview) -> bytes:
-        return _ATTR_OUT.pack(TIMEOUT, 0, 0) + self._attr(self._node(nodeid)[1])
+        out = _ATTR_OUT.pack(TIMEOUT, 0, 0) + self._attr(self._node(nodeid)[1])
+        if self.loop is not None:
+            self.loop.set_attr(nodeid, out)
+        return out
 
     def _readlink(self, nodeid: int, body: memoryview) -> bytes:
         node = self._node(nodeid)[1]
         if node.entry.type != "sym":
             raise OSError(errno.EINVAL, "not a link")
         return os.fsencode(node.entry.target)
+
+    def _register_small_opens(self) -> None:
+        """Opens answered without a backing file (small files; every file without
+        passthrough) are the same for every such file: all answered in the compiled loop.
+        Empty files' reads too (nothing to read), and links' targets."""
+        for ino, (_, node) in self.inodes.items():
+            e = node.entry
+            if node.children is not None:  # OPENDIR: the same answer for every directory
+                self.loop.set_open(ino, FOPEN_KEEP_CACHE, 0)
+            elif e.type == "reg" and (not self.passthrough or e.size <= INLINE_FILE):
+                self.loop.set_open(ino, FOPEN_KEEP_CACHE | FOPEN_NOFLUSH, 0)
+                if e.size == 0:
+                    self.loop.set_data(ino, b"", False)
+            elif e.type == "sym":  # READLINK: a link's data in the loop is its target
+                self.loop.set_data(ino, os.fsencode(e.target), False)
 
     def _needs_backing(self, nodeid: int) -> bool:
         """Whether an open of ``nodeid`` is answered with a backing file not registered yet
@@ -264,6 +368,8 @@ class PassthroughServer:
             bid = self.backing.get(node.ino)
             if bid is None:
                 bid = self.backing[node.ino] = self._register(node, path)
+                if self.loop is not None:  # its next opens are answered in the loop
+                    self.loop.set_open(node.ino, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, bid)
         return _OPEN_OUT.pack(0, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, bid)
 
     def _register(self, node: Node, path: str) -> int:
@@ -311,15 +417,24 @@ class PassthroughServer:
         src = self.fs.sources[node.layer]
         own = [ci for ci, _, _ in node.entry.chunks]
         if all(src.fetcher.in_memory(src.index.chunks[ci].chunk_id) for ci in own):
+            self._publish(node.layer, own)
             return
         following = self._following(node.layer, own)
         src.fetcher.chunks(src.index, own, readahead=following)
-        # on a warm node the neighbours were not fetched (they are in the chunk cache):
-        # read them from the disk ahead of the walk
-        src.fetcher.preload(src.index, following)
         if following:
             with self.lock:
+                old = self._windows.get(node.layer)
                 self._windows[node.layer] = (frozenset(following), following[-1])
+            if old is not None:
+                self._arm(node.layer, old[0], False)
+        self._publish(node.layer, own + following)
+        # on a warm node the neighbours were not fetched (they are in the chunk cache):
+        # read them from the disk ahead of the walk, with the members of the file's chunk
+        # group stored before it (a walk's order is not quite the packing order)
+        before = [s for ci in own for s in src.fetcher.siblings(src.index, ci)
+                  if s not in own and s not in following]
+        ahead = list(dict.fromkeys(before + following))
+        src.fetcher.preload(src.index, ahead, then=lambda got: self._publish(node.layer, got))
 
     def _sequential(self, node: Node) -> None:
         """A read of a file in its layer's last read-ahead window is a walk in pack order:
@@ -332,6 +447,7 @@ class PassthroughServer:
             if self._windows.get(node.layer) is not w:
                 return  # another read took this window's turn
             del self._windows[node.layer]
+        self._arm(node.layer, w[0], False)
         nxt = self._following(node.layer, [w[1]])
         if nxt:
             with self.lock:
@@ -340,10 +456,93 @@ class PassthroughServer:
 
     def _load_ahead(self, layer: int, idxs: list[int]) -> None:
         src = self.fs.sources[layer]
+        if self.loop is not None:
+            # chunks in the node's chunk cache: read by the preloaders in parallel and handed
+            # to the loop as they arrive; the rest fetched from the store below
+            cached = [i for i in idxs if src.fetcher.cache.has(src.index.chunks[i].chunk_id)]
+            src.fetcher.preload(src.index, cached, then=lambda got: self._publish(layer, got))
+            idxs = sorted(set(idxs) - set(cached))
         try:
             src.fetcher.chunks(src.index, idxs, count_stall=False)
         except Exception as e:  # readers fetch on demand, and get EIO only from their own fetch
             log.warning("lazy mount: reading ahead in layer %d failed: %s", layer, e)
+            return
+        self._publish(layer, idxs)
+
+    # -- the compiled loop's tables ----------------------------------------------------------
+    def _small_files(self, layer: int) -> dict[int, list[int]]:
+        """Per chunk number, the inodes of the small files (answered from memory) of
+        ``layer`` that have bytes in it."""
+        with self.lock:
+            got = self._small.get(layer)
+            if got is None:
+                got = self._small[layer] = {}
+                for ino, (_, node) in self.inodes.items():
+                    e = node.entry
+                    if node.layer == layer and e.type == "reg" and 0 < e.size <= INLINE_FILE:
+                        for ci, _, _ in e.chunks:
+                            got.setdefault(ci, []).append(ino)
+        return got
+
+    def _publish(self, layer: int, idxs: list[int]) -> None:
+        """Hand the compiled loop the bytes of the small files stored in chunks ``idxs``
+        whose chunks are all in memory (decoded and verified by the fetcher): their reads are
+        then answered there. Files of the layer's read-ahead window are marked so that their
+        first read there still starts the next window (`_walked`)."""
+        if self.loop is None:
+            return
+        src = self.fs.sources[layer]
+        files = self._small_files(layer)
+        w = self._windows.get(layer)
+        done: set[int] = set()
+        for ci in idxs:
+            for ino in files.get(ci, ()):
+                if ino in done or self.loop.has_data(ino):
+                    continue
+                done.add(ino)
+                e = self.inodes[ino][1].entry
+                parts = []
+                for c, off, ln in e.chunks:
+                    data = src.fetcher.recall(src.index.chunks[c].chunk_id)
+                    if data is None:
+                        break
+                    parts.append((data, off, ln))
+                else:
+                    armed = w is not None and any(c in w[0] for c, _, _ in e.chunks)
+                    if len(parts) == 1:  # served from the chunk's bytes, not a copy: the
+                        data, off, ln = parts[0]  # chunk counts once against the budget
+                        cid = src.index.chunks[e.chunks[0][0]].chunk_id
+                        cost = 0 if cid in self._held else len(data)
+                    else:
+                        data = b"".join(d[o:o + n] for d, o, n in parts)
+                        off, ln, cost, cid = 0, len(data), len(data), None
+                    if not self.loop.set_data(ino, data, armed, off, ln, cost):
+                        return  # the loop's budget is spent: the rest is answered here
+                    if cid is not None:
+                        self._held.add(cid)
+
+    def _arm(self, layer: int, chunks: frozenset[int], on: bool) -> None:
+        """Whether reads of the small files in ``chunks`` answered by the loop are reported
+        (the window's read-ahead starts with the first of them)."""
+        if self.loop is None:
+            return
+        files = self._small_files(layer)
+        for ci in chunks:
+            for ino in files.get(ci, ()):
+                self.loop.set_notify(ino, on)
+
+    def _walked(self, ino: int) -> None:
+        """The loop answered a listing handed over ahead (its subdirectories' listings are
+        handed over next), or a read of a small file in its layer's read-ahead window."""
+        path, node = self.inodes[ino]
+        if node.children is not None:
+            for sub in node.children:
+                self._hand_over_dir(f"{'' if path == '/' else path}/{sub}")
+            return
+        try:
+            self._sequential(node)
+        except Exception as e:  # read-ahead only: readers fetch what is missing themselves
+            log.warning("lazy mount: reading ahead after inode %d failed: %s", ino, e)
 
     def _following(self, layer: int, own: list[int]) -> list[int]:
         """Chunk numbers stored right after ``own`` in their pack, up to one preferred read."""
@@ -358,11 +557,19 @@ class PassthroughServer:
         src = self.fs.sources[layer]
         budget = src.fetcher.max_read
         out: list[int] = []
+        pack, end = -1, 0  # the stored range read so far
         for ci in seq[max(pos[c] for c in own) + 1:] if own else ():
-            budget -= src.index.chunks[ci].clen
+            loc = src.index.chunks[ci]
+            # the members of a chunk group overlap (each runs to the end of the group's
+            # frame): a member costs only the bytes it adds to the range
+            more = loc.offset + loc.clen - end if loc.pack == pack and loc.offset < end \
+                else loc.clen
+            budget -= max(more, 0)
             if budget < 0:
                 break
             out.append(ci)
+            end = max(end, loc.offset + loc.clen) if loc.pack == pack else loc.offset + loc.clen
+            pack = loc.pack
         return out
 
     def _cached(self, key: bytes) -> int | None:
@@ -422,6 +629,16 @@ class PassthroughServer:
         path, node = self._node(nodeid)
         if node.children is None:
             raise OSError(errno.ENOTDIR, "not a directory")
+        if plus and self.loop is not None:
+            recs = self._hand_over(path, node, False)
+            for sub in node.children:  # the walk's next listings, ahead of it
+                self._hand_over_dir(f"{'' if path == '/' else path}/{sub}")
+            out = bytearray()
+            for rec in recs[offset:]:
+                if len(out) + len(rec) > size:
+                    break
+                out += rec
+            return bytes(out)
         base = "" if path == "/" else path
         names = [(".", node), ("..", node)] + [(n, self.fs.nodes[f"{base}/{n}"])
                                                for n in node.children]
@@ -438,6 +655,38 @@ class PassthroughServer:
                 break
             out += rec
         return bytes(out)
+
+    def _hand_over_dir(self, path: str) -> None:
+        node = self.fs.nodes[path]
+        if node.children is not None and node.ino not in self._handed:
+            self._hand_over(path, node, True)
+
+    def _hand_over(self, path: str, node: Node, notify: bool) -> list[bytes]:
+        """A directory's whole listing (READDIRPLUS records) and its children's lookups,
+        handed to the compiled loop, which answers them from now on. With ``notify``, the
+        loop reports the first listing it answers (`_walked`: the walk went in, so its
+        subdirectories are handed over next)."""
+        base = "" if path == "/" else path
+        names = [(".", node), ("..", node)] + [(n, self.fs.nodes[f"{base}/{n}"])
+                                               for n in node.children or ()]
+        recs, starts, pos, lookups = [], [], 0, []
+        for i, (name, child) in enumerate(names):
+            raw = os.fsencode(name)
+            entry = self._entry(child if i >= 2 else None)
+            rec = entry + _DIRENT.pack(child.ino, i + 1, len(raw),
+                                       stat.S_IFMT(child.attrs["st_mode"]) >> 12) + raw
+            rec += bytes(-len(rec) % 8)
+            recs.append(rec)
+            starts.append(pos)
+            pos += len(rec)
+            if i >= 2:
+                lookups.append((raw, entry))
+        self._handed.add(node.ino)
+        self.loop.set_names(node.ino, lookups)
+        self.loop.set_listing(node.ino, b"".join(recs), starts)
+        if notify:
+            self.loop.set_notify(node.ino, True)
+        return recs
 
     def _readdirplus(self, nodeid: int, body: memoryview) -> bytes:
         return self._readdir(nodeid, body, plus=True)

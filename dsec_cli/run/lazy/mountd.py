@@ -70,13 +70,17 @@ def main(config_path: str) -> int:
     ready_fd = cfg.get("ready_fd")
 
     profiled = {"files": -1, "at": 0.0}
+    #: more documents written beside stats.json, by name (the compiled FUSE loop's counters)
+    extras: dict[str, Any] = {}
 
     def flush(final: bool = True) -> None:
         """Statistics each time; the profile (sorting and writing every file read so far)
         when it grew and at most once a second while running, and at the end."""
         _write_json(state / "stats.json", {**fetcher.stats.public(), "mode": cfg["mode"],
                                            "pid": os.getpid()})
-        files, now = sum(len(f) for f in recorder.files), time.monotonic()
+        for name, doc in list(extras.items()):
+            _write_json(state / f"{name}.json", doc())
+        files, now = sum(len(f) for f in recorder.collect()), time.monotonic()
         if not final and (files == profiled["files"] or now - profiled["at"] < PROFILE_EVERY):
             return
         profiled.update(files=files, at=now)
@@ -112,8 +116,8 @@ def main(config_path: str) -> int:
     def flusher() -> None:
         last: dict[str, Any] = {}
         while not stop.wait(0.1):
-            now = fetcher.stats.public()
-            if now != last or sum(len(f) for f in recorder.files) != profiled["files"]:
+            now = {"stats": fetcher.stats.public(), **{k: d() for k, d in list(extras.items())}}
+            if now != last or sum(len(f) for f in recorder.collect()) != profiled["files"]:
                 flush(final=False)
                 last = now
 
@@ -124,7 +128,7 @@ def main(config_path: str) -> int:
     kind = LazyFS if xattrs else LazyFSNoXattrs
     if cfg.get("server") == "kernel":
         return _serve_kernel(LazyFS(indexes, sources, recorder), cfg, state, xattrs, on_init,
-                             stop, flush, cache)
+                             stop, flush, cache, extras)
     # mfusepy takes libfuse 2 when both are installed; the options below are libfuse 3's
     os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
     import mfusepy
@@ -143,7 +147,7 @@ def main(config_path: str) -> int:
 
 
 def _serve_kernel(fs: Any, cfg: dict[str, Any], state: Path, xattrs: bool, on_init: Any,
-                  stop: threading.Event, flush: Any, cache: Any) -> int:
+                  stop: threading.Event, flush: Any, cache: Any, extras: dict[str, Any]) -> int:
     """Serve the mount with FUSE passthrough (kernelfs.py): opened files are read by the
     kernel from backing files in the node's file cache, beside its chunk cache."""
     import ctypes
@@ -164,6 +168,8 @@ def _serve_kernel(fs: Any, cfg: dict[str, Any], state: Path, xattrs: bool, on_in
     flush()
     try:
         server.mount()
+        # requests the compiled loop answered and handed on (loop.json; {} without it)
+        extras["loop"] = server.counters
         server.serve()
     finally:
         stop.set()

@@ -43,6 +43,8 @@ class Stats:
     prefetched_files: int = 0
     background_done: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: counts kept elsewhere (the compiled FUSE loop's bytes served), added when read
+    pull: Callable[[], dict[str, int]] | None = field(default=None, repr=False)
 
     def add(self, **kw: float) -> None:
         with self.lock:
@@ -50,9 +52,18 @@ class Stats:
                 setattr(self, k, getattr(self, k) + v)
 
     def public(self) -> dict[str, object]:
+        more = self.pull() if self.pull is not None else {}
         with self.lock:
-            return {k: (round(v, 6) if isinstance(v, float) else v)
-                    for k, v in self.__dict__.items() if k != "lock"}
+            out = {k: (round(v, 6) if isinstance(v, float) else v)
+                   for k, v in self.__dict__.items() if k not in ("lock", "pull")}
+        for k, v in more.items():
+            out[k] += v
+        return out
+
+
+#: threads reading chunks of the node's chunk cache ahead of a walk (`Fetcher.preload`): the
+#: disk serves several reads at once, and the walk waits for the slowest
+PRELOADERS = 4
 
 
 class Fetcher:
@@ -75,6 +86,10 @@ class Fetcher:
         self._loader: ThreadPoolExecutor | None = None
         #: per index: the members of each chunk group, by (pack, where the group ends)
         self._groups: dict[int, tuple[LayerIndex, dict[tuple[int, int], list[int]]]] = {}
+
+    def siblings(self, index: LayerIndex, i: int) -> list[int]:
+        """The chunks stored in one group with chunk ``i`` (empty for a chunk alone)."""
+        return self._siblings(index, i)
 
     def _siblings(self, index: LayerIndex, i: int) -> list[int]:
         """The chunks stored in one group with chunk ``i`` (codec 2), itself included: one
@@ -115,21 +130,40 @@ class Fetcher:
                 self._mem.move_to_end(cid)
             return data
 
-    def preload(self, index: LayerIndex, idxs: list[int]) -> None:
+    def recall(self, cid: bytes) -> bytes | None:
+        """A chunk's decoded, verified bytes if they are in the memory cache now."""
+        return self._recall(cid)
+
+    def preload(self, index: LayerIndex, idxs: list[int],
+                then: Callable[[list[int]], None] | None = None) -> None:
         """Read chunks ``idxs`` of the node's chunk cache into memory in the background,
         never from the store (so no bytes fetched): the next files of a walk over a warm cache
-        are then answered without waiting for the disk."""
+        are then answered without waiting for the disk. ``then`` is given the chunk numbers
+        in memory as they arrive (at once those already there)."""
         with self._lock:
             todo = [i for i in idxs if index.chunks[i].chunk_id not in self._mem
                     and index.chunks[i].chunk_id not in self._loading]
-            if not todo:
-                return
-            self._loading.update(index.chunks[i].chunk_id for i in todo)
-            if self._loader is None:
-                self._loader = ThreadPoolExecutor(1, thread_name_prefix="preload")
-        self._loader.submit(self._load, index, todo)
+            if todo:
+                self._loading.update(index.chunks[i].chunk_id for i in todo)
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(PRELOADERS, thread_name_prefix="preload")
+            loader = self._loader
+        if then is not None:
+            loading = set(todo)
+            self._then(then, [i for i in idxs if i not in loading])
+        # interleaved between the loaders, so the first chunks (the walk's next) come first
+        for k in range(min(PRELOADERS, len(todo))):
+            assert loader is not None  # made above when there is anything to load
+            loader.submit(self._load, index, todo[k::PRELOADERS], then)
 
-    def _load(self, index: LayerIndex, idxs: list[int]) -> None:
+    def _then(self, then: Callable[[list[int]], None], idxs: list[int]) -> None:
+        try:
+            then(idxs)
+        except Exception as e:  # a hint only: readers are answered without it
+            log.warning("after preloading chunks: %s", e)
+
+    def _load(self, index: LayerIndex, idxs: list[int],
+              then: Callable[[list[int]], None] | None = None) -> None:
         try:
             for i in idxs:
                 loc = index.chunks[i]
@@ -140,6 +174,8 @@ class Fetcher:
                     break  # not cached: readers fetch it (and its neighbours) themselves
                 self.stats.add(bytes_from_cache=len(data))
                 self._remember(loc.chunk_id, data)
+                if then is not None:
+                    self._then(then, [i])
         finally:
             with self._lock:
                 self._loading.difference_update(index.chunks[i].chunk_id for i in idxs)
