@@ -11,9 +11,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,45 +117,18 @@ def _order(specs: list[Spec], store: Store) -> list[Spec]:
 
 
 def _fingerprint(spec: Spec) -> str:
-    """Cheap identity of a spec's inputs: path, size, mtime, mode and inode of every source
-    file. No contents are read, so a no-op build of a large tree costs one stat per file."""
+    """Cheap identity of a spec's inputs: path, size, mtime, ctime, mode and inode of every
+    source path (format/tree.py `stat_listing`, which says what it relies on). No contents
+    are read, so a no-op build of a large tree costs one stat per path."""
+    from ..format.tree import stat_listing
+
     h = hashlib.sha256()
     for step in spec.steps:
         src = step.args.get("src")
         if src is None:
             continue
-        h.update(_stat_listing(str(src)))
+        h.update(stat_listing(str(src)))
     return h.hexdigest()
-
-
-_FIND = shutil.which("find")
-
-
-def _stat_listing(top: str) -> bytes:
-    if _FIND is not None:
-        # GNU find walks and stats in C, several times faster than a Python walk
-        r = subprocess.run([_FIND, top, "-printf", "%P\\0%s\\0%T@\\0%m\\0%i\\0%y\\n"],
-                           capture_output=True)
-        if r.returncode == 0:
-            return r.stdout
-    return "".join(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_mode}\0{st.st_ino}\n"
-                   for rel, st in _walk_stat(top)).encode()
-
-
-def _walk_stat(top: str) -> Iterator[tuple[str, os.stat_result]]:
-    """(relative path, lstat) of top and everything under it, in a stable order."""
-    yield ".", os.lstat(top)
-    stack = [("", top)]
-    while stack:
-        rel, path = stack.pop()
-        with os.scandir(path) as it:
-            items = sorted(it, key=lambda d: d.name)
-        for d in items:
-            r = f"{rel}/{d.name}" if rel else d.name
-            st = d.stat(follow_symlinks=False)
-            yield r, st
-            if d.is_dir(follow_symlinks=False):
-                stack.append((r, d.path))
 
 
 class _BuildCache:

@@ -294,6 +294,50 @@ def walk_records(root: str, *, xattrs: bool = True) -> list[Record]:
     return _py_records(root, xattrs)
 
 
+def _py_stat_listing(root: str) -> bytes:
+    """The pure-Python twin of the compiled ``stat_listing``."""
+    def line(rel: bytes, st: os.stat_result) -> bytes:
+        return b"%s\0%d\0%d\0%d\0%d\0%d\n" % (rel, st.st_size, st.st_mtime_ns,
+                                                  st.st_ctime_ns, st.st_mode, st.st_ino)
+
+    out: list[bytes] = []
+
+    def listdir(fd: int, rel: bytes) -> None:
+        for name in sorted(os.fsencode(n) for n in os.listdir(fd)):
+            r = rel + b"/" + name if rel else name
+            st = os.lstat(name, dir_fd=fd)
+            out.append(line(r, st))
+            if stat.S_ISDIR(st.st_mode):
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                try:
+                    listdir(sub, r)
+                finally:
+                    os.close(sub)
+
+    st = os.stat(root)
+    out.append(line(b".", st))
+    if stat.S_ISDIR(st.st_mode):
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            listdir(fd, b"")
+        finally:
+            os.close(fd)
+    return b"".join(out)
+
+
+def stat_listing(root: str) -> bytes:
+    """What a build's cache key knows of a source tree without reading a file: one line per
+    path (pre-order, names sorted as bytes) with its size, mtime, ctime, mode and inode,
+    never following a symlink below root (root itself is followed). Any write to a file
+    changes its mtime and ctime, a chmod, chown or xattr change its ctime, and an added,
+    removed or renamed path changes the lines, so a changed input is always seen as long as
+    the filesystem keeps ctime (every Linux filesystem does; ctime cannot be set by
+    utimensat)."""
+    if use_compiled and _cwalk is not None:
+        return _cwalk.stat_listing(root)  # type: ignore[no-any-return]
+    return _py_stat_listing(root)
+
+
 def _py_read_many(paths: list[str], limit: int) -> list[tuple[int, bytes | None]]:
     out: list[tuple[int, bytes | None]] = []
     for path in paths:

@@ -200,5 +200,25 @@ def test_a_bottomless_tree_is_a_recursion_error(tmp_path: Path, compiled: Module
             compiled.scan(str(root), True)
         with pytest.raises(RecursionError):
             tree._py_records(str(root), True)
+        for listing in (compiled.stat_listing, tree._py_stat_listing):
+            with pytest.raises(RecursionError):
+                listing(str(root))
     finally:
         subprocess.run(["rm", "-rf", str(root)], check=True)
+
+
+def test_stat_listing_matches_python(tmp_path: Path, compiled: ModuleType) -> None:
+    """The build cache's input listing: the same bytes from C and from Python, for a tree,
+    a single file and a symlinked root; a missing root is FileNotFoundError in both."""
+    root = _hostile_tree(tmp_path / "src")
+    os.symlink(root, tmp_path / "link")
+    for top in (root, root / "data/medium.bin", tmp_path / "link"):
+        got = compiled.stat_listing(str(top))
+        assert got == tree._py_stat_listing(str(top))
+    lines = compiled.stat_listing(str(root)).split(b"\n")[:-1]
+    rels = [ln.split(b"\0")[0] for ln in lines]
+    assert rels[0] == b"." and b"data/caf\xe9" in rels and b"wide/f0599" in rels
+    assert len(rels) == len(compiled.scan(str(root), False))
+    for fn in (compiled.stat_listing, tree._py_stat_listing):
+        with pytest.raises(FileNotFoundError):
+            fn(str(tmp_path / "missing"))
