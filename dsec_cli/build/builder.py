@@ -8,11 +8,13 @@ leaves at most unreferenced objects for gc.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -269,6 +271,21 @@ def _point_ref(st: Store, spec: Spec, digest: str, replace: bool) -> str:
     return current or ""
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while a layer is built: the build makes a few objects
+    per file and next to no reference cycles, and with the collector on, its passes over the
+    growing heap cost as much as making the entries (half of turning 51,000 scan records
+    into entries). Reference counting still frees what the build drops."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, data_dir: Path,
                  progress: Progress | None, on_log: Callable[[str], None] | None,
                  chunk_sha256: bool) -> tuple[str, Manifest, WriteStats]:
@@ -287,9 +304,10 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
     clean_stale_staging(tmp_root)  # a build killed before may have left a mounted overlay
     staging = make_staging(tmp_root)
     try:
-        scanned = build_tree(spec, staging, lowers, base_env, on_log)
-        index, stats = write_layer(st, scanned, known=known, progress=progress,
-                                   crypto_digests=chunk_sha256)
+        with _gc_paused():
+            scanned = build_tree(spec, staging, lowers, base_env, on_log)
+            index, stats = write_layer(st, scanned, known=known, progress=progress,
+                                       crypto_digests=chunk_sha256)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     digest, m = layer_manifest(st, index, name=spec.name, version=spec.version,

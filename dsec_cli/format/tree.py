@@ -367,6 +367,9 @@ def read_many(paths: list[str], limit: int) -> list[tuple[int, bytes | None]]:
     return _py_read_many(paths, limit)
 
 
+_S_IFMT = 0o170000
+
+
 def scan_dir(root: Path, *, overlay_upper: bool = False,
              on_entry: Callable[[Entry], None] | None = None,
              snapshot: ScanReport | None = None) -> list[Scanned]:
@@ -377,49 +380,51 @@ def scan_dir(root: Path, *, overlay_upper: bool = False,
     out: list[Scanned] = []
     seen_inodes: dict[tuple[int, int], str] = {}
     root_str = str(root)
+    prefix = root_str if root_str.endswith("/") else root_str + "/"  # os.path.join's result
     for rec in walk_records(root_str):
         (rel, mode, uid, gid, mtime, size, nlink, dev, ino, rmaj, rmin, ctime, target,
          raw_xattrs) = rec
         xattrs: dict[str, bytes] = {}
         opaque = False
-        for xname, value in raw_xattrs or ():
-            if xname.startswith(OVERLAY_XATTR_PREFIX):
-                if overlay_upper and xname == OPAQUE_XATTR and value == b"y":
-                    opaque = True
-                continue  # overlayfs bookkeeping is not content
-            xattrs[xname] = value
-        perm = stat.S_IMODE(mode)
-        is_dir = stat.S_ISDIR(mode)
-        if snapshot is not None and perm & (stat.S_ISUID | stat.S_ISGID) and not is_dir:
-            perm &= ~(stat.S_ISUID | stat.S_ISGID)
-            snapshot.changed.append(f"{rel}: setuid/setgid bits removed")
-        if snapshot is not None and xattrs.pop("security.capability", None) is not None:
-            snapshot.changed.append(f"{rel}: file capabilities removed")
-        e = Entry(path=rel, type="reg", mode=perm, uid=uid, gid=gid, mtime=mtime,
-                  xattrs=xattrs)
+        if raw_xattrs:  # most paths have none: skip the loop
+            for xname, value in raw_xattrs:
+                if xname.startswith(OVERLAY_XATTR_PREFIX):
+                    if overlay_upper and xname == OPAQUE_XATTR and value == b"y":
+                        opaque = True
+                    continue  # overlayfs bookkeeping is not content
+                xattrs[xname] = value
+        perm = mode & 0o7777
+        fmt = mode & _S_IFMT
+        if snapshot is not None:
+            if perm & (stat.S_ISUID | stat.S_ISGID) and fmt != stat.S_IFDIR:
+                perm &= ~(stat.S_ISUID | stat.S_ISGID)
+                snapshot.changed.append(f"{rel}: setuid/setgid bits removed")
+            if xattrs.pop("security.capability", None) is not None:
+                snapshot.changed.append(f"{rel}: file capabilities removed")
         source = None
-        if is_dir:
-            e.type, e.opaque = "dir", opaque
-        elif stat.S_ISREG(mode):
+        if fmt == stat.S_IFREG:
+            e = Entry(rel, "reg", perm, uid, gid, mtime, 0, "", None, xattrs)
             if nlink > 1:
                 first = seen_inodes.setdefault((dev, ino), rel)
                 if first != rel:
                     e.type, e.target = "hard", first
             if e.type == "reg":
-                e.size, source = size, root_str if rel == "." else os.path.join(root_str, rel)
+                e.size, source = size, root_str if rel == "." else prefix + rel
+        elif fmt == stat.S_IFDIR:
+            e = Entry(rel, "dir", perm, uid, gid, mtime, 0, "", None, xattrs, opaque)
         elif target is not None:
-            e.type, e.target, e.xattrs = "sym", target, {}
-        elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-            if overlay_upper and stat.S_ISCHR(mode) and rmaj == 0 and rmin == 0:
+            e = Entry(rel, "sym", perm, uid, gid, mtime, 0, target)
+        elif fmt == stat.S_IFCHR or fmt == stat.S_IFBLK:
+            if overlay_upper and fmt == stat.S_IFCHR and rmaj == 0 and rmin == 0:
                 e = Entry(path=rel, type="whiteout")
             elif snapshot is not None:
                 snapshot.dropped.append(f"{rel}: device node")
                 continue
             else:
-                e.type = "chr" if stat.S_ISCHR(mode) else "blk"
-                e.rdev = (rmaj, rmin)
-        elif stat.S_ISFIFO(mode):
-            e.type = "fifo"
+                e = Entry(rel, "chr" if fmt == stat.S_IFCHR else "blk", perm, uid, gid, mtime,
+                          0, "", (rmaj, rmin), xattrs)
+        elif fmt == stat.S_IFIFO:
+            e = Entry(rel, "fifo", perm, uid, gid, mtime, 0, "", None, xattrs)
         else:
             if snapshot is not None:
                 snapshot.dropped.append(f"{rel}: socket")
