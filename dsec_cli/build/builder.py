@@ -27,7 +27,6 @@ from ..format.index import CONTENT_VERSION
 from ..format.manifest import Manifest, load_manifest
 from ..format.refs import get_ref, set_ref
 from ..push.dedup import KnownChunks
-from ..push.materialize import LayerCache
 from ..push.stores import open_store
 from ..push.stores.base import Store
 from .spec import Spec, find_specs, load_spec
@@ -298,6 +297,8 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
         base_env.update(b.env)
     lowers: list[Path] = []
     if any(s.kind in STAGED_STEPS for s in spec.steps):
+        from ..push.materialize import LayerCache
+
         cache = LayerCache(Path(load_config().state_dir))
         lowers = [cache.ensure(st, b, d) for d, b in zip(deps, bases, strict=True)]
     tmp_root = data_dir / "tmp"
