@@ -281,6 +281,11 @@ def _gc_paused() -> Iterator[None]:
     try:
         yield
     finally:
+        # what the build allocated is all in the youngest generation now: moved to the
+        # oldest one (freeze, then unfreeze) so that the next young collection does not
+        # scan the whole build's heap at once (a quarter of a second for 51,000 files)
+        gc.freeze()
+        gc.unfreeze()
         if was:
             gc.enable()
 

@@ -66,3 +66,34 @@ def test_the_same_tree_builds_the_same_bytes(tmp_path: Path, monkeypatch: pytest
            "content": m.content_digest, "packs": sorted(index.packs)}
     assert got == {"manifest": MANIFEST, "index": INDEX, "content": CONTENT,
                    "packs": sorted(PACKS)}
+
+
+def test_the_collector_is_paused_only_while_a_layer_builds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build pauses the cyclic garbage collector while it makes a layer and leaves it as
+    it found it, with the build's objects out of the youngest generation (so the next young
+    collection does not scan them all)."""
+    import gc
+
+    seen: list[bool] = []
+    orig = layer.write_layer  # the builder imports it when a layer is built
+
+    def spy(*a: object, **k: object) -> object:
+        seen.append(gc.isenabled())
+        return orig(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(layer, "write_layer", spy)
+    _golden_tree(tmp_path / "spec/tree")
+    write_spec(tmp_path / "spec", "g", 'layer: g\nversion: "1"\nsteps:\n'
+               "  - copy: {src: ./tree, dst: /g}\n")
+    store = open_store(str(tmp_path / "store"))
+    assert gc.isenabled()
+    build([tmp_path / "spec/g.yaml"], store)
+    assert seen == [False] and gc.isenabled()
+    assert gc.get_count()[0] < 5000
+    gc.disable()
+    try:
+        build([tmp_path / "spec/g.yaml"], store, force=True)
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()
