@@ -333,7 +333,9 @@ def stat_listing(root: str) -> bytes:
     removed or renamed path changes the lines, so a changed input is always seen as long as
     the filesystem keeps ctime (every Linux filesystem does; ctime cannot be set by
     utimensat)."""
-    if use_compiled and _cwalk is not None:
+    # (a module built from an older _walk.c has no stat_listing: the Python twin gives the
+    # same bytes)
+    if use_compiled and _cwalk is not None and hasattr(_cwalk, "stat_listing"):
         return _cwalk.stat_listing(root)  # type: ignore[no-any-return]
     return _py_stat_listing(root)
 
