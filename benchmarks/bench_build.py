@@ -1,7 +1,7 @@
 """Build throughput, stored bytes, incremental dedup and no-op rebuild time on a real tree,
 against `tar -c | zstd -T0 -3` and `casync make` on the same tree in the same run.
 
-    python -m benchmarks build [--tree DIR] [--runs N] [--no-casync] [--python-walk]
+    python -m benchmarks build [--tree DIR] [--runs N] [--no-casync] [--python-walk] [--work DIR]
 
 The tools take turns run after run (medians are reported). Each tool's CPU time (user + system,
 all its processes) is printed beside its wall time: on a loaded machine the CPU ratio is the
@@ -76,8 +76,11 @@ def main(argv: list[str]) -> None:
                     help="also time dsec with DSEC_PY_WALK=1 (the pure-Python walk)")
     ap.add_argument("--label", default="",
                     help="results go to benchmarks/results/build[-LABEL].json")
+    ap.add_argument("--work", default="/var/tmp",
+                    help="where the tree is copied and the stores are written (/dev/shm keeps "
+                         "the tree in memory while other work drops the page cache)")
     args = ap.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="dsec-bench-build-", dir="/var/tmp"))
+    work = Path(tempfile.mkdtemp(prefix="dsec-bench-build-", dir=args.work))
     try:
         run(Path(args.tree), args.runs, work, args.label, casync=not args.no_casync,
             python_walk=args.python_walk)
@@ -186,6 +189,7 @@ def run(src: Path, runs: int, work: Path, label: str = "", *, casync: bool = Tru
         "run_seconds": walls, "run_cpu_seconds": cpus,
         "bytes": {"tar_zst": tar_zst, "casync_store": cas_bytes, "dsec_store": stored,
                   "dsec_new_after_1pct": new},
-        "changed_files": changed, "ratios": ratios,
+        "changed_files": changed, "ratios": ratios, "work_dir": str(work.parent),
+        "load_average_at_end": list(os.getloadavg()),
     }))
     print(f"results: {out}")

@@ -31,7 +31,7 @@ from ..core.digests import chunk_id, object_key
 from ..core.errors import BuildError
 from ..format.chunker import cut
 from ..format.codec import GROUP_BYTES, GROUP_CHUNKS, encode_group
-from ..format.index import ChunkLoc, ChunkParams, Entry, LayerIndex, put_index
+from ..format.index import ChunkLoc, ChunkParams, Entry, EntryJson, LayerIndex, put_index
 from ..format.manifest import Manifest, put_manifest
 from ..format.pack import FinishedPack, PackWriter
 from ..format.tree import Scanned, ScanReport, parent_of, read_many
@@ -78,6 +78,10 @@ class _Writer:
         self.pack_no: dict[str, int] = {}
         self.locs: list[ChunkLoc | None] = []
         self.by_id: dict[bytes, int] = {}
+        self.ids: list[bytes] = []  # chunk id by chunk number
+        #: work done while waiting for a group's compression; returns False when it has
+        #: nothing (left) to do
+        self.idle: Callable[[], bool] | None = None
         self.pending: deque[tuple[list[_Job], Future[_Encoded]]] = deque()
         self.pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1)))
         self.window = 2 * max(1, (os.cpu_count() or 1)) + 2  # groups in flight
@@ -109,6 +113,7 @@ class _Writer:
             return n
         n = len(self.locs)
         self.by_id[cid] = n
+        self.ids.append(cid)
         k: KnownChunk | None = self.known.get(cid)
         if k is not None and not self.crypto:
             self.locs.append(ChunkLoc(cid, self._pack_index(k.pack), k.offset, k.clen, k.ulen,
@@ -139,6 +144,8 @@ class _Writer:
         """Append the oldest group's stored bytes to the open pack, in submission order; a
         pack is sealed after the group that fills it (a group never spans two packs)."""
         jobs, fut = self.pending.popleft()
+        while not fut.done() and self.idle is not None and self.idle():
+            pass
         blob, rows = fut.result()
         if self.pack is None:
             self.pack = PackWriter(self.staging)
@@ -420,6 +427,34 @@ def _cut_large(w: _Writer, e: Entry, source: str, params: ChunkParams) -> int:
         os.close(fd)
 
 
+class _IndexJson:
+    """Serializes the index entries the writer is done with (their chunks all numbered)
+    while it waits for compression, a slice at a time on the calling thread, so that the
+    index is mostly written when the last chunk is (format/index.py `EntryJson`)."""
+
+    SLICE = 512
+
+    def __init__(self, entries: list[Entry], ids: list[bytes]) -> None:
+        self.entries = entries
+        self.json = EntryJson(ids)
+        self.done = 0  # entries serialized
+        self.final = 0  # entries whose chunks are all known: entries[:final]
+
+    def step(self) -> bool:
+        upto = min(self.final, self.done + self.SLICE)
+        if upto <= self.done:
+            return False
+        self.json.add(self.entries[self.done:upto])
+        self.done = upto
+        return True
+
+    def arrays(self) -> tuple[bytes, bytes]:
+        self.final = len(self.entries)
+        while self.step():
+            pass
+        return self.json.arrays()
+
+
 def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
                 params: ChunkParams | None = None, progress: Progress | None = None,
                 crypto_digests: bool = False) -> tuple[LayerIndex, WriteStats]:
@@ -435,8 +470,12 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
     items = canonical_entries(scanned)
     reads = _ReadAhead(items, params.max_size)
     contents = iter(reads)
+    ij = _IndexJson(entries, w.ids)
+    w.idle = ij.step
+    held = 0  # the first entry waiting in the batcher for its batch chunk
     try:
         for s in items:
+            ij.final = held if batcher.files else len(entries)
             e = s.entry
             entries.append(e)
             if progress:
@@ -450,6 +489,8 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
             if data is None:  # larger than one chunk: cut from a map of the file
                 size = e.size = _cut_large(w, e, s.source, params)
             elif size < params.small_file:
+                if not batcher.files:
+                    held = len(entries) - 1
                 batcher.add(e, data)
             else:
                 e.chunks = [(w.chunk(data), 0, len(data))]
@@ -463,7 +504,8 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
     finally:
         reads.close()
         shutil.rmtree(staging, ignore_errors=True)
-    index = LayerIndex(entries=entries, chunks=locs, packs=w.packs, params=params)
+    index = LayerIndex(entries=entries, chunks=locs, packs=w.packs, params=params,
+                       entry_json=ij.arrays())
     return index, WriteStats(w.new_chunks, w.result_new_bytes, w.reused, w.written)
 
 

@@ -71,16 +71,18 @@ def copy_entries(step: Step, sde: int) -> list[Scanned]:
 
 def with_parents(scanned: list[Scanned], existing: Callable[[str], bool], sde: int
                  ) -> list[Scanned]:
-    """Add directory entries for any missing ancestors (mode 0755, root-owned)."""
+    """Add directory entries for any missing ancestors (mode 0755, root-owned); a directory
+    the entries themselves hold is not missing."""
     extra: dict[str, Scanned] = {}
+    dirs = {s.entry.path for s in scanned if s.entry.type == "dir"}
     for s in scanned:
         p = s.entry.path
         while p != ".":
             p = parent_of(p)
-            if existing(p) or p in extra:
+            if p in dirs or p in extra or existing(p):
                 break
             extra[p] = _dir_entry(p, sde)
-    if not existing(".") and "." not in extra:
+    if "." not in dirs and not existing(".") and "." not in extra:
         extra["."] = _dir_entry(".", sde)
     return list(extra.values()) + scanned
 

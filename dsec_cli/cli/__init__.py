@@ -183,7 +183,7 @@ def main() -> None:
         logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
         from . import fast
 
-        code = fast.run(sys.argv[1:])  # plain hot commands (exec, run -d, ps) skip typer
+        code = fast.run(sys.argv[1:])  # plain hot commands (exec, run -d, ps, build) skip typer
         if code is not None:
             sys.exit(code)
         from .group import app

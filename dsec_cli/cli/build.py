@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .render import console, err_console, human_bytes, print_json, progress, table
+from .render import console, human_bytes, print_json, table
 
 StoreOpt = Annotated[str | None, typer.Option("--store", help="store URL (default: embedded)")]  # noqa: UP007
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
@@ -28,40 +28,10 @@ def register(app: typer.Typer) -> None:
         json_: JsonOpt = False,
     ) -> None:
         """Build layer and image specs (default: layerspecs/) into a store."""
-        from ..api import images
+        from .build_io import build_command
 
-        with progress(not json_) as p:
-            files = p.add_task("files", total=None) if p else None
-            data = p.add_task("chunked", total=None, unit="bytes") if p else None
-
-            def tick(kind: str, n: int) -> None:
-                if p is not None:
-                    p.advance(files if kind == "files" else data, n)
-
-            def log_line(line: str) -> None:
-                if not json_:
-                    err_console().print(f"  | {line}", style="dim", highlight=False, markup=False)
-
-            report = images.build(specs or None, store, force=force, progress=tick, on_log=log_line,
-                               chunk_sha256=chunk_sha256, replace=replace)
-        if json_:
-            print_json({"store": report.store, "items": [i.__dict__ for i in report.items],
-                        "warnings": report.warnings, "pinned": report.pinned})
-            return
-        rows = [(i.ref, i.kind, i.manifest[:12], "cached" if i.cached else f"{i.seconds:.2f}s",
-                 human_bytes(i.size), human_bytes(i.stored_size),
-                 "" if i.cached or i.kind == "image" else human_bytes(i.new_bytes))
-                for i in report.items]
-        table(f"built into {report.store}", ["ref", "kind", "digest", "time", "size", "stored",
-                                             "new"], rows)
-        for i in report.items:
-            if i.replaced:
-                err_console().print(f"replaced: {i.ref} named {i.replaced[:12]}, now "
-                                    f"{i.manifest[:12]}", highlight=False)
-        for source, digest in report.pinned.items():
-            err_console().print(f"pinned: {source} at {digest}", highlight=False, markup=False)
-        for w in report.warnings:
-            err_console().print(f"[yellow]warning:[/] {w}", highlight=False)
+        build_command(specs or None, store, force=force, replace=replace,
+                      chunk_sha256=chunk_sha256, json_out=json_)
 
     @app.command("ls")
     def ls(

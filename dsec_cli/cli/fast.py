@@ -1,7 +1,7 @@
 """The fast launcher: the hot commands a script calls in a loop (`dsec exec ID -- CMD`,
-`dsec run -d IMAGE`, `dsec ps`) parsed here without typer (whose import and per-option
-validation cost more than the command itself), then run by the same code as their typer
-commands (sandbox_io.py).
+`dsec run -d IMAGE`, `dsec ps`, and `dsec build`, whose no-op rebuild is mostly start-up)
+parsed here without typer (whose import and per-option validation cost more than the command
+itself), then run by the same code as their typer commands (sandbox_io.py, build_io.py).
 
 Only plain forms are taken: known options (``--name VALUE``, ``--name=VALUE``, ``-x VALUE``),
 values that parse exactly, and the positionals the command expects. Anything else (``--help``,
@@ -31,6 +31,8 @@ _RUN = {**_EXEC, "--node": ("node_name", "str"), "--backend": ("backend", "str")
         "--egress": ("egress", "list"), "--disk": ("disk", "str"), "--fetch": ("fetch", "str"),
         "--detach": ("detach", "flag"), "-d": ("detach", "flag")}
 _PS = {**_COMMON, "--node": ("node", "str"), "--all-nodes": ("all_nodes", "flag")}
+_BUILD = {"--json": ("json_out", "flag"), "--store": ("store", "str"), "--force": ("force", "flag"),
+          "--replace": ("replace", "flag"), "--chunk-sha256": ("chunk_sha256", "flag")}
 
 
 class _NotPlain(Exception):
@@ -119,7 +121,20 @@ def _ps(args: list[str]) -> int:
                           opts.get("all_nodes", False))
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"exec": _exec, "run": _run, "ps": _ps}
+def _build(args: list[str]) -> int:
+    from pathlib import Path
+
+    from .build_io import build_command
+
+    opts, pos, cmd = _parse(args, _BUILD)
+    if cmd is not None:
+        raise _NotPlain("build")
+    build_command([Path(p) for p in pos] or None, **opts)
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"exec": _exec, "run": _run, "ps": _ps,
+                                                   "build": _build}
 
 
 def run(argv: list[str]) -> int | None:

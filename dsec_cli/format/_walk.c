@@ -1,8 +1,8 @@
-/* The compiled half of the build's per-file path (format/fastwalk.py): a sorted lstat walk
+/* The compiled half of the build's per-file path (format/tree.py): a sorted lstat walk
  * that never follows a symlink below its root, a stat listing for build fingerprints, and
  * batched file reads done without the GIL.
  *
- * Every function gives exactly what its pure-Python twin in fastwalk.py gives; the Python
+ * Every function gives exactly what its pure-Python twin in tree.py gives; the Python
  * side turns records into index entries, so the format rules live in one place.
  *
  * Built by scripts/setup.sh with gcc and the Python headers; where it is not built, the
@@ -320,6 +320,175 @@ static PyObject *walk_scan(PyObject *self, PyObject *args) {
     return w.out;
 }
 
+/* -- stat listing ------------------------------------------------------------------------ */
+
+/* The stat listing of a tree, for build fingerprints: one line per path in pre-order, the
+ * names of a directory sorted as bytes, each ``rel\0size\0mtime_ns\0ctime_ns\0mode\0ino\n``
+ * (the root is "."; decimal numbers). Nothing is read but directories and inodes, and no
+ * Python object is made per path: this is what a no-op build costs. */
+typedef struct {
+    char *buf;
+    size_t len, cap;
+} Buf;
+
+static int buf_put(Buf *b, const char *p, size_t n) {
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 1 << 16;
+        while (cap < b->len + n)
+            cap *= 2;
+        char *nb = realloc(b->buf, cap);
+        if (nb == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        b->buf = nb;
+        b->cap = cap;
+    }
+    memcpy(b->buf + b->len, p, n);
+    b->len += n;
+    return 0;
+}
+
+static int cmp_names(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static int list_line(Buf *out, const char *rel, size_t rlen, const struct stat *st) {
+    char nums[128];
+    long long mt = (long long)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec;
+    long long ct = (long long)st->st_ctim.tv_sec * 1000000000LL + st->st_ctim.tv_nsec;
+    int n = snprintf(nums, sizeof(nums), "%c%lld%c%lld%c%lld%c%u%c%llu\n", 0,
+                     (long long)st->st_size, 0, mt, 0, ct, 0, (unsigned)st->st_mode, 0,
+                     (unsigned long long)st->st_ino);
+    if (buf_put(out, rel, rlen) < 0 || buf_put(out, nums, (size_t)n) < 0)
+        return -1;
+    return 0;
+}
+
+/* the entries of directory dfd below ``rel`` (a growable path buffer holding rel) */
+static int list_dir(Buf *out, int dfd, Buf *rel) {
+    int fd = dup(dfd), rc = -1;
+    if (fd < 0) {
+        os_error(errno, NULL);
+        return -1;
+    }
+    DIR *d = fdopendir(fd);
+    if (d == NULL) {
+        os_error(errno, NULL);
+        close(fd);
+        return -1;
+    }
+    rewinddir(d);
+    char **names = NULL;
+    size_t n = 0, cap = 0, i;
+    for (;;) {
+        errno = 0;
+        struct dirent *de = readdir(d);
+        if (de == NULL) {
+            if (errno != 0) {
+                os_error(errno, NULL);
+                goto out;
+            }
+            break;
+        }
+        const char *nm = de->d_name;
+        if (nm[0] == '.' && (nm[1] == '\0' || (nm[1] == '.' && nm[2] == '\0')))
+            continue;
+        if (n == cap) {
+            cap = cap ? cap * 2 : 64;
+            char **nn = realloc(names, cap * sizeof(char *));
+            if (nn == NULL) {
+                PyErr_NoMemory();
+                goto out;
+            }
+            names = nn;
+        }
+        if ((names[n] = strdup(nm)) == NULL) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        n++;
+    }
+    qsort(names, n, sizeof(char *), cmp_names);
+    size_t base = rel->len;
+    for (i = 0; i < n; i++) {
+        rel->len = base;
+        if ((base && buf_put(rel, "/", 1) < 0) || buf_put(rel, names[i], strlen(names[i])) < 0)
+            goto out;
+        struct stat st;
+        if (fstatat(dirfd(d), names[i], &st, AT_SYMLINK_NOFOLLOW) < 0) {
+            int err = errno;
+            PyObject *nm = PyUnicode_DecodeFSDefault(names[i]);
+            os_error(err, nm);
+            Py_XDECREF(nm);
+            goto out;
+        }
+        if (list_line(out, rel->buf, rel->len, &st) < 0)
+            goto out;
+        if (S_ISDIR(st.st_mode)) {
+            int sub = openat(dirfd(d), names[i], DIR_FLAGS);
+            if (sub < 0) {
+                os_error(errno, NULL);
+                goto out;
+            }
+            /* a tree nested without end is a RecursionError, never a stack overflow */
+            if (Py_EnterRecursiveCall(" while listing a tree")) {
+                close(sub);
+                goto out;
+            }
+            int r = list_dir(out, sub, rel);
+            Py_LeaveRecursiveCall();
+            close(sub);
+            if (r < 0)
+                goto out;
+        }
+    }
+    rel->len = base;
+    rc = 0;
+out:
+    for (i = 0; i < n; i++)
+        free(names[i]);
+    free(names);
+    closedir(d);
+    return rc;
+}
+
+static PyObject *walk_stat_listing(PyObject *self, PyObject *args) {
+    PyObject *root;
+    if (!PyArg_ParseTuple(args, "O&", PyUnicode_FSConverter, &root))
+        return NULL;
+    /* the root is the caller's own path and followed (a spec's source may be a symlink);
+     * nothing below it is */
+    const char *path = PyBytes_AS_STRING(root);
+    struct stat st;
+    if (stat(path, &st) < 0) {
+        PyObject *r = os_error(errno, root);
+        Py_DECREF(root);
+        return r;
+    }
+    Buf out = {NULL, 0, 0}, rel = {NULL, 0, 0};
+    PyObject *result = NULL;
+    if (list_line(&out, ".", 1, &st) < 0)
+        goto done;
+    if (S_ISDIR(st.st_mode)) {
+        int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (fd < 0) {
+            os_error(errno, root);
+            goto done;
+        }
+        int r = list_dir(&out, fd, &rel);
+        close(fd);
+        if (r < 0)
+            goto done;
+    }
+    result = PyBytes_FromStringAndSize(out.buf, (Py_ssize_t)out.len);
+done:
+    free(out.buf);
+    free(rel.buf);
+    Py_DECREF(root);
+    return result;
+}
+
 /* -- reading ------------------------------------------------------------------------------- */
 
 /* read_many(paths, limit) -> [(size, data or None)]: each file opened (following its path as
@@ -450,6 +619,8 @@ done:
 static PyMethodDef methods[] = {
     {"scan", walk_scan, METH_VARARGS,
      "scan(root, xattrs=True) -> records of every path under root, sorted, never following a symlink"},
+    {"stat_listing", walk_stat_listing, METH_VARARGS,
+     "stat_listing(root) -> bytes: a line per path (rel, size, mtime, ctime, mode, inode)"},
     {"read_many", walk_read_many, METH_VARARGS,
      "read_many(paths, limit) -> [(size, bytes or None)], read without the GIL"},
     {NULL, NULL, 0, NULL},

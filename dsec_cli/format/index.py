@@ -137,6 +137,38 @@ class Entry:
         )
 
 
+class EntryJson:
+    """Entries turned into their stored and content-digest JSON, a slice at a time (the
+    layer writer serializes the entries it is done with while chunks compress). ``ids``
+    are the chunk ids by chunk number; it may grow as long as every entry added refers only
+    to chunks already in it."""
+
+    def __init__(self, ids: list[bytes]) -> None:
+        self.ids = ids
+        self._stored: list[bytes] = []
+        self._content: list[bytes] = []
+
+    def add(self, entries: list[Entry]) -> None:
+        if not entries:
+            return
+        ids = self.ids
+        stored, content = [], []
+        for e in entries:
+            d = e.to_doc()
+            stored.append(d)
+            if e.chunks:
+                d = {**d, "c": [[ids[i].hex(), off, ln] for i, off, ln in e.chunks]}
+            content.append(d)
+        # each slice is a JSON array; its items are joined into one array below
+        self._stored.append(canonical.dumps(stored)[1:-1])
+        self._content.append(canonical.dumps(content)[1:-1])
+
+    def arrays(self) -> tuple[bytes, bytes]:
+        """(stored array, content array): exactly the `canonical.dumps` of the lists of
+        entry documents."""
+        return (b"[" + b",".join(self._stored) + b"]", b"[" + b",".join(self._content) + b"]")
+
+
 @dataclass(frozen=True)
 class ChunkLoc:
     """Where one chunk is stored: pack (position in LayerIndex.packs), byte range, codec."""
@@ -158,6 +190,9 @@ class LayerIndex:
     params: ChunkParams = field(default_factory=ChunkParams)
     prefetch: list[str] = field(default_factory=list)
     chunk_hash: str = "xxh3-128"
+    #: the entries' stored and content-digest JSON arrays, when the writer serialized them
+    #: as it went (`EntryJson.arrays`); else they are made from ``entries`` when needed
+    entry_json: tuple[bytes, bytes] | None = field(default=None, repr=False, compare=False)
     # computed once; an index is not modified after it is written
     _stored: bytes | None = field(default=None, init=False, repr=False, compare=False)
     _content_digest: str | None = field(default=None, init=False, repr=False, compare=False)
@@ -177,30 +212,30 @@ class LayerIndex:
         """sha256 of the canonical tree with chunk ids, computed from the entries held (a
         reader compares it with what a manifest claims; it never trusts the claim)."""
         if self._content_digest is None:
-            self._entry_docs()
+            self._entries_json()
         assert self._content_digest is not None
         return self._content_digest
 
-    def _entry_docs(self) -> list[dict[str, Any]]:
-        """The stored entry documents; computes the content digest in the same pass."""
-        ids = [c.chunk_id.hex() for c in self.chunks]
-        stored_entries, content_entries = [], []
-        for e in self.entries:
-            d = e.to_doc()
-            stored_entries.append(d)
-            if e.chunks:
-                d = {**d, "c": [[ids[i], off, ln] for i, off, ln in e.chunks]}
-            content_entries.append(d)
-        content = {"format": CONTENT_VERSION, "chunk_hash": self.chunk_hash,
-                   "entries": content_entries}
-        self._content_digest = hashlib.sha256(canonical.dumps(content)).hexdigest()
-        return stored_entries
+    def _entries_json(self) -> bytes:
+        """The stored entries as one JSON array; computes the content digest in the same
+        pass. A writer that serialized the entries as it went (`EntryJson`) hands both
+        arrays over in ``entry_json``."""
+        if self.entry_json is not None:
+            stored, content = self.entry_json
+        else:
+            ej = EntryJson([c.chunk_id for c in self.chunks])
+            ej.add(self.entries)
+            stored, content = ej.arrays()
+        self._content_digest = hashlib.sha256(canonical.dumps_with(
+            {"format": CONTENT_VERSION, "chunk_hash": self.chunk_hash},
+            {"entries": content})).hexdigest()
+        return stored
 
     def to_bytes(self) -> bytes:
         """The stored form; computes the content digest in the same pass."""
         if self._stored is not None:
             return self._stored
-        stored_entries = self._entry_docs()
+        stored_entries = self._entries_json()
         has_sha = any(c.sha256 for c in self.chunks)
         from .codec import CODEC_ZGROUP
 
@@ -216,10 +251,10 @@ class LayerIndex:
             "chunks": [[c.chunk_id.hex(), c.pack, c.offset, c.clen, c.ulen, c.codec]
                        + ([c.sha256.hex() if c.sha256 else ""] if has_sha else [])
                        for c in self.chunks],
-            "entries": stored_entries,
             "prefetch": self.prefetch,
         }
-        self._stored = zstandard.ZstdCompressor(level=3).compress(canonical.dumps(doc))
+        self._stored = zstandard.ZstdCompressor(level=3).compress(
+            canonical.dumps_with(doc, {"entries": stored_entries}))
         return self._stored
 
     @classmethod

@@ -294,6 +294,52 @@ def walk_records(root: str, *, xattrs: bool = True) -> list[Record]:
     return _py_records(root, xattrs)
 
 
+def _py_stat_listing(root: str) -> bytes:
+    """The pure-Python twin of the compiled ``stat_listing``."""
+    def line(rel: bytes, st: os.stat_result) -> bytes:
+        return b"%s\0%d\0%d\0%d\0%d\0%d\n" % (rel, st.st_size, st.st_mtime_ns,
+                                                  st.st_ctime_ns, st.st_mode, st.st_ino)
+
+    out: list[bytes] = []
+
+    def listdir(fd: int, rel: bytes) -> None:
+        for name in sorted(os.fsencode(n) for n in os.listdir(fd)):
+            r = rel + b"/" + name if rel else name
+            st = os.lstat(name, dir_fd=fd)
+            out.append(line(r, st))
+            if stat.S_ISDIR(st.st_mode):
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                try:
+                    listdir(sub, r)
+                finally:
+                    os.close(sub)
+
+    st = os.stat(root)
+    out.append(line(b".", st))
+    if stat.S_ISDIR(st.st_mode):
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            listdir(fd, b"")
+        finally:
+            os.close(fd)
+    return b"".join(out)
+
+
+def stat_listing(root: str) -> bytes:
+    """What a build's cache key knows of a source tree without reading a file: one line per
+    path (pre-order, names sorted as bytes) with its size, mtime, ctime, mode and inode,
+    never following a symlink below root (root itself is followed). Any write to a file
+    changes its mtime and ctime, a chmod, chown or xattr change its ctime, and an added,
+    removed or renamed path changes the lines, so a changed input is always seen as long as
+    the filesystem keeps ctime (every Linux filesystem does; ctime cannot be set by
+    utimensat)."""
+    # (a module built from an older _walk.c has no stat_listing: the Python twin gives the
+    # same bytes)
+    if use_compiled and _cwalk is not None and hasattr(_cwalk, "stat_listing"):
+        return _cwalk.stat_listing(root)  # type: ignore[no-any-return]
+    return _py_stat_listing(root)
+
+
 def _py_read_many(paths: list[str], limit: int) -> list[tuple[int, bytes | None]]:
     out: list[tuple[int, bytes | None]] = []
     for path in paths:
@@ -323,6 +369,9 @@ def read_many(paths: list[str], limit: int) -> list[tuple[int, bytes | None]]:
     return _py_read_many(paths, limit)
 
 
+_S_IFMT = 0o170000
+
+
 def scan_dir(root: Path, *, overlay_upper: bool = False,
              on_entry: Callable[[Entry], None] | None = None,
              snapshot: ScanReport | None = None) -> list[Scanned]:
@@ -333,49 +382,51 @@ def scan_dir(root: Path, *, overlay_upper: bool = False,
     out: list[Scanned] = []
     seen_inodes: dict[tuple[int, int], str] = {}
     root_str = str(root)
+    prefix = root_str if root_str.endswith("/") else root_str + "/"  # os.path.join's result
     for rec in walk_records(root_str):
         (rel, mode, uid, gid, mtime, size, nlink, dev, ino, rmaj, rmin, ctime, target,
          raw_xattrs) = rec
         xattrs: dict[str, bytes] = {}
         opaque = False
-        for xname, value in raw_xattrs or ():
-            if xname.startswith(OVERLAY_XATTR_PREFIX):
-                if overlay_upper and xname == OPAQUE_XATTR and value == b"y":
-                    opaque = True
-                continue  # overlayfs bookkeeping is not content
-            xattrs[xname] = value
-        perm = stat.S_IMODE(mode)
-        is_dir = stat.S_ISDIR(mode)
-        if snapshot is not None and perm & (stat.S_ISUID | stat.S_ISGID) and not is_dir:
-            perm &= ~(stat.S_ISUID | stat.S_ISGID)
-            snapshot.changed.append(f"{rel}: setuid/setgid bits removed")
-        if snapshot is not None and xattrs.pop("security.capability", None) is not None:
-            snapshot.changed.append(f"{rel}: file capabilities removed")
-        e = Entry(path=rel, type="reg", mode=perm, uid=uid, gid=gid, mtime=mtime,
-                  xattrs=xattrs)
+        if raw_xattrs:  # most paths have none: skip the loop
+            for xname, value in raw_xattrs:
+                if xname.startswith(OVERLAY_XATTR_PREFIX):
+                    if overlay_upper and xname == OPAQUE_XATTR and value == b"y":
+                        opaque = True
+                    continue  # overlayfs bookkeeping is not content
+                xattrs[xname] = value
+        perm = mode & 0o7777
+        fmt = mode & _S_IFMT
+        if snapshot is not None:
+            if perm & (stat.S_ISUID | stat.S_ISGID) and fmt != stat.S_IFDIR:
+                perm &= ~(stat.S_ISUID | stat.S_ISGID)
+                snapshot.changed.append(f"{rel}: setuid/setgid bits removed")
+            if xattrs.pop("security.capability", None) is not None:
+                snapshot.changed.append(f"{rel}: file capabilities removed")
         source = None
-        if is_dir:
-            e.type, e.opaque = "dir", opaque
-        elif stat.S_ISREG(mode):
+        if fmt == stat.S_IFREG:
+            e = Entry(rel, "reg", perm, uid, gid, mtime, 0, "", None, xattrs)
             if nlink > 1:
                 first = seen_inodes.setdefault((dev, ino), rel)
                 if first != rel:
                     e.type, e.target = "hard", first
             if e.type == "reg":
-                e.size, source = size, root_str if rel == "." else os.path.join(root_str, rel)
+                e.size, source = size, root_str if rel == "." else prefix + rel
+        elif fmt == stat.S_IFDIR:
+            e = Entry(rel, "dir", perm, uid, gid, mtime, 0, "", None, xattrs, opaque)
         elif target is not None:
-            e.type, e.target, e.xattrs = "sym", target, {}
-        elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-            if overlay_upper and stat.S_ISCHR(mode) and rmaj == 0 and rmin == 0:
+            e = Entry(rel, "sym", perm, uid, gid, mtime, 0, target)
+        elif fmt == stat.S_IFCHR or fmt == stat.S_IFBLK:
+            if overlay_upper and fmt == stat.S_IFCHR and rmaj == 0 and rmin == 0:
                 e = Entry(path=rel, type="whiteout")
             elif snapshot is not None:
                 snapshot.dropped.append(f"{rel}: device node")
                 continue
             else:
-                e.type = "chr" if stat.S_ISCHR(mode) else "blk"
-                e.rdev = (rmaj, rmin)
-        elif stat.S_ISFIFO(mode):
-            e.type = "fifo"
+                e = Entry(rel, "chr" if fmt == stat.S_IFCHR else "blk", perm, uid, gid, mtime,
+                          0, "", (rmaj, rmin), xattrs)
+        elif fmt == stat.S_IFIFO:
+            e = Entry(rel, "fifo", perm, uid, gid, mtime, 0, "", None, xattrs)
         else:
             if snapshot is not None:
                 snapshot.dropped.append(f"{rel}: socket")

@@ -200,5 +200,65 @@ def test_a_bottomless_tree_is_a_recursion_error(tmp_path: Path, compiled: Module
             compiled.scan(str(root), True)
         with pytest.raises(RecursionError):
             tree._py_records(str(root), True)
+        for listing in (compiled.stat_listing, tree._py_stat_listing):
+            with pytest.raises(RecursionError):
+                listing(str(root))
     finally:
         subprocess.run(["rm", "-rf", str(root)], check=True)
+
+
+def test_stat_listing_matches_python(tmp_path: Path, compiled: ModuleType) -> None:
+    """The build cache's input listing: the same bytes from C and from Python, for a tree,
+    a single file and a symlinked root; a missing root is FileNotFoundError in both."""
+    root = _hostile_tree(tmp_path / "src")
+    os.symlink(root, tmp_path / "link")
+    for top in (root, root / "data/medium.bin", tmp_path / "link"):
+        got = compiled.stat_listing(str(top))
+        assert got == tree._py_stat_listing(str(top))
+    lines = compiled.stat_listing(str(root)).split(b"\n")[:-1]
+    rels = [ln.split(b"\0")[0] for ln in lines]
+    assert rels[0] == b"." and b"data/caf\xe9" in rels and b"wide/f0599" in rels
+    assert len(rels) == len(compiled.scan(str(root), False))
+    for fn in (compiled.stat_listing, tree._py_stat_listing):
+        with pytest.raises(FileNotFoundError):
+            fn(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("use", [True, False])
+def test_scan_entries_keep_every_kind_and_the_snapshot_policy(
+        tmp_path: Path, cwalk: ModuleType, monkeypatch: pytest.MonkeyPatch, use: bool) -> None:
+    """What scan_dir makes of each kind of path (with either walk): modes, owners, mtimes,
+    sizes, targets, devices and xattrs as on disk; in a snapshot, setuid bits and file
+    capabilities are removed and device nodes and sockets dropped, each one reported."""
+    monkeypatch.setattr(tree, "_cwalk", cwalk)
+    monkeypatch.setattr(tree, "use_compiled", use)
+    root = _hostile_tree(tmp_path / "src")
+    import struct
+
+    # VFS_CAP_REVISION_2 with cap_net_bind_service permitted
+    os.setxattr(root / "bin/tool", "security.capability",
+                struct.pack("<5I", 0x02000000, 1 << 10, 0, 0, 0))
+    plain = {s.entry.path: s for s in scan_dir(root)}
+    tool = plain["bin/tool"].entry
+    st = os.lstat(root / "bin/tool")
+    assert (tool.type, tool.mode, tool.uid, tool.gid, tool.mtime, tool.size) == (
+        "reg", 0o4755, 1234, 5678, st.st_mtime_ns, st.st_size)
+    assert plain["bin/tool"].source == str(root / "bin/tool")
+    assert "security.capability" in tool.xattrs
+    assert plain["data/null"].entry.type == "chr" and plain["data/null"].entry.rdev == (1, 3)
+    assert plain["data/rel-link"].entry.target == "../etc/small.conf"
+    assert plain["data/fifo"].entry.type == "fifo"
+    assert plain["etc/small.conf"].entry.xattrs == {"user.dsec.test": b"\x00binary\xff"}
+    assert plain["opaque"].entry.xattrs == {"user.kept": b"v"}
+    assert not plain["opaque"].entry.opaque  # only overlay scans read the marker
+    assert {plain["data/hard-a"].entry.type, plain["data/medium.bin"].entry.type} == {
+        "reg", "hard"}
+    report = ScanReport()
+    snap = {s.entry.path: s.entry for s in scan_dir(root, overlay_upper=True,
+                                                    snapshot=report)}
+    assert snap["bin/tool"].mode == 0o755 and "security.capability" not in snap["bin/tool"].xattrs
+    assert "data/null" not in snap and "data/sock" not in snap
+    assert snap["wide/gone"].type == "whiteout" and snap["opaque"].opaque
+    assert "bin/tool: setuid/setgid bits removed" in report.changed
+    assert "bin/tool: file capabilities removed" in report.changed
+    assert "data/null: device node" in report.dropped and "data/sock: socket" in report.dropped

@@ -117,3 +117,36 @@ def test_run_outputs_get_a_fixed_timestamp(tmp_path: Path, store, busybox_tar,
     # the timestamp is part of the content (of both layers: extract outputs get it too), so
     # the same versions now name other content and must be replaced deliberately
     assert gen(True, replace=True) != first
+
+
+def test_changes_that_keep_size_and_mtime_are_rebuilt(tmp_path: Path, store) -> None:
+    """The build cache's input listing (format/tree.py `stat_listing`) carries ctimes: a
+    same-size rewrite with its mtime put back, an xattr or a mode change, a renamed file and
+    a file deep below the top each make the next build a miss, never a stale hit."""
+    import os
+
+    folder = tmp_path / "s"
+    (folder / "tree/deep/er").mkdir(parents=True)
+    (folder / "tree/a.txt").write_text("one")
+    (folder / "tree/deep/er/b.txt").write_text("bee")
+    spec = _layer_spec(folder, "c", "1")
+    digests = {build([spec], store).items[0].content_digest}
+    assert build([spec], store).items[0].cached
+
+    def rewrite_keeping_mtime(p: Path, text: str) -> None:
+        st = p.stat()
+        p.write_text(text)
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    changes = [lambda: rewrite_keeping_mtime(folder / "tree/a.txt", "two"),
+               lambda: rewrite_keeping_mtime(folder / "tree/deep/er/b.txt", "BEE"),
+               lambda: os.setxattr(folder / "tree/a.txt", "user.k", b"v"),
+               lambda: os.chmod(folder / "tree/a.txt", 0o600),
+               lambda: os.rename(folder / "tree/a.txt", folder / "tree/z.txt")]
+    for change in changes:
+        change()
+        item = build([spec], store, replace=True).items[0]
+        assert not item.cached
+        digests.add(item.content_digest)
+        assert build([spec], store).items[0].cached
+    assert len(digests) == len(changes) + 1

@@ -338,3 +338,33 @@ def test_lazy_reading_every_file_of_a_grouped_layer_fetches_each_group_once(
     stored = sum((tmp_path / "store" / object_key("packs", p)).stat().st_size
                  for p in ix.packs)
     assert 0 < fetcher.stats.bytes_fetched <= stored
+
+
+def test_entry_json_slices_give_the_whole_index_bytes() -> None:
+    """The layer writer serializes entries a slice at a time (index.EntryJson) and splices
+    the arrays into the index (canonical.dumps_with): the same bytes and content digest as
+    an index made from the entries in one go, for any slicing, names that are not UTF-8
+    and entries without chunks included."""
+    from dsec_cli.format import canonical
+    from dsec_cli.format.index import ChunkLoc, Entry, EntryJson, LayerIndex
+
+    ids = [bytes([i]) * 16 for i in range(5)]
+    chunks = [ChunkLoc(cid, 0, 10 * i, 10, 20, 1) for i, cid in enumerate(ids)]
+    entries = [Entry(".", "dir", 0o755), Entry("a", "reg", size=20, chunks=[(0, 0, 20)]),
+               Entry("b\udcff", "sym", target="t\udcfe"), Entry("c", "reg", size=0),
+               Entry("d", "reg", size=45, xattrs={"user.x": b"\x00"},
+                     chunks=[(1, 0, 20), (4, 0, 20), (2, 5, 5)]),
+               Entry("e", "whiteout", mode=0), Entry("é", "hard", target="a")]
+    whole = LayerIndex(entries=entries, chunks=chunks, packs=["ab" * 32])
+    for cut in ([], [1], [2, 3], [1, 2, 3, 4, 5, 6]):
+        ej = EntryJson(ids)
+        for lo, hi in zip([0, *cut], [*cut, len(entries)], strict=True):
+            ej.add(entries[lo:hi])
+        sliced = LayerIndex(entries=entries, chunks=chunks, packs=["ab" * 32],
+                            entry_json=ej.arrays())
+        assert sliced.to_bytes() == whole.to_bytes()
+        assert sliced.content_digest() == whole.content_digest()
+    assert LayerIndex.from_bytes(whole.to_bytes()).entries == entries
+    doc = {"b": [1, "é"], "a": {"z": 1, "y": None}, "c": "x"}
+    assert canonical.dumps_with({k: v for k, v in doc.items() if k != "b"},
+                                {"b": canonical.dumps(doc["b"])}) == canonical.dumps(doc)

@@ -1,0 +1,48 @@
+"""The body of `dsec build`, shared by its typer command (cli/build.py) and the fast launcher
+(cli/fast.py), which runs a plain `dsec build` without typer: a no-op build is mostly
+start-up, and typer's is the larger part of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .render import err_console, human_bytes, print_json, progress, table
+
+
+def build_command(specs: list[Path] | None, store: str | None = None, *, force: bool = False,
+                  replace: bool = False, chunk_sha256: bool = False,
+                  json_out: bool = False) -> None:
+    from ..api import images
+
+    with progress(not json_out) as p:
+        files = p.add_task("files", total=None) if p else None
+        data = p.add_task("chunked", total=None, unit="bytes") if p else None
+
+        def tick(kind: str, n: int) -> None:
+            if p is not None:
+                p.advance(files if kind == "files" else data, n)
+
+        def log_line(line: str) -> None:
+            if not json_out:
+                err_console().print(f"  | {line}", style="dim", highlight=False, markup=False)
+
+        report = images.build(specs or None, store, force=force, progress=tick,
+                              on_log=log_line, chunk_sha256=chunk_sha256, replace=replace)
+    if json_out:
+        print_json({"store": report.store, "items": [i.__dict__ for i in report.items],
+                    "warnings": report.warnings, "pinned": report.pinned})
+        return
+    rows = [(i.ref, i.kind, i.manifest[:12], "cached" if i.cached else f"{i.seconds:.2f}s",
+             human_bytes(i.size), human_bytes(i.stored_size),
+             "" if i.cached or i.kind == "image" else human_bytes(i.new_bytes))
+            for i in report.items]
+    table(f"built into {report.store}", ["ref", "kind", "digest", "time", "size", "stored",
+                                         "new"], rows)
+    for i in report.items:
+        if i.replaced:
+            err_console().print(f"replaced: {i.ref} named {i.replaced[:12]}, now "
+                                f"{i.manifest[:12]}", highlight=False)
+    for source, digest in report.pinned.items():
+        err_console().print(f"pinned: {source} at {digest}", highlight=False, markup=False)
+    for w in report.warnings:
+        err_console().print(f"[yellow]warning:[/] {w}", highlight=False)
