@@ -29,6 +29,7 @@ import xxhash
 
 from ..core.digests import chunk_id, object_key
 from ..core.errors import BuildError
+from ..core.files import fsync_path
 from ..format.chunker import cut
 from ..format.codec import GROUP_BYTES, GROUP_CHUNKS, encode_group
 from ..format.index import ChunkLoc, ChunkParams, Entry, EntryJson, LayerIndex, put_index
@@ -224,15 +225,9 @@ class _Writer:
 
 def _sync_file(path: Path) -> None:
     """fsync a sealed pack kept in staging: a file store's `put_file` fsyncs it again
-    before it becomes visible, and then finds nothing left to write."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:  # already published (and synced there) or discarded
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    before it becomes visible, and then finds nothing left to write. A pack already
+    published (and synced there) or discarded is gone: nothing to do."""
+    fsync_path(path, missing_ok=True)
 
 
 #: files per batch read, and the batches read ahead of the chunker

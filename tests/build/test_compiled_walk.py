@@ -5,13 +5,10 @@ tested whether or not scripts/setup.sh has built it."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import os
 import shutil
 import stat
 import subprocess
-import sysconfig
 from pathlib import Path
 from types import ModuleType
 
@@ -25,6 +22,7 @@ from dsec_cli.format.index import ChunkParams, put_index
 from dsec_cli.format.tree import ScanReport, scan_dir
 from dsec_cli.push.dedup import KnownChunks
 from dsec_cli.push.stores import open_store
+from tests.cext import build_and_load
 
 from .conftest import make_tree
 
@@ -33,16 +31,7 @@ SRC = Path(tree.__file__).with_name("_walk.c")
 
 @pytest.fixture(scope="module")
 def cwalk(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    out = tmp_path_factory.mktemp("walk") / f"_walk{sysconfig.get_config_var('EXT_SUFFIX')}"
-    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-shared", "-fPIC",
-                    f"-I{sysconfig.get_paths()['include']}", "-o", str(out), str(SRC)],
-                   check=True)
-    loader = importlib.machinery.ExtensionFileLoader("_walk", str(out))
-    spec = importlib.util.spec_from_file_location("_walk", out, loader=loader)
-    assert spec is not None
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
+    return build_and_load(SRC, tmp_path_factory.mktemp("walk"))
 
 
 @pytest.fixture

@@ -6,12 +6,8 @@ the request claims is checked against what was read."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import socket
 import struct
-import subprocess
-import sysconfig
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +17,7 @@ from typing import Any
 import pytest
 
 from dsec_cli.run.lazy import kernelfs
+from tests.cext import build_and_load
 
 _IN = kernelfs._IN
 _OUT = kernelfs._OUT
@@ -29,16 +26,7 @@ SRC = Path(kernelfs.__file__).with_name("_fuseloop.c")
 
 @pytest.fixture(scope="module")
 def fuseloop(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    out = tmp_path_factory.mktemp("loop") / f"_fuseloop{sysconfig.get_config_var('EXT_SUFFIX')}"
-    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-shared", "-fPIC",
-                    f"-I{sysconfig.get_paths()['include']}", "-o", str(out), str(SRC)],
-                   check=True)
-    loader = importlib.machinery.ExtensionFileLoader("_fuseloop", str(out))
-    spec = importlib.util.spec_from_file_location("_fuseloop", out, loader=loader)
-    assert spec is not None
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
+    return build_and_load(SRC, tmp_path_factory.mktemp("loop"))
 
 
 @pytest.fixture

@@ -6,12 +6,9 @@ whether or not scripts/setup.sh has built it."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import io
 import random
 import subprocess
-import sysconfig
 import tarfile
 from pathlib import Path
 from types import ModuleType
@@ -21,6 +18,7 @@ import pytest
 
 from dsec_cli.api import images, oci
 from dsec_cli.build import tarhdr
+from tests.cext import build_and_load
 
 from .helpers import Image, base_image, device, directory, file, hardlink, symlink, write_layout
 
@@ -29,16 +27,7 @@ SRC = Path(tarhdr.__file__).with_name("_tarhdr.c")
 
 @pytest.fixture(scope="module")
 def ctarhdr(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    out = tmp_path_factory.mktemp("tarhdr") / f"_tarhdr{sysconfig.get_config_var('EXT_SUFFIX')}"
-    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-shared", "-fPIC",
-                    f"-I{sysconfig.get_paths()['include']}", "-o", str(out), str(SRC)],
-                   check=True)
-    loader = importlib.machinery.ExtensionFileLoader("_tarhdr", str(out))
-    spec = importlib.util.spec_from_file_location("_tarhdr", out, loader=loader)
-    assert spec is not None
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
+    return build_and_load(SRC, tmp_path_factory.mktemp("tarhdr"))
 
 
 def _use(monkeypatch: pytest.MonkeyPatch, mod: ModuleType | None) -> None:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...core.errors import BackendError, SandboxError
+from ...core.files import fsync_path
 from .. import _cgroups, egress
 from ..base import SandboxHandle
 from . import vmsnap
@@ -104,14 +105,6 @@ def _argv_of(pid: int) -> list[str]:
     return out
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def park(b: QemuBackend, handle: SandboxHandle) -> dict[str, Any]:
     """Save the running guest to ``park.state`` and end its QEMU. Returns the figures:
     QEMU's resident bytes before, the state file's size. On failure the guest runs on."""
@@ -126,7 +119,7 @@ def park(b: QemuBackend, handle: SandboxHandle) -> dict[str, Any]:
         meta = sdir / ARGV
         meta_tmp = sdir / (ARGV + ".tmp")
         meta_tmp.write_text(json.dumps({"argv": argv}))
-        _fsync(meta_tmp)  # on disk before the state file it goes with
+        fsync_path(meta_tmp)  # on disk before the state file it goes with
         os.replace(meta_tmp, meta)
         # the guest's agent port must not hold a connection when it is saved: after the
         # thaw the host end is a fresh socket (as for a snapshot boot's template)
@@ -136,9 +129,9 @@ def park(b: QemuBackend, handle: SandboxHandle) -> dict[str, Any]:
         try:
             _save(st["qmp"], tmp, b.boot_timeout)
             _pause_for_tests("vm_park")
-            _fsync(tmp)
+            fsync_path(tmp)
             os.rename(tmp, final)
-            _fsync(sdir)
+            fsync_path(sdir)
         except BaseException:
             tmp.unlink(missing_ok=True)
             _done(tmp).unlink(missing_ok=True)
@@ -226,7 +219,7 @@ def thaw(b: QemuBackend, handle: SandboxHandle, commit: Callable[[dict[str, Any]
             _end_qemu(st, st.get("pid"))
             raise
         final.unlink()
-        _fsync(sdir)
+        fsync_path(sdir)
         (sdir / ARGV).unlink(missing_ok=True)
         qmp(st["qmp"], "cont")
         from .qemu import RESTORED_RETRY

@@ -24,6 +24,7 @@ from typing import ClassVar
 from urllib.parse import unquote, urlparse
 
 from ...core.errors import NotFoundError, StoreError, UsageError
+from ...core.files import fsync_path
 from .base import ObjectInfo, Store
 
 
@@ -131,20 +132,13 @@ class FileStore(Store):
                     tmp.unlink(missing_ok=True)
 
     def _commit_batch(self, batch: list[tuple[Path, str]]) -> None:
-        def sync(tmp: Path) -> None:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
         shown = 0
         try:
             if len(batch) == 1:
-                sync(batch[0][0])
+                fsync_path(batch[0][0])
             elif batch:
                 with ThreadPoolExecutor(min(8, len(batch))) as pool:
-                    list(pool.map(sync, [tmp for tmp, _ in batch]))
+                    list(pool.map(fsync_path, [tmp for tmp, _ in batch]))
             for tmp, key in batch:  # in the order they were put
                 self._commit(tmp, key)
                 shown += 1
@@ -171,11 +165,7 @@ class FileStore(Store):
             if batch is not None:
                 batch.append((tmp, key))  # synced and shown when the batch ends
                 return
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(tmp)
             self._commit(tmp, key)
         except OSError as e:
             tmp.unlink(missing_ok=True)
