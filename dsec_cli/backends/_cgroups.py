@@ -13,12 +13,14 @@ import errno
 import logging
 import os
 import signal
+import struct
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from ..core.errors import BackendError
 
@@ -56,6 +58,18 @@ SCHED_CLASSES: dict[str, tuple[int, int]] = {
 _SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}.get(os.uname().machine)
 
 
+#: struct sched_attr, SCHED_ATTR_SIZE_VER0: size, policy, flags, nice, priority, runtime,
+#: deadline, period
+_SCHED_ATTR = struct.Struct("IIQiIQQQ")
+
+
+@cache
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def set_sched(pid: int, policy: int, slice_ns: int) -> bool:
     """sched_setattr(2) on one process: its policy and, where the kernel takes one, its EEVDF
     slice (``sched_runtime`` of a SCHED_NORMAL/BATCH task; 0 for the default). False where
@@ -64,14 +78,10 @@ def set_sched(pid: int, policy: int, slice_ns: int) -> bool:
     if _SCHED_SETATTR is None:
         return False
     import ctypes
-    import struct
 
-    # struct sched_attr, SCHED_ATTR_SIZE_VER0: size, policy, flags, nice, priority,
-    # runtime, deadline, period
-    attr = ctypes.create_string_buffer(struct.pack("IIQiIQQQ", 48, policy, 0, 0, 0, slice_ns,
-                                                   0, 0))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(_SCHED_SETATTR, pid, attr, 0) == 0:
+    attr = ctypes.create_string_buffer(_SCHED_ATTR.pack(_SCHED_ATTR.size, policy, 0, 0, 0,
+                                                        slice_ns, 0, 0))
+    if _libc().syscall(_SCHED_SETATTR, pid, attr, 0) == 0:
         return True
     err = ctypes.get_errno()
     if err not in (errno.ESRCH, errno.ENOSYS):
@@ -86,13 +96,12 @@ def custom_slices() -> bool:
     if _SCHED_SETATTR is None:
         return False
     import ctypes
-    import struct
 
-    buf = ctypes.create_string_buffer(48)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(_SCHED_SETATTR + 1, 0, buf, 48, 0) != 0:  # sched_getattr follows
+    buf = ctypes.create_string_buffer(_SCHED_ATTR.size)
+    # sched_getattr's number follows sched_setattr's
+    if _libc().syscall(_SCHED_SETATTR + 1, 0, buf, _SCHED_ATTR.size, 0) != 0:
         return False
-    return struct.unpack("IIQiIQQQ", buf.raw)[5] > 0
+    return _SCHED_ATTR.unpack(buf.raw)[5] > 0
 
 
 @dataclass(frozen=True)
@@ -220,6 +229,8 @@ class Cgroup:
         sandbox overrunning a full host is killed before a latency one."""
         out = self.set_cpu_class(cls)
         adj = OOM_SCORE_ADJ[cls]
+        policy, slice_ns = SCHED_CLASSES[cls]
+        scheduled = False
         for pid in self.procs():
             try:
                 _write(Path(f"/proc/{pid}/oom_score_adj"), str(adj))
@@ -227,9 +238,9 @@ class Cgroup:
                 pass  # a process that just exited
             except OSError as e:
                 log.warning("cannot set the OOM standing of %s: %s", self.rel, e)
+            scheduled = set_sched(pid, policy, slice_ns) or scheduled
         out["oom_score_adj"] = adj
-        policy, slice_ns = SCHED_CLASSES[cls]
-        if any([set_sched(pid, policy, slice_ns) for pid in self.procs()]):
+        if scheduled:
             out["sched_policy"], out["sched_slice_ns"] = policy, slice_ns
         return out
 

@@ -479,6 +479,18 @@ static void log_open(Loop *self, Entry *e, uint64_t ino) {
     self->log_t[self->log_n++] = t;
 }
 
+/* What `answer` returns once a reply went out (err: its errno, 0 if sent): 2 when Python
+ * asked to hear of this inode's request (*notify set), else 1. */
+static int sent(int err, int wants, uint64_t ino, uint64_t *notify) {
+    if (err)
+        return -err;
+    if (wants) {
+        *notify = ino;
+        return 2;
+    }
+    return 1;
+}
+
 /* Answer the request in buf (n bytes) if the table knows how: 1 answered, 2 answered and
  * Python asked to hear of it (*notify set), 0 not answerable here, -errno on a write error. */
 static int answer(Loop *self, const unsigned char *buf, size_t n, uint64_t *notify) {
@@ -504,7 +516,7 @@ static int answer(Loop *self, const unsigned char *buf, size_t n, uint64_t *noti
     case OP_RELEASEDIR:
     case OP_FLUSH:
         err = reply(self->fd, unique, NULL, 0);
-        return err ? -err : 1;
+        return sent(err, 0, ino, notify);
     default:
         break;
     }
@@ -525,15 +537,18 @@ static int answer(Loop *self, const unsigned char *buf, size_t n, uint64_t *noti
         if (!known)
             return 0;
         err = reply(self->fd, unique, out, sizeof out);
-        return err ? -err : 1;
+        return sent(err, 0, ino, notify);
     }
-    if (op == OP_READ) {
+    /* READ and READDIRPLUS: fuse_read_in's offset and size */
+    uint64_t off = 0;
+    uint32_t size = 0;
+    if (op == OP_READ || op == OP_READDIRPLUS) {
         if (blen < 24)
             return 0;
-        uint64_t off;
-        uint32_t size;
         memcpy(&off, body + 8, 8);
         memcpy(&size, body + 16, 4);
+    }
+    if (op == OP_READ) {
         pthread_mutex_lock(&self->mu);
         const char *data = e->data;
         Py_ssize_t dlen = e->len;
@@ -546,14 +561,9 @@ static int answer(Loop *self, const unsigned char *buf, size_t n, uint64_t *noti
         size_t start = off < (uint64_t)dlen ? (size_t)off : (size_t)dlen;
         size_t count = (size_t)dlen - start < size ? (size_t)dlen - start : size;
         err = reply(self->fd, unique, data + start, count);
-        if (err)
-            return -err;
-        __atomic_fetch_add(&self->bytes_served, count, __ATOMIC_RELAXED);
-        if (wants) {
-            *notify = ino;
-            return 2;
-        }
-        return 1;
+        if (!err)
+            __atomic_fetch_add(&self->bytes_served, count, __ATOMIC_RELAXED);
+        return sent(err, wants, ino, notify);
     }
     if (op == OP_READLINK) { /* a link's data is its target */
         pthread_mutex_lock(&self->mu);
@@ -563,15 +573,9 @@ static int answer(Loop *self, const unsigned char *buf, size_t n, uint64_t *noti
         if (data == NULL)
             return 0;
         err = reply(self->fd, unique, data, (size_t)dlen);
-        return err ? -err : 1;
+        return sent(err, 0, ino, notify);
     }
     if (op == OP_READDIRPLUS) {
-        if (blen < 24)
-            return 0;
-        uint64_t off;
-        uint32_t size;
-        memcpy(&off, body + 8, 8);
-        memcpy(&size, body + 16, 4);
         pthread_mutex_lock(&self->mu);
         const char *list = e->list_obj ? PyBytes_AS_STRING(e->list_obj) : NULL;
         const uint32_t *starts = e->list_off;
@@ -592,13 +596,7 @@ static int answer(Loop *self, const unsigned char *buf, size_t n, uint64_t *noti
             to = starts[j];
         }
         err = reply(self->fd, unique, list + from, to - from);
-        if (err)
-            return -err;
-        if (wants) {
-            *notify = ino;
-            return 2;
-        }
-        return 1;
+        return sent(err, wants, ino, notify);
     }
     if (op == OP_LOOKUP) {
         const unsigned char *nul = memchr(body, 0, blen);
@@ -617,7 +615,7 @@ static int answer(Loop *self, const unsigned char *buf, size_t n, uint64_t *noti
         if (!known)
             return 0;
         err = reply(self->fd, unique, out, sizeof out);
-        return err ? -err : 1;
+        return sent(err, 0, ino, notify);
     }
     if (op == OP_GETATTR) {
         unsigned char out[ATTR_OUT];
@@ -629,7 +627,7 @@ static int answer(Loop *self, const unsigned char *buf, size_t n, uint64_t *noti
         if (!known)
             return 0;
         err = reply(self->fd, unique, out, sizeof out);
-        return err ? -err : 1;
+        return sent(err, 0, ino, notify);
     }
     return 0;
 }
