@@ -4,7 +4,8 @@ a dsec image.
 A layer is read as one stream: blob -> sha256 (the manifest's digest) -> gzip or zstd
 (sniffed) -> sha256 (the config's uncompressed ``diff_id``) -> tar members. Files of at
 least ``small_file`` bytes are chunked as the stream reaches them (a few chunk windows in
-memory); smaller ones wait in a spool until the end of the layer, because they are grouped
+memory); smaller ones wait in a spool (in memory up to `SPOOL_MEMORY`, then in a file in
+staging) until the end of the layer, because they are grouped
 into batch chunks in path order, exactly as `dsec build` groups them, so an image imported,
 exported and imported again has the same content digests. Packs stay in staging until both
 digests match: a layer whose bytes do not match is refused, naming the digest, and the
@@ -77,6 +78,8 @@ LAYER_TYPES = {
     "application/vnd.docker.image.rootfs.diff.tar", "",
 }
 GZIP_MAGIC = b"\x1f\x8b"
+#: a layer's small files wait in memory up to this many bytes, then in a staging file
+SPOOL_MEMORY = 64 << 20
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 #: the most the env, workdir and annotations taken from an image config may weigh in all
 MAX_SETTINGS = 1 << 20
@@ -126,14 +129,46 @@ class ImportReport:
 
 
 # -- streams ----------------------------------------------------------------------------------
+class _HashBehind:
+    """sha256 on a thread of its own, fed the pieces a reader passes on: hashing the
+    uncompressed layer (about a third of inflating it) is taken off the inflating thread,
+    which a layer's read waits for. At most ``depth`` pieces wait; the pieces are immutable
+    bytes, so nothing is copied."""
+
+    def __init__(self, depth: int = 16) -> None:
+        self.q: queue.Queue[bytes | memoryview | None] = queue.Queue(depth)
+        self.h = hashlib.sha256()
+        self.t = threading.Thread(target=self._run, name="oci-layer-hash", daemon=True)
+        self.t.start()
+        self.closed = False
+
+    def _run(self) -> None:
+        while (piece := self.q.get()) is not None:
+            self.h.update(piece)
+
+    def update(self, piece: bytes) -> None:
+        self.q.put(piece)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.q.put(None)
+            self.t.join()
+
+    def hexdigest(self) -> str:
+        self.close()
+        return self.h.hexdigest()
+
+
 class _Hashed:
     """A reader that hashes and counts what passes; with ``limit`` it never reads past one
-    byte beyond it, so an over-long blob is seen without being read whole."""
+    byte beyond it, so an over-long blob is seen without being read whole. ``h`` is the
+    hash (sha256 in this thread by default, or a `_HashBehind`)."""
 
     def __init__(self, f: Any, limit: int | None = None,
-                 tick: Callable[[int], None] | None = None) -> None:
+                 tick: Callable[[int], None] | None = None, h: Any = None) -> None:
         self.f = f
-        self.h = hashlib.sha256()
+        self.h = h if h is not None else hashlib.sha256()
         self.n = 0
         self.limit = limit
         self.tick = tick
@@ -180,6 +215,14 @@ class _Hashed:
     @property
     def digest(self) -> str:
         return "sha256:" + self.h.hexdigest()
+
+
+class _NoHash:
+    def update(self, data: bytes) -> None:
+        pass
+
+
+_NO_HASH = _NoHash()
 
 
 class _Prefetch:
@@ -431,21 +474,25 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
     staging = Path(tempfile.mkdtemp(prefix="import-", dir=store.staging_dir()))
     w = _Writer(store, known, params, staging, None, False, defer_uploads=True)
     try:
-        with source.blob(desc) as f, open(staging / "small-files", "w+b") as spool:
-            # three threads per layer: the blob's bytes come in (a registry's are waited
-            # for) on one, they are inflated and hashed on a second, parsed and chunked here
-            fetched = _Prefetch(f, depth=1, name="oci-blob-read")
-            raw = _Hashed(fetched, desc.size if desc.digest else None, tick)
-            plain = _Hashed(None)
+        with source.blob(desc) as f, tempfile.SpooledTemporaryFile(
+                SPOOL_MEMORY, dir=staging) as spool:
+            # four threads per layer: the blob's bytes come in (a registry's are waited
+            # for) and are hashed on one, inflated on a second, the inflated bytes hashed
+            # on a third, parsed and chunked here
+            raw = _Hashed(f, desc.size if desc.digest else None, tick)
+            fetched = _Prefetch(raw, depth=2, name="oci-blob-read")
+            head = _Hashed(fetched, h=_NO_HASH)  # only to sniff the compression
+            plain = _Hashed(None, h=_HashBehind())
             ahead = None
             try:
-                plain.f = _decompressed(raw)
+                plain.f = _decompressed(head)
                 ahead = _Prefetch(plain)
                 with tarfile.open(fileobj=ahead, mode="r:",  # type: ignore[call-overload]
                                   tarinfo=tarinfo_class()) as tf:
                     entries = _scan_layer(tf, ahead, label, w, params, spool)
                 ahead.drain()  # the end-of-archive padding is part of the diff_id
-                raw.drain()
+                head.drain()
+                fetched.drain()  # the fetch thread has hashed the last byte
             except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
                 raise IntegrityError(f"{label}: cannot read it as a tar stream: {e}") from None
             except Exception as e:  # zstandard's and isal's errors derive from Exception
@@ -456,6 +503,7 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
                 if ahead is not None:
                     ahead.close()
                 fetched.close()
+                plain.h.close()
         if desc.digest is not None:
             if raw.n != desc.size:
                 got = f"over {desc.size}" if raw.n > desc.size else str(raw.n)
@@ -467,7 +515,6 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
         if plain.digest != diff_id:
             raise IntegrityError(f"{label}: the uncompressed layer hashes to {plain.digest}, "
                                  f"not its diff_id {diff_id}; refused")
-        (staging / "small-files").unlink()
         w.seal_all()
     except BaseException:
         w.abort()
