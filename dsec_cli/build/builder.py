@@ -12,6 +12,7 @@ import gc
 import hashlib
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -132,6 +133,34 @@ def _fingerprint(spec: Spec) -> str:
     return h.hexdigest()
 
 
+class _Listing:
+    """`_fingerprint` on a thread of its own (the compiled listing runs without the GIL), for
+    a build that cannot be a cache hit: the inputs are listed while the build scans them.
+    `result` is called before any input's contents are read (see `_build_layer`), so every
+    path is listed before it is read, as when the listing comes first: a write to an input
+    during the build changes the next build's key."""
+
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.value: str | None = None
+        self.error: BaseException | None = None
+        self.t = threading.Thread(target=self._run, name="build-listing", daemon=True)
+        self.t.start()
+
+    def _run(self) -> None:
+        try:
+            self.value = _fingerprint(self.spec)
+        except BaseException as e:  # raised in the caller by result()
+            self.error = e
+
+    def result(self) -> str:
+        self.t.join()
+        if self.error is not None:
+            raise self.error
+        assert self.value is not None
+        return self.value
+
+
 class _BuildCache:
     """Local: (spec, inputs, dependencies) -> manifest digest, per store."""
 
@@ -146,10 +175,15 @@ class _BuildCache:
         except FileNotFoundError:
             return None
 
-    def put(self, key: str, manifest: str) -> None:
+    def seen(self, ident: str) -> bool:
+        """Whether a build of this spec and dependencies (any inputs) was recorded."""
+        return (self.dir / f"seen-{ident}").exists()
+
+    def put(self, key: str, manifest: str, ident: str) -> None:
         tmp = self.dir / f".{key}.{os.getpid()}.tmp"
         tmp.write_text(manifest)
         os.replace(tmp, self.dir / key)
+        (self.dir / f"seen-{ident}").touch()
 
 
 def build(paths: Sequence[str | Path] | None = None, store: str | Store | None = None, *,
@@ -193,11 +227,17 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
     for spec in order:
         started = time.monotonic()
         deps = [dep_digest(r) for r, _ in spec.deps]
-        key = hashlib.sha256(canonical.dumps({
-            "format": CONTENT_VERSION, "rules": BUILD_RULES, "spec": spec.doc, "deps": deps,
-            "inputs": _fingerprint(spec) if spec.kind == "layer" else "",
-            "sde": os.environ.get("SOURCE_DATE_EPOCH", "0"), "sha": chunk_sha256})).hexdigest()
-        hit = None if force else cache.get(key)
+        ident = {"format": CONTENT_VERSION, "rules": BUILD_RULES, "spec": spec.doc,
+                 "deps": deps, "sde": os.environ.get("SOURCE_DATE_EPOCH", "0"),
+                 "sha": chunk_sha256}
+        seen = hashlib.sha256(canonical.dumps(ident)).hexdigest()
+        # a layer never built here as it is (same spec and dependencies) cannot be a cache
+        # hit: its inputs are listed on a thread while the build scans them
+        listing = (_Listing(spec) if spec.kind == "layer" and (force or not cache.seen(seen))
+                   else None)
+        key = "" if listing else hashlib.sha256(canonical.dumps({
+            **ident, "inputs": _fingerprint(spec) if spec.kind == "layer" else ""})).hexdigest()
+        hit = None if force or listing else cache.get(key)
         if hit and st.has(object_key("manifests", hit)):
             m = load_manifest(st, hit)
             replaced = _point_ref(st, spec, hit, replace)
@@ -213,11 +253,14 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
             if known is None:
                 known = KnownChunks.load(st, Path(cfg.data_dir) / "chunk-tables")
             digest, m, stats = _build_layer(st, spec, deps, known, Path(cfg.data_dir), progress,
-                                            on_log, chunk_sha256)
+                                            on_log, chunk_sha256, listing)
+            if listing:
+                key = hashlib.sha256(canonical.dumps(
+                    {**ident, "inputs": listing.result()})).hexdigest()
             item = Built(spec.ref, "layer", digest, m.content_digest, False, m.size,
                          m.stored_size, stats.new_bytes, stats.new_chunks, stats.reused_chunks)
         item.replaced = _point_ref(st, spec, digest, replace)
-        cache.put(key, digest)
+        cache.put(key, digest, seen)
         digests[spec.ref] = digest
         item.seconds = time.monotonic() - started
         item.spec = str(spec.path)
@@ -292,7 +335,8 @@ def _gc_paused() -> Iterator[None]:
 
 def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, data_dir: Path,
                  progress: Progress | None, on_log: Callable[[str], None] | None,
-                 chunk_sha256: bool) -> tuple[str, Manifest, WriteStats]:
+                 chunk_sha256: bool, listing: _Listing | None = None
+                 ) -> tuple[str, Manifest, WriteStats]:
     from .layer import layer_manifest, write_layer
     from .steps import STAGED_STEPS, build_tree, clean_stale_staging, make_staging
 
@@ -310,8 +354,12 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
     clean_stale_staging(tmp_root)  # a build killed before may have left a mounted overlay
     staging = make_staging(tmp_root)
     try:
+        if listing and any(s.kind != "copy" for s in spec.steps if "src" in s.args):
+            listing.result()  # those steps read their inputs while the tree is made
         with _gc_paused():
             scanned = build_tree(spec, staging, lowers, base_env, on_log)
+            if listing:
+                listing.result()  # a copy step's files are read from here on
             index, stats = write_layer(st, scanned, known=known, progress=progress,
                                        crypto_digests=chunk_sha256)
     finally:

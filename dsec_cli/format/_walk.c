@@ -325,20 +325,31 @@ static PyObject *walk_scan(PyObject *self, PyObject *args) {
 /* The stat listing of a tree, for build fingerprints: one line per path in pre-order, the
  * names of a directory sorted as bytes, each ``rel\0size\0mtime_ns\0ctime_ns\0mode\0ino\n``
  * (the root is "."; decimal numbers). Nothing is read but directories and inodes, and no
- * Python object is made per path: this is what a no-op build costs. */
+ * Python object is made per path: this is what a no-op build costs. The walk runs without
+ * the GIL (a build lists its inputs on one thread while it scans them on another): a
+ * failure is kept in ``Listing`` and raised once the GIL is held again. */
 typedef struct {
     char *buf;
     size_t len, cap;
 } Buf;
 
-static int buf_put(Buf *b, const char *p, size_t n) {
+typedef struct {
+    Buf out, rel;
+    int depth, max_depth;
+    int err;       /* errno of the failed call, 0 if none */
+    int nomem;     /* an allocation failed */
+    int too_deep;  /* nested deeper than the interpreter's recursion limit */
+    char *name;    /* the name the failed call was about, or NULL */
+} Listing;
+
+static int buf_put(Listing *L, Buf *b, const char *p, size_t n) {
     if (b->len + n > b->cap) {
         size_t cap = b->cap ? b->cap : 1 << 16;
         while (cap < b->len + n)
             cap *= 2;
         char *nb = realloc(b->buf, cap);
         if (nb == NULL) {
-            PyErr_NoMemory();
+            L->nomem = 1;
             return -1;
         }
         b->buf = nb;
@@ -349,32 +360,37 @@ static int buf_put(Buf *b, const char *p, size_t n) {
     return 0;
 }
 
+static int list_fail(Listing *L, int err, const char *name) {
+    L->err = err;
+    if (name != NULL && L->name == NULL)
+        L->name = strdup(name);
+    return -1;
+}
+
 static int cmp_names(const void *a, const void *b) {
     return strcmp(*(char *const *)a, *(char *const *)b);
 }
 
-static int list_line(Buf *out, const char *rel, size_t rlen, const struct stat *st) {
+static int list_line(Listing *L, const char *rel, size_t rlen, const struct stat *st) {
     char nums[128];
     long long mt = (long long)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec;
     long long ct = (long long)st->st_ctim.tv_sec * 1000000000LL + st->st_ctim.tv_nsec;
     int n = snprintf(nums, sizeof(nums), "%c%lld%c%lld%c%lld%c%u%c%llu\n", 0,
                      (long long)st->st_size, 0, mt, 0, ct, 0, (unsigned)st->st_mode, 0,
                      (unsigned long long)st->st_ino);
-    if (buf_put(out, rel, rlen) < 0 || buf_put(out, nums, (size_t)n) < 0)
+    if (buf_put(L, &L->out, rel, rlen) < 0 || buf_put(L, &L->out, nums, (size_t)n) < 0)
         return -1;
     return 0;
 }
 
-/* the entries of directory dfd below ``rel`` (a growable path buffer holding rel) */
-static int list_dir(Buf *out, int dfd, Buf *rel) {
+/* the entries of directory dfd below ``L->rel`` (a growable path buffer) */
+static int list_dir(Listing *L, int dfd) {
     int fd = dup(dfd), rc = -1;
-    if (fd < 0) {
-        os_error(errno, NULL);
-        return -1;
-    }
+    if (fd < 0)
+        return list_fail(L, errno, NULL);
     DIR *d = fdopendir(fd);
     if (d == NULL) {
-        os_error(errno, NULL);
+        list_fail(L, errno, NULL);
         close(fd);
         return -1;
     }
@@ -386,7 +402,7 @@ static int list_dir(Buf *out, int dfd, Buf *rel) {
         struct dirent *de = readdir(d);
         if (de == NULL) {
             if (errno != 0) {
-                os_error(errno, NULL);
+                list_fail(L, errno, NULL);
                 goto out;
             }
             break;
@@ -398,46 +414,45 @@ static int list_dir(Buf *out, int dfd, Buf *rel) {
             cap = cap ? cap * 2 : 64;
             char **nn = realloc(names, cap * sizeof(char *));
             if (nn == NULL) {
-                PyErr_NoMemory();
+                L->nomem = 1;
                 goto out;
             }
             names = nn;
         }
         if ((names[n] = strdup(nm)) == NULL) {
-            PyErr_NoMemory();
+            L->nomem = 1;
             goto out;
         }
         n++;
     }
     qsort(names, n, sizeof(char *), cmp_names);
+    Buf *rel = &L->rel;
     size_t base = rel->len;
     for (i = 0; i < n; i++) {
         rel->len = base;
-        if ((base && buf_put(rel, "/", 1) < 0) || buf_put(rel, names[i], strlen(names[i])) < 0)
+        if ((base && buf_put(L, rel, "/", 1) < 0) ||
+            buf_put(L, rel, names[i], strlen(names[i])) < 0)
             goto out;
         struct stat st;
         if (fstatat(dirfd(d), names[i], &st, AT_SYMLINK_NOFOLLOW) < 0) {
-            int err = errno;
-            PyObject *nm = PyUnicode_DecodeFSDefault(names[i]);
-            os_error(err, nm);
-            Py_XDECREF(nm);
+            list_fail(L, errno, names[i]);
             goto out;
         }
-        if (list_line(out, rel->buf, rel->len, &st) < 0)
+        if (list_line(L, rel->buf, rel->len, &st) < 0)
             goto out;
         if (S_ISDIR(st.st_mode)) {
+            /* a tree nested without end is a RecursionError, never a stack overflow */
+            if (++L->depth > L->max_depth) {
+                L->too_deep = 1;
+                goto out;
+            }
             int sub = openat(dirfd(d), names[i], DIR_FLAGS);
             if (sub < 0) {
-                os_error(errno, NULL);
+                list_fail(L, errno, NULL);
                 goto out;
             }
-            /* a tree nested without end is a RecursionError, never a stack overflow */
-            if (Py_EnterRecursiveCall(" while listing a tree")) {
-                close(sub);
-                goto out;
-            }
-            int r = list_dir(out, sub, rel);
-            Py_LeaveRecursiveCall();
+            int r = list_dir(L, sub);
+            L->depth--;
             close(sub);
             if (r < 0)
                 goto out;
@@ -460,31 +475,48 @@ static PyObject *walk_stat_listing(PyObject *self, PyObject *args) {
     /* the root is the caller's own path and followed (a spec's source may be a symlink);
      * nothing below it is */
     const char *path = PyBytes_AS_STRING(root);
+    Listing L;
+    memset(&L, 0, sizeof(L));
+    L.max_depth = Py_GetRecursionLimit();
+    int rc = 0, root_err = 0;
+    Py_BEGIN_ALLOW_THREADS
     struct stat st;
     if (stat(path, &st) < 0) {
-        PyObject *r = os_error(errno, root);
-        Py_DECREF(root);
-        return r;
-    }
-    Buf out = {NULL, 0, 0}, rel = {NULL, 0, 0};
-    PyObject *result = NULL;
-    if (list_line(&out, ".", 1, &st) < 0)
-        goto done;
-    if (S_ISDIR(st.st_mode)) {
+        root_err = errno;
+        rc = -1;
+    } else if (list_line(&L, ".", 1, &st) < 0) {
+        rc = -1;
+    } else if (S_ISDIR(st.st_mode)) {
         int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (fd < 0) {
-            os_error(errno, root);
-            goto done;
+            root_err = errno;
+            rc = -1;
+        } else {
+            rc = list_dir(&L, fd);
+            close(fd);
         }
-        int r = list_dir(&out, fd, &rel);
-        close(fd);
-        if (r < 0)
-            goto done;
     }
-    result = PyBytes_FromStringAndSize(out.buf, (Py_ssize_t)out.len);
-done:
-    free(out.buf);
-    free(rel.buf);
+    Py_END_ALLOW_THREADS
+    PyObject *result = NULL;
+    if (rc == 0) {
+        result = PyBytes_FromStringAndSize(L.out.buf, (Py_ssize_t)L.out.len);
+    } else if (root_err) {
+        os_error(root_err, root);
+    } else if (L.nomem) {
+        PyErr_NoMemory();
+    } else if (L.too_deep) {
+        PyErr_SetString(PyExc_RecursionError,
+                        "maximum recursion depth exceeded while listing a tree");
+    } else {
+        PyObject *nm = L.name ? PyUnicode_DecodeFSDefault(L.name) : NULL;
+        if (L.name != NULL && nm == NULL)
+            PyErr_Clear();
+        os_error(L.err, nm);
+        Py_XDECREF(nm);
+    }
+    free(L.name);
+    free(L.out.buf);
+    free(L.rel.buf);
     Py_DECREF(root);
     return result;
 }

@@ -150,3 +150,34 @@ def test_changes_that_keep_size_and_mtime_are_rebuilt(tmp_path: Path, store) -> 
         digests.add(item.content_digest)
         assert build([spec], store).items[0].cached
     assert len(digests) == len(changes) + 1
+
+
+def test_a_first_build_lists_its_inputs_while_it_scans_them(tmp_path: Path, store,
+                                                           monkeypatch) -> None:
+    """A spec never built here cannot be a cache hit: its inputs are listed on a thread
+    during the build, and the key recorded from that listing is the one the next build
+    computes first (it is a hit); an input written after the build is still seen."""
+    import threading
+
+    from dsec_cli.build import builder
+
+    listed: list[str] = []
+    real = builder._fingerprint
+
+    def recording(spec):  # type: ignore[no-untyped-def]
+        listed.append(threading.current_thread().name)
+        return real(spec)
+
+    monkeypatch.setattr(builder, "_fingerprint", recording)
+    folder = tmp_path / "s"
+    _corpus(folder / "tree", files=30)
+    spec = _layer_spec(folder, "listed", "1")
+    first = build([spec], store).items[0]
+    assert not first.cached and listed == ["build-listing"]
+    again = build([spec], store).items[0]
+    assert again.cached and again.manifest == first.manifest
+    assert listed == ["build-listing", "MainThread"]
+    (folder / "tree/pkg0/mod0.py").write_text("changed")
+    changed = build([spec], store, replace=True).items[0]
+    assert not changed.cached and changed.content_digest != first.content_digest
+    assert listed[2:] == ["MainThread"]
