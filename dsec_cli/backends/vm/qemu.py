@@ -528,6 +528,14 @@ class QemuBackend(AgentBackend):
             pid = _find_qemu(handle.sandbox_id)  # a thaw killed before its row was written
         if pid and self._is_our_qemu(handle, pid):
             quit_qemu(st["qmp"], pid, 3.0)
+        # a create killed while QEMU daemonized: the pid found may have been the parent,
+        # which exits once its daemon child (same -name, no pid recorded) runs, so whatever
+        # still carries this sandbox's name is ended as well
+        for _ in range(3):
+            left = _find_qemu(handle.sandbox_id)
+            if left is None or not self._is_our_qemu(handle, left):
+                break
+            quit_qemu(st["qmp"], left, 1.0)
         mnt = st.get("snap_mount")
         if mnt and os.path.ismount(mnt):
             subprocess.run(["umount", "-l", mnt], capture_output=True)
