@@ -12,9 +12,9 @@ import gc
 import hashlib
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,32 +133,17 @@ def _fingerprint(spec: Spec) -> str:
     return h.hexdigest()
 
 
-class _Listing:
+def _listing(spec: Spec) -> Future[str]:
     """`_fingerprint` on a thread of its own (the compiled listing runs without the GIL), for
     a build that cannot be a cache hit: the inputs are listed while the build scans them.
-    `result` is called before any input's contents are read (see `_build_layer`), so every
+    Its result is taken before any input's contents are read (see `_build_layer`), so every
     path is listed before it is read, as when the listing comes first: a write to an input
     during the build changes the next build's key."""
-
-    def __init__(self, spec: Spec) -> None:
-        self.spec = spec
-        self.value: str | None = None
-        self.error: BaseException | None = None
-        self.t = threading.Thread(target=self._run, name="build-listing", daemon=True)
-        self.t.start()
-
-    def _run(self) -> None:
-        try:
-            self.value = _fingerprint(self.spec)
-        except BaseException as e:  # raised in the caller by result()
-            self.error = e
-
-    def result(self) -> str:
-        self.t.join()
-        if self.error is not None:
-            raise self.error
-        assert self.value is not None
-        return self.value
+    pool = ThreadPoolExecutor(1, thread_name_prefix="build-listing")
+    try:
+        return pool.submit(_fingerprint, spec)
+    finally:
+        pool.shutdown(wait=False)
 
 
 class _BuildCache:
@@ -233,11 +218,11 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
         seen = hashlib.sha256(canonical.dumps(ident)).hexdigest()
         # a layer never built here as it is (same spec and dependencies) cannot be a cache
         # hit: its inputs are listed on a thread while the build scans them
-        listing = (_Listing(spec) if spec.kind == "layer" and (force or not cache.seen(seen))
+        listing = (_listing(spec) if spec.kind == "layer" and (force or not cache.seen(seen))
                    else None)
-        key = "" if listing else hashlib.sha256(canonical.dumps({
+        key = "" if listing is not None else hashlib.sha256(canonical.dumps({
             **ident, "inputs": _fingerprint(spec) if spec.kind == "layer" else ""})).hexdigest()
-        hit = None if force or listing else cache.get(key)
+        hit = None if force or listing is not None else cache.get(key)
         if hit and st.has(object_key("manifests", hit)):
             m = load_manifest(st, hit)
             replaced = _point_ref(st, spec, hit, replace)
@@ -254,7 +239,7 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
                 known = KnownChunks.load(st, Path(cfg.data_dir) / "chunk-tables")
             digest, m, stats = _build_layer(st, spec, deps, known, Path(cfg.data_dir), progress,
                                             on_log, chunk_sha256, listing)
-            if listing:
+            if listing is not None:
                 key = hashlib.sha256(canonical.dumps(
                     {**ident, "inputs": listing.result()})).hexdigest()
             item = Built(spec.ref, "layer", digest, m.content_digest, False, m.size,
@@ -335,7 +320,7 @@ def _gc_paused() -> Iterator[None]:
 
 def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, data_dir: Path,
                  progress: Progress | None, on_log: Callable[[str], None] | None,
-                 chunk_sha256: bool, listing: _Listing | None = None
+                 chunk_sha256: bool, listing: Future[str] | None = None
                  ) -> tuple[str, Manifest, WriteStats]:
     from .layer import layer_manifest, write_layer
     from .steps import STAGED_STEPS, build_tree, clean_stale_staging, make_staging
@@ -354,11 +339,11 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
     clean_stale_staging(tmp_root)  # a build killed before may have left a mounted overlay
     staging = make_staging(tmp_root)
     try:
-        if listing and any(s.kind != "copy" for s in spec.steps if "src" in s.args):
+        if listing is not None and any(s.kind != "copy" for s in spec.steps if "src" in s.args):
             listing.result()  # those steps read their inputs while the tree is made
         with _gc_paused():
             scanned = build_tree(spec, staging, lowers, base_env, on_log)
-            if listing:
+            if listing is not None:
                 listing.result()  # a copy step's files are read from here on
             index, stats = write_layer(st, scanned, known=known, progress=progress,
                                        crypto_digests=chunk_sha256)

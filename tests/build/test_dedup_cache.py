@@ -173,10 +173,10 @@ def test_a_first_build_lists_its_inputs_while_it_scans_them(tmp_path: Path, stor
     _corpus(folder / "tree", files=30)
     spec = _layer_spec(folder, "listed", "1")
     first = build([spec], store).items[0]
-    assert not first.cached and listed == ["build-listing"]
+    assert not first.cached and len(listed) == 1 and listed[0].startswith("build-listing")
     again = build([spec], store).items[0]
     assert again.cached and again.manifest == first.manifest
-    assert listed == ["build-listing", "MainThread"]
+    assert listed[1:] == ["MainThread"]
     (folder / "tree/pkg0/mod0.py").write_text("changed")
     changed = build([spec], store, replace=True).items[0]
     assert not changed.cached and changed.content_digest != first.content_digest
