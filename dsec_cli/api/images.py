@@ -4,17 +4,32 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import import_module
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..build.builder import BuildReport, Built, build
 from ..core.errors import DsecError, UsageError
 from ..format.manifest import Manifest, load_manifest
 from ..format.refs import list_refs, resolve
-from ..push.api import Removed, rmi
 from ..push.dedup import load_index
-from ..push.materialize import ResolvedImage, export, prepare_image, resolve_image
 from ..push.stores import Store, open_store
+
+if TYPE_CHECKING:
+    from ..push.api import Removed, rmi
+    from ..push.materialize import ResolvedImage, export, prepare_image, resolve_image
+
+#: names this module re-exports from modules `dsec build` does not need, imported on first
+#: use (they cost a build's start-up about 25 ms)
+_LATER = {"Removed": "..push.api", "rmi": "..push.api", "ResolvedImage": "..push.materialize",
+          "export": "..push.materialize", "prepare_image": "..push.materialize",
+          "resolve_image": "..push.materialize"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LATER:
+        return getattr(import_module(_LATER[name], __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "BuildReport", "Built", "ImageInfo", "Removed", "build", "export", "export_image", "inspect",
@@ -75,7 +90,9 @@ def inspect(ref: str, store: str | Store | None = None, *, files: bool = False
     m: Manifest = load_manifest(st, digest)
     doc: dict[str, Any] = {"digest": digest, "store": st.url, "manifest": m.__dict__.copy()}
     if m.kind == "image":
-        img: ResolvedImage = resolve_image(st, ref)
+        from ..push.materialize import resolve_image
+
+        img = resolve_image(st, ref)
         doc["layers"] = [{"ref": lm.ref, "digest": d, "size": lm.size,
                           "stored_size": lm.stored_size} for d, lm in img.layers]
         doc["env"] = img.env
@@ -104,4 +121,6 @@ def optimize_image(ref: str, cmd: list[str] | None = None, **options: Any) -> An
 
 def export_image(ref: str, dest: Path, store: str | Store | None = None) -> ResolvedImage:
     """Write an image's merged tree (whiteouts applied) to a new directory or a ``.tar``."""
+    from ..push.materialize import export
+
     return export(_store(store), ref, dest)

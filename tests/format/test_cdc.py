@@ -1,0 +1,97 @@
+"""The compiled cut (format/_cdc.c) cuts every input where fastcdc's own chunker does, for
+the default chunk parameters and others, on random, repetitive and real bytes, and does it
+with the GIL released. The extension is compiled here from its source."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from fastcdc.fastcdc_cy import chunk_generator
+
+from dsec_cli.format import chunker
+from dsec_cli.format.index import ChunkParams
+from tests.cext import build_and_load
+
+SRC = Path(chunker.__file__).with_name("_cdc.c")
+PARAMS = [ChunkParams(), ChunkParams(min_size=64, avg_size=256, max_size=1024),
+          ChunkParams(min_size=2048, avg_size=8192, max_size=65536),
+          ChunkParams(min_size=100_000, avg_size=65536, max_size=200_000),  # min over avg
+          ChunkParams(min_size=1 << 20, avg_size=4 << 20, max_size=16 << 20)]
+
+
+@pytest.fixture(scope="module")
+def cdc(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    return build_and_load(SRC, tmp_path_factory.mktemp("cdc"))
+
+
+def _reference(data: bytes, p: ChunkParams) -> list[tuple[int, int]]:
+    return [(c.offset, c.length) for c in chunk_generator(
+        memoryview(data), p.min_size, p.avg_size, p.max_size, False, None)]
+
+
+def _inputs() -> list[bytes]:
+    rng = random.Random(7)
+    real = Path(sys.executable).resolve().read_bytes()[:3 << 20]  # an ELF binary
+    text = b"".join(p.read_bytes() for p in sorted(Path(random.__file__).parent.glob("*.py"))[:60])
+    return [rng.randbytes(5 << 20), bytes(3 << 20), b"ab" * (1 << 20), real, text,
+            rng.randbytes(65_537), rng.randbytes(16_385)]
+
+
+@pytest.mark.parametrize("p", PARAMS, ids=lambda p: f"{p.min_size}-{p.avg_size}-{p.max_size}")
+def test_compiled_cut_matches_fastcdc(cdc: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                      p: ChunkParams) -> None:
+    monkeypatch.setattr(chunker, "_cdc", cdc)
+    for data in _inputs():
+        got = list(chunker.cut(memoryview(data), p))
+        want = _reference(data, p) if len(data) > p.min_size else [(0, len(data))]
+        assert got == want, (len(data), p)
+        assert sum(n for _, n in got) == len(data)
+
+
+def test_fallback_cuts_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the compiled module the generator cuts, with the same result."""
+    data = random.Random(3).randbytes(2 << 20)
+    p = ChunkParams()
+    monkeypatch.setattr(chunker, "_cdc", None)
+    assert list(chunker.cut(memoryview(data), p)) == _reference(data, p)
+
+
+def test_bad_arguments_are_refused(cdc: ModuleType) -> None:
+    with pytest.raises(ValueError, match="gear table"):
+        cdc.lengths(b"x" * 100_000, 16384, 65536, 262144, b"short")
+    with pytest.raises(ValueError, match="out of range"):
+        cdc.lengths(b"x" * 100_000, 1, 65536, 262144, chunker._GEAR)
+
+
+def test_cut_runs_without_the_gil(cdc: ModuleType) -> None:
+    """Another thread keeps running Python while one long buffer is cut: the longest pause
+    in its ticks during the cut is a small part of the cut (with the GIL held, it would be
+    the whole cut)."""
+    data = os.urandom(16 << 20) * 16
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def count() -> None:
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        time.sleep(0.01)
+        start = time.perf_counter()
+        cdc.lengths(data, 16384, 65536, 262144, chunker._GEAR)
+        end = time.perf_counter()
+    finally:
+        done.set()
+        t.join()
+    inside = [x for x in ticks if start <= x <= end]
+    pauses = [b - a for a, b in zip([start, *inside], [*inside, end], strict=True)]
+    assert max(pauses) < (end - start) / 2, (max(pauses), end - start, len(inside))
