@@ -168,7 +168,7 @@ class _Hashed:
     def __init__(self, f: Any, limit: int | None = None,
                  tick: Callable[[int], None] | None = None, h: Any = None) -> None:
         self.f = f
-        self.h = h if h is not None else hashlib.sha256()
+        self.h: Any = h if h is not None else hashlib.sha256()
         self.n = 0
         self.limit = limit
         self.tick = tick
@@ -475,7 +475,7 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
     w = _Writer(store, known, params, staging, None, False, defer_uploads=True)
     try:
         with source.blob(desc) as f, tempfile.SpooledTemporaryFile(
-                SPOOL_MEMORY, dir=staging) as spool:
+                SPOOL_MEMORY, dir=str(staging)) as spool:
             # four threads per layer: the blob's bytes come in (a registry's are waited
             # for) and are hashed on one, inflated on a second, the inflated bytes hashed
             # on a third, parsed and chunked here

@@ -206,8 +206,8 @@ def validate_index(ix: LayerIndex, what: str, limits: StoreLimits | None = None)
             fail(what, f"{field} must be a list")
         if len(value) > bound:
             fail(what, f"{len(value)} {field} is more than the limit of {bound} ({setting})")
-    for n, p in enumerate(packs):
-        check_digest_field(what, f"packs[{n}]", p)
+    for n, pack in enumerate(packs):
+        check_digest_field(what, f"packs[{n}]", pack)
     p = ix.params
     for field in ("min_size", "avg_size", "max_size", "small_file"):
         _int(what, f"params.{field}", getattr(p, field), 1, lim.chunk_bytes)

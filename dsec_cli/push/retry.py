@@ -85,6 +85,9 @@ class RetryingStore(Store):
     The wrapped store is private: callers get the `Store` interface and nothing else, so no
     code path can reach around the retries (store-specific extras are not forwarded)."""
 
+    policy: RetryPolicy
+    _inner: Store
+
     def __init__(self, inner: Store, policy: RetryPolicy | None = None) -> None:
         if isinstance(inner, RetryingStore):  # one layer of retries, never retries of retries
             policy = policy or inner.policy

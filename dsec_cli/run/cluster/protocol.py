@@ -191,6 +191,6 @@ def _dec(tp: Any, v: Any, where: str) -> Any:  # noqa: C901 - one branch per kin
         et = args[0] if args else Any
         out = [_dec(et, x, f"{where}[{i}]") for i, x in enumerate(v)]
         return tuple(out) if origin is tuple else out
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_wire(tp, v)
     raise TypeError(f"{where}: no wire decoding for type {tp!r}")
