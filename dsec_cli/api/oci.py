@@ -6,14 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ..build.ociimport import ImportedLayer, ImportProgress, ImportReport
+from ..build.ociimport import ImportedLayer, ImportProgress, ImportReport, ImportRun
 from ..build.ociimport import import_image as _import
+from ..build.ociimport import import_images as _import_all
 from ..push.ociexport import ExportReport
 from ..push.ociexport import export_oci as _export
 from ..push.stores import Store, open_store
 
-__all__ = ["ExportReport", "ImportProgress", "ImportReport", "ImportedLayer", "export_oci",
-           "import_image"]
+__all__ = ["ExportReport", "ImportProgress", "ImportReport", "ImportRun", "ImportedLayer",
+           "export_oci", "import_image", "import_images"]
 
 
 def _store(store: str | Store | None) -> Store:
@@ -28,6 +29,17 @@ def import_image(source: str, *, as_ref: str | None = None, store: str | Store |
     ``oci-layer@<diff_id>``, the image ``as_ref`` (default: the repository's name and tag)."""
     return _import(_store(store), source, as_ref=as_ref, platform=platform, insecure=insecure,
                    progress=progress, replace=replace)
+
+
+def import_images(sources: list[str], *, store: str | Store | None = None,
+                  platform: str | None = None, insecure: bool = False, replace: bool = False,
+                  progress: Callable[[ImportProgress], None] | None = None) -> ImportRun:
+    """Import a library of images in one run, each under the name its source gives: each
+    distinct layer is read once, layers of different images side by side, a chunk they
+    share compressed once. An image that fails is listed in ``ImportRun.failed`` and leaves
+    the store as it was; the others are imported all the same."""
+    return _import_all(_store(store), sources, platform=platform, insecure=insecure,
+                       progress=progress, replace=replace)
 
 
 def export_oci(ref: str, dest: Path | None = None, *, to_registry: str | None = None,

@@ -54,19 +54,34 @@ class WriteStats:
     packs_written: list[str] = field(default_factory=list)
 
 
+class ClaimLost(Exception):
+    """A chunk this writer took from another writer of its run is not there: that writer's
+    layer failed."""
+
+
 #: new chunks are compressed in groups of up to GROUP_BYTES (or GROUP_CHUNKS chunks), one
 #: pool task per group: the group shares one zstd frame's context (format/codec.py)
-
 #: a chunk waiting for its group to be compressed: (chunk number, id, uncompressed length)
 _Job = tuple[int, bytes, int]
 _Encoded = tuple[bytes, list[tuple[int, int, int]]]
+#: chunk id -> (writer, chunk number) of the first writer of a run to meet it
+Claims = dict[bytes, tuple["_Writer", int]]
 
 
 class _Writer:
     def __init__(self, store: Store, known: KnownChunks, params: ChunkParams,
                  staging: Path, progress: Progress | None, crypto: bool,
-                 defer_uploads: bool = False) -> None:
+                 defer_uploads: bool = False, claims: Claims | None = None) -> None:
         self.store = store
+        #: chunk id -> (writer, chunk number) of the writer that met it first, shared by the
+        #: writers of one import run: a chunk another writer claimed is not compressed
+        #: again here but taken from that writer's packs once it has sealed them
+        #: (`take_claimed`)
+        self.claims = claims if not crypto else None
+        self.claimed: list[tuple[int, _Writer, int]] = []  # (here, owner, there)
+        self.sealed = threading.Event()  # set by the owner of the writer: `seal_done`
+        self.ok = False
+        self.published = False  # its packs uploaded (`publish`)
         #: sealed packs kept in staging until `publish` (a stream not yet verified)
         self.defer_uploads = defer_uploads
         self.deferred: list[FinishedPack] = []
@@ -121,6 +136,12 @@ class _Writer:
                                       k.codec))
             self.reused += 1
             return n
+        if self.claims is not None:
+            owner = self.claims.setdefault(cid, (self, n))
+            if owner[0] is not self:
+                self.locs.append(None)
+                self.claimed.append((n, owner[0], owner[1]))
+                return n
         self.locs.append(None)
         payload = bytes(data)
         if self.crypto:
@@ -206,6 +227,28 @@ class _Writer:
             self._drain_one()
         self._seal()
 
+    def seal_done(self, ok: bool) -> None:
+        """Tell the writers that took chunks from this one whether its packs are sound (its
+        stream verified and every chunk sealed); one that failed gives its claims up."""
+        self.ok = ok
+        if not ok and self.claims is not None:
+            for cid in self.ids:
+                if self.claims.get(cid, (None,))[0] is self:
+                    self.claims.pop(cid, None)
+        self.sealed.set()
+
+    def take_claimed(self) -> None:
+        """Point each chunk another writer claimed first at where that writer stored it,
+        once it has sealed; `ClaimLost` when it failed (this layer is then read again)."""
+        for n, owner, there in self.claimed:
+            owner.sealed.wait()
+            loc = owner.locs[there]
+            if not owner.ok or loc is None:
+                raise ClaimLost("a chunk came from a layer that failed")
+            self.locs[n] = ChunkLoc(loc.chunk_id, self._pack_index(owner.packs[loc.pack]),
+                                    loc.offset, loc.clen, loc.ulen, loc.codec, loc.sha256)
+        self.claimed = []
+
     def publish(self) -> None:
         """Upload the deferred packs and wait for every upload."""
         self.uploads += [self.upload_pool.submit(self._upload, fp) for fp in self.deferred]
@@ -213,6 +256,7 @@ class _Writer:
         for f in self.uploads:
             f.result()  # raise the first upload error
         self.upload_pool.shutdown()
+        self.published = True
 
     def abort(self) -> None:
         for _, fut in self.pending:
@@ -221,6 +265,7 @@ class _Writer:
         self.upload_pool.shutdown(cancel_futures=True)
         if self.pack is not None:
             self.pack.abort()
+            self.pack = None
 
 
 def _sync_file(path: Path) -> None:

@@ -36,7 +36,7 @@ import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -64,7 +64,15 @@ from ..push.ocisource import (
 )
 from ..push.stores.base import Store
 from .image import write_image
-from .layer import _Batcher, _Writer, canonical_entries, chunk_stream, layer_manifest
+from .layer import (
+    ClaimLost,
+    Claims,
+    _Batcher,
+    _Writer,
+    canonical_entries,
+    chunk_stream,
+    layer_manifest,
+)
 from .tarball import MAX_SPARSE_SIZE, scan_members
 from .tarhdr import tarinfo_class
 
@@ -467,12 +475,21 @@ def _remove_dirs(paths: list[Path]) -> None:
 
 def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
                 known: KnownChunks, params: ChunkParams | None = None,
-                tick: Callable[[int], None] | None = None) -> StagedLayer:
-    """Read one layer blob, verify both digests, and cut it into packs kept in staging."""
+                tick: Callable[[int], None] | None = None, claims: Claims | None = None,
+                writers: list[tuple[_Writer, Path]] | None = None) -> StagedLayer:
+    """Read one layer blob, verify both digests, and cut it into packs kept in staging.
+
+    With ``claims`` (shared by the layers of a run), a chunk another layer met first is
+    taken from that layer's packs; ``writers`` then lists this layer's writer and staging,
+    which the run removes once it has published what it needs (another layer's index may
+    name these packs even if this layer fails later on)."""
     params = params or ChunkParams()
     label = f"layer {desc.digest or diff_id} of {source.label}"
     staging = Path(tempfile.mkdtemp(prefix="import-", dir=store.staging_dir()))
-    w = _Writer(store, known, params, staging, None, False, defer_uploads=True)
+    w = _Writer(store, known, params, staging, None, False, defer_uploads=True,
+                claims=claims)
+    if writers is not None:
+        writers.append((w, staging))
     try:
         with source.blob(desc) as f, tempfile.SpooledTemporaryFile(
                 SPOOL_MEMORY, dir=str(staging)) as spool:
@@ -516,9 +533,13 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
             raise IntegrityError(f"{label}: the uncompressed layer hashes to {plain.digest}, "
                                  f"not its diff_id {diff_id}; refused")
         w.seal_all()
+        w.seal_done(True)  # verified and sealed: other layers may take its chunks now
+        w.take_claimed()
     except BaseException:
-        w.abort()
-        shutil.rmtree(staging, ignore_errors=True)
+        if not w.ok:  # nothing can name its packs: gone now
+            w.seal_done(False)
+            w.abort()
+            shutil.rmtree(staging, ignore_errors=True)
         raise
     assert all(loc is not None for loc in w.locs)
     index = LayerIndex(entries=entries, chunks=list(w.locs),  # type: ignore[arg-type]
@@ -659,141 +680,366 @@ def import_image(store: Store, source_text: str, *, as_ref: str | None = None,
     """Import an image from a registry, an OCI layout or a docker save tarball; write its
     layers and an image manifest, and point ``as_ref`` (or a name taken from the source) at
     it."""
-    from ..core.digests import parse_ref
-
-    t0 = time.monotonic()
-    want = platform or host_platform()
     if as_ref:
+        from ..core.digests import parse_ref
+
         parse_ref(as_ref)
+    run = import_images(store, [source_text], as_ref=as_ref, platform=platform,
+                        insecure=insecure, progress=progress, replace=replace)
+    if run.failed:
+        raise run.failed[0][1]
+    return run.reports[0]
+
+
+@dataclass
+class ImportRun:
+    """What `import_images` did: a report per image imported, the error of each that was
+    not (in source order)."""
+
+    reports: list[ImportReport] = field(default_factory=list)
+    failed: list[tuple[str, DsecError]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"images": [r.to_dict() for r in self.reports], "seconds": self.seconds,
+                "failed": [{"source": s, "error": e.message, "exit_code": e.exit_code}
+                           for s, e in self.failed]}
+
+
+#: images planned, read and published together: each wave's layers are read side by side
+#: (sharing chunk claims), then its images are published and its staging removed
+WAVE_IMAGES = 16
+
+
+def import_images(store: Store, sources: list[str], *, as_ref: str | None = None,
+                  platform: str | None = None, insecure: bool = False,
+                  progress: Callable[[ImportProgress], None] | None = None,
+                  replace: bool = False) -> ImportRun:
+    """Import a library of images in one run: their manifests are read side by side, each
+    distinct layer is read once (by ``diff_id``, whatever image lists it) with up to
+    `LAYER_WORKERS` layers of any image at a time, and a chunk met by two layers being read
+    at once is compressed once (the second takes it from the first's packs). Images are
+    published in source order, each once all its layers are verified; an image that fails
+    (unreadable, a digest mismatch, a name taken) is reported in `ImportRun.failed` and
+    changes nothing, and the others are imported all the same."""
     from ..push.lease import WriterLease
 
-    source = open_source(source_text, insecure)
-    try:
-        with WriterLease(store, "import"):
-            return _import(store, source, source_text, as_ref, want, replace, progress, t0)
-    except DsecError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise IntegrityError(f"{source.label}: {type(e).__name__}: {e}") from e
-    finally:
-        source.close()
+    if as_ref is not None and len(sources) != 1:
+        raise UsageError("--as names one image: import several sources under the names "
+                         "their references give")
+    t0 = time.monotonic()
+    run = ImportRun()
+    want = platform or host_platform()
+    tables = _chunk_tables()
+    with WriterLease(store, "import"):
+        known = KnownChunks.load(store, tables)
+        for at in range(0, len(sources), WAVE_IMAGES):
+            _wave(store, sources[at:at + WAVE_IMAGES], as_ref, want, insecure, replace,
+                  progress, known, tables, run)
+    run.seconds = time.monotonic() - t0
+    return run
 
 
-def _import(store: Store, source: Source, source_text: str, as_ref: str | None, want: str,
-            replace: bool, progress: Callable[[ImportProgress], None] | None, t0: float
-            ) -> ImportReport:
+@dataclass
+class _Plan:
+    """One image of a run: what its manifest and config say, what became of it."""
+
+    source_text: str
+    source: Source | None = None
+    name: str = ""
+    version: str = ""
+    top_digest: str = ""
+    layers: list[tuple[Descriptor, str]] = field(default_factory=list)  # (blob, diff_id)
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = ""
+    ann: dict[str, str] = field(default_factory=dict)
+    report: ImportReport | None = None
+    error: DsecError | None = None
+    t0: float = 0.0
+    as_ref: str | None = None
+    replace: bool = False
+
+
+def _as_dsec_error(e: BaseException, label: str) -> DsecError:
+    if isinstance(e, DsecError):
+        return e
+    if isinstance(e, (OSError, ValueError, KeyError, TypeError)):
+        return IntegrityError(f"{label}: {type(e).__name__}: {e}")
+    raise e
+
+
+def _plan(store: Store, source_text: str, as_ref: str | None, want: str, insecure: bool,
+          replace: bool) -> _Plan:
+    """Open the source, pick the manifest for ``want``, read the config; nothing is written."""
     from ..core.digests import parse_ref
 
-    data, media_type, top_digest = source.root()
-    doc = load_doc(data, f"{source.label}: manifest")
-    for _ in range(4):  # an index may name an index (a layout's index.json does)
-        media_type = doc.get("mediaType") or media_type
-        if media_type not in INDEX_TYPES and (media_type in MANIFEST_TYPES
-                                              or "manifests" not in doc):
-            break
-        desc = _pick_platform(doc, want, source.label)
-        data = source.manifest(desc)
-        doc = load_doc(data, f"{source.label}: manifest {desc.digest}")
-        media_type, top_digest = desc.media_type, desc.digest
-    else:
-        raise IntegrityError(f"{source.label}: image indexes nested too deep")
-    config_desc, layers = _layers_of(doc, source.label)
-    config = load_doc(source.document(config_desc), f"{source.label}: image config")
-    rootfs = config.get("rootfs") if isinstance(config.get("rootfs"), dict) else {}
-    diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
-    if not isinstance(diff_ids, list) or len(diff_ids) != len(layers) or not all(
-            isinstance(d, str) and _DIGEST.match(d) for d in diff_ids):
-        raise IntegrityError(f"{source.label}: the config's rootfs.diff_ids do not list "
-                             f"one sha256 digest per layer ({len(layers)} layers)")
-    env, workdir, ann = image_settings(config, source.label)
-    name, version = parse_ref(as_ref) if as_ref else default_name(source)
-    if as_ref != "" and not replace:
-        _refuse_other_image(store, name, version, top_digest or "")
-    prog = ImportProgress(0, len(layers), 0, sum(d.size for d in layers))
-    report = ImportReport(source_text, f"{name}@{version}", "", top_digest or "", want)
-
-    lock = threading.Lock()  # layers are read on several threads
-
-    def tick(n: int) -> None:
-        with lock:
-            prog.bytes_done += n
-            report.bytes_read += n
-            if progress:
-                progress(prog)
-
-    def done() -> None:
-        with lock:
-            prog.objects_done += 1
-            if progress:
-                progress(prog)
-
-    slots: list[StagedLayer | ImportedLayer | None] = []
-    todo: list[tuple[int, Descriptor, str]] = []
-    manifests: dict[str, Manifest] = {}  # the layers' manifests, not read back for the image
-    for desc, diff_id in zip(layers, diff_ids, strict=True):
-        have = _existing_layer(store, diff_id)  # by diff_id: nothing is downloaded
-        if have is not None:
-            d, m = have
-            manifests[d] = m
-            slots.append(ImportedLayer(m.ref, d, m.content_digest, diff_id,
-                                       desc.digest or "", m.size, m.stored_size, True))
-            prog.bytes_done += desc.size
-            done()
+    p = _Plan(source_text, t0=time.monotonic(), as_ref=as_ref, replace=replace)
+    label = source_text
+    try:
+        p.source = source = open_source(source_text, insecure)
+        label = source.label
+        data, media_type, top_digest = source.root()
+        doc = load_doc(data, f"{label}: manifest")
+        for _ in range(4):  # an index may name an index (a layout's index.json does)
+            media_type = doc.get("mediaType") or media_type
+            if media_type not in INDEX_TYPES and (media_type in MANIFEST_TYPES
+                                                  or "manifests" not in doc):
+                break
+            desc = _pick_platform(doc, want, label)
+            data = source.manifest(desc)
+            doc = load_doc(data, f"{label}: manifest {desc.digest}")
+            media_type, top_digest = desc.media_type, desc.digest
         else:
-            todo.append((len(slots), desc, diff_id))
-            slots.append(None)
-    tables = _chunk_tables()
-    sweep: threading.Thread | None = None
+            raise IntegrityError(f"{label}: image indexes nested too deep")
+        config_desc, layers = _layers_of(doc, label)
+        config = load_doc(source.document(config_desc), f"{label}: image config")
+        rootfs = config.get("rootfs") if isinstance(config.get("rootfs"), dict) else {}
+        diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
+        if not isinstance(diff_ids, list) or len(diff_ids) != len(layers) or not all(
+                isinstance(d, str) and _DIGEST.match(d) for d in diff_ids):
+            raise IntegrityError(f"{label}: the config's rootfs.diff_ids do not list "
+                                 f"one sha256 digest per layer ({len(layers)} layers)")
+        p.env, p.workdir, p.ann = image_settings(config, label)
+        p.name, p.version = parse_ref(as_ref) if as_ref else default_name(source)
+        p.top_digest = top_digest or ""
+        if as_ref != "" and not replace:
+            _refuse_other_image(store, p.name, p.version, p.top_digest)
+        p.layers = list(zip(layers, diff_ids, strict=True))
+        p.report = ImportReport(source_text, f"{p.name}@{p.version}", "", p.top_digest, want)
+    except BaseException as e:
+        p.error = _as_dsec_error(e, label)
+    return p
+
+
+def _wave(store: Store, sources: list[str], as_ref: str | None, want: str, insecure: bool,
+          replace: bool, progress: Callable[[ImportProgress], None] | None,
+          known: KnownChunks, tables: Path, run: ImportRun) -> None:
+    with ThreadPoolExecutor(min(len(sources), 4), thread_name_prefix="oci-plan") as pool:
+        plans = list(pool.map(lambda s: _plan(store, s, as_ref, want, insecure, replace),
+                              sources))
+    try:
+        _read_and_publish(store, plans, progress, known, tables)
+    finally:
+        for p in plans:
+            if p.source is not None:
+                p.source.close()
+    for p in plans:
+        if p.error is not None:
+            run.failed.append((p.source_text, p.error))
+        else:
+            assert p.report is not None
+            run.reports.append(p.report)
+
+
+class _Run:
+    """The layers of one wave being read: who needs each, what became of it, every writer
+    (a pack of one layer may be named by another's index), the progress of the whole."""
+
+    def __init__(self, plans: list[_Plan], progress: Callable[[ImportProgress], None] | None
+                 ) -> None:
+        self.lock = threading.Lock()
+        self.progress = progress
+        self.prog = ImportProgress()
+        self.needed_by: dict[str, list[_Plan]] = {}
+        self.done: dict[str, StagedLayer | ImportedLayer | DsecError] = {}
+        self.imported: dict[str, ImportedLayer] = {}  # layers published by this run
+        self.manifests: dict[str, Manifest] = {}  # the layers' manifests, not read back
+        self.again: list[tuple[_Plan, Descriptor, str]] = []  # lost a claim: read again
+        self.writers: list[tuple[_Writer, Path]] = []
+        self.claims: Claims = {}
+        self.interrupted: BaseException | None = None
+        for p in plans:
+            if p.error is None:
+                self.prog.objects_total += len(p.layers)
+                self.prog.bytes_total += sum(d.size for d, _ in p.layers)
+
+    def tick(self, p: _Plan, n: int) -> None:
+        with self.lock:
+            self.prog.bytes_done += n
+            assert p.report is not None
+            p.report.bytes_read += n
+            if self.progress:
+                self.progress(self.prog)
+
+    def skip(self, n: int) -> None:
+        """Bytes of a layer not read (in the store, or read for another image)."""
+        with self.lock:
+            self.prog.bytes_done += n
+
+    def layer_done(self, count: int = 1) -> None:
+        with self.lock:
+            self.prog.objects_done += count
+            if self.progress:
+                self.progress(self.prog)
+
+    def wanted(self, diff_id: str) -> bool:
+        """False once every image that lists the layer has failed: its read stops."""
+        return any(p.error is None for p in self.needed_by[diff_id])
+
+    def fail(self, diff_id: str, e: DsecError) -> None:
+        self.done[diff_id] = e
+        for p in self.needed_by[diff_id]:
+            p.error = p.error or e
+
+
+def _read_and_publish(store: Store, plans: list[_Plan],
+                      progress: Callable[[ImportProgress], None] | None, known: KnownChunks,
+                      tables: Path) -> None:
+    r = _Run(plans, progress)
+    todo: list[tuple[_Plan, Descriptor, str]] = []
+    for p in plans:
+        if p.error is not None:
+            continue
+        for desc, diff_id in p.layers:
+            if diff_id in r.needed_by:
+                r.needed_by[diff_id].append(p)
+                r.skip(desc.size)
+                r.layer_done()
+                continue
+            r.needed_by[diff_id] = [p]
+            have = _existing_layer(store, diff_id)  # by diff_id: nothing is downloaded
+            if have is not None:
+                d, m = have
+                r.manifests[d] = m
+                r.done[diff_id] = ImportedLayer(m.ref, d, m.content_digest, diff_id,
+                                                desc.digest or "", m.size, m.stored_size,
+                                                True)
+                r.skip(desc.size)
+                r.layer_done()
+            else:
+                todo.append((p, desc, diff_id))
     try:
         if todo:
-            _stage_all(store, source, todo, slots, tables, tick, done)
-        # every layer verified: only now does the store change. Each layer's packs, then
-        # its index, manifest and ref, then the image manifest, in that order; the objects
-        # after the packs are made durable together (`Store.write_batch`)
-        with store.write_batch():
-            for x in slots:
-                assert x is not None
-                if isinstance(x, StagedLayer):
-                    report.layers.append(x.publish(store, tables))
-                    assert x.published is not None
-                    manifests[x.published[0]] = x.published[1]
-                else:
-                    report.layers.append(x)
-            # the staging directories (their packs now in the store) are removed beside
-            # the image's own writes, not before them
-            sweep = threading.Thread(target=_remove_dirs, name="oci-import-sweep",
-                                     daemon=True, args=([x.staging for x in slots
-                                                         if isinstance(x, StagedLayer)],))
-            sweep.start()
-            ann["oci.source"] = source_text
-            if top_digest:
-                ann["oci.digest"] = top_digest
-            digest, _ = write_image(store, name, version, [x.manifest for x in report.layers],
-                                    env=env, workdir=workdir, annotations=ann,
-                                    manifests=[manifests[x.manifest] for x in report.layers],
-                                    created_by=f"dsec import {source_text}")
-        if as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
-            _set_image_ref(store, name, version, digest, replace)
+            _read_layers(store, r, todo, known, tables)
+        for p in plans:
+            if p.error is None:
+                try:
+                    _publish_image(store, p, r, tables)
+                except DsecError as e:
+                    p.error = e
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    p.error = IntegrityError(f"{p.source_text}: {type(e).__name__}: {e}")
     finally:
-        if sweep is not None:
-            sweep.join()
-        for x in slots:
+        published = {d for w, _ in r.writers if w.published for d in w.written}
+        unpublished = {d for w, _ in r.writers for d in w.written} - published
+        if unpublished:  # later waves must not take chunks from packs now discarded
+            known.chunks = {k: v for k, v in known.chunks.items()
+                            if v.pack not in unpublished}
+        sweep = threading.Thread(target=_remove_dirs, name="oci-import-sweep", daemon=True,
+                                 args=([path for _, path in r.writers],))
+        for w, _ in r.writers:
+            w.abort()
+        sweep.start()
+        sweep.join()
+
+
+def _read_layers(store: Store, r: _Run, todo: list[tuple[_Plan, Descriptor, str]],
+                 known: KnownChunks, tables: Path) -> None:
+    """Read the missing layers, up to `LAYER_WORKERS` at once, sharing chunk claims; a layer
+    whose claimed chunk came from a layer that failed is read again afterwards, alone."""
+
+    def one(p: _Plan, desc: Descriptor, diff_id: str, claims: Claims | None) -> StagedLayer:
+        source = p.source
+        assert source is not None
+        if not r.wanted(diff_id):
+            raise _Stopped
+
+        def tick_or_stop(n: int) -> None:
+            if not r.wanted(diff_id):
+                raise _Stopped
+            r.tick(p, n)
+
+        # a connection that breaks mid-layer reads the layer again (transient failures
+        # only, under the one retry policy)
+        return retry.call(lambda: stage_layer(store, source, desc, diff_id, known=known,
+                                              tick=tick_or_stop, claims=claims,
+                                              writers=r.writers),
+                          f"importing layer {desc.digest or diff_id}")
+
+    def settle(p: _Plan, desc: Descriptor, diff_id: str) -> Callable[[Future[StagedLayer]],
+                                                                     None]:
+        """Record a finished read as it finishes (a failure stops, at their next piece, the
+        reads no other image needs)."""
+        def done(fut: Future[StagedLayer]) -> None:
+            try:
+                r.done[diff_id] = fut.result()
+                r.layer_done()
+            except ClaimLost:
+                r.again.append((p, desc, diff_id))
+            except (_Stopped, CancelledError):
+                pass
+            except DsecError as e:
+                r.fail(diff_id, e)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                label = p.source.label if p.source is not None else p.source_text
+                r.fail(diff_id, IntegrityError(f"{label}: {type(e).__name__}: {e}"))
+            except BaseException as e:  # noqa: BLE001 - an interrupt: raised by the caller
+                r.fail(diff_id, IntegrityError(f"{p.source_text}: interrupted"))
+                r.interrupted = r.interrupted or e
+        return done
+
+    shared = all(p.source is not None and p.source.concurrent_blobs for p, _, _ in todo)
+    with ThreadPoolExecutor(min(len(todo), LAYER_WORKERS if shared else 1),
+                            thread_name_prefix="oci-import") as pool:
+        for p, desc, d in todo:
+            pool.submit(one, p, desc, d, r.claims).add_done_callback(settle(p, desc, d))
+    for p, desc, d in r.again:  # each alone: no claims left to lose
+        fut: Future[StagedLayer] = Future()
+        try:
+            fut.set_result(one(p, desc, d, None))
+        except BaseException as e:  # noqa: BLE001 - recorded by settle
+            fut.set_exception(e)
+        settle(p, desc, d)(fut)
+    if r.interrupted is not None:
+        raise r.interrupted
+
+
+def _publish_image(store: Store, p: _Plan, r: _Run, tables: Path) -> None:
+    """Every layer verified: only now does the store change. Each layer's packs (and those
+    of the layers it took chunks from), then its index, manifest and ref, then the image
+    manifest, in that order; the objects after the packs are made durable together
+    (`Store.write_batch`)."""
+    assert p.report is not None
+    owners = {d: w for w, _ in r.writers if w.ok for d in w.written}
+    layers: list[ImportedLayer] = []
+    manifests: dict[str, Manifest] = {}
+    with store.write_batch():
+        for desc, diff_id in p.layers:
+            x = r.done[diff_id]
             if isinstance(x, StagedLayer):
-                x.discard()
-    report.manifest = digest
-    report.seconds = time.monotonic() - t0
-    return report
+                if diff_id not in r.imported:
+                    for pack in x.index.packs:  # chunks taken from other layers' packs
+                        owner = owners.get(pack)
+                        if owner is not None and owner is not x.w:
+                            owner.publish()
+                    r.imported[diff_id] = x.publish(store, tables)
+                    assert x.published is not None
+                    r.manifests[x.published[0]] = x.published[1]
+                    layers.append(r.imported[diff_id])
+                else:  # published for an earlier image of the run
+                    layers.append(replace(r.imported[diff_id], digest=desc.digest or "",
+                                          reused=True, new_bytes=0))
+            else:
+                assert isinstance(x, ImportedLayer)
+                layers.append(replace(x, digest=desc.digest or ""))
+            manifests[layers[-1].manifest] = r.manifests[layers[-1].manifest]
+        ann = dict(p.ann)
+        ann["oci.source"] = p.source_text
+        if p.top_digest:
+            ann["oci.digest"] = p.top_digest
+        digest, _ = write_image(store, p.name, p.version, [x.manifest for x in layers],
+                                env=p.env, workdir=p.workdir, annotations=ann,
+                                manifests=[manifests[x.manifest] for x in layers],
+                                created_by=f"dsec import {p.source_text}")
+    if p.as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
+        _set_image_ref(store, p.name, p.version, digest, p.replace)
+    p.report.layers = layers
+    p.report.manifest = digest
+    p.report.seconds = time.monotonic() - p.t0
 
 
 class _Stopped(Exception):
-    """A layer's read given up because another layer of the image failed."""
-
-
-def _stop_on_failure(stop: threading.Event) -> Callable[[Future[StagedLayer]], None]:
-    def check(fut: Future[StagedLayer]) -> None:
-        if not fut.cancelled() and not isinstance(fut.exception(), (type(None), _Stopped)):
-            stop.set()
-    return check
+    """A layer's read given up because every image that lists it has failed."""
 
 
 def _chunk_tables() -> Path:
@@ -801,53 +1047,6 @@ def _chunk_tables() -> Path:
     from ..core.config import load_config
 
     return Path(load_config().data_dir) / "chunk-tables"
-
-
-def _stage_all(store: Store, source: Source, todo: list[tuple[int, Descriptor, str]],
-               slots: list[StagedLayer | ImportedLayer | None], tables: Path,
-               tick: Callable[[int], None], done: Callable[[], None]) -> None:
-    """Read the missing layers, up to `LAYER_WORKERS` at once, into ``slots`` (in image
-    order); the first failure stops the other layers (those not started are cancelled,
-    those being read give up at their next piece) and is raised once every thread has
-    stopped. Layers read at the same time do not reuse each other's
-    chunks (a later layer of a sequential import would): a chunk two of them share may be
-    stored twice, under one content digest all the same."""
-    known = KnownChunks.load(store, tables)
-    stop = threading.Event()  # set at the first failure: the other layers stop reading
-
-    def tick_or_stop(n: int) -> None:
-        if stop.is_set():
-            raise _Stopped
-        tick(n)
-
-    def one(desc: Descriptor, diff_id: str) -> StagedLayer:
-        # a connection that breaks mid-layer reads the layer again (transient failures
-        # only, under the one retry policy)
-        return retry.call(lambda: stage_layer(store, source, desc, diff_id, known=known,
-                                              tick=tick_or_stop),
-                          f"importing layer {desc.digest or diff_id}")
-
-    workers = min(len(todo), LAYER_WORKERS if source.concurrent_blobs else 1)
-    error: BaseException | None = None
-    with ThreadPoolExecutor(workers, thread_name_prefix="oci-import") as pool:
-        futs = [(n, pool.submit(one, desc, diff_id)) for n, desc, diff_id in todo]
-        for _, fut in futs:
-            fut.add_done_callback(_stop_on_failure(stop))
-        for n, fut in futs:
-            if error is not None:
-                fut.cancel()
-            try:
-                slots[n] = fut.result()
-                done()
-            except (CancelledError, _Stopped):
-                pass
-            except BaseException as e:  # raised below, once every thread has stopped
-                error = error or e
-                stop.set()
-                for _, later in futs:
-                    later.cancel()
-    if error is not None:
-        raise error
 
 
 def _refuse_other_image(store: Store, name: str, version: str, source_digest: str) -> None:

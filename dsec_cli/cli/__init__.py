@@ -56,7 +56,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "layer versions that prefetch it."),
     "verify": ("verify", "Check the objects reachable from refs: one line per bad object, then "
                          "counts."),
-    "import": ("oci", "Import an OCI or Docker image: each layer becomes a dsec layer, the "
+    "import": ("oci", "Import OCI or Docker images: each layer becomes a dsec layer, each "
                       "config an image."),
     "journal": ("job", "A rollout's steps (number, key, command, exit code, state digests, "
                        "duration) and its grades (reward, tests passed and failed, tamper)."),
