@@ -7,13 +7,16 @@ of a base layer (the tree, then 1% of its files edited, twice) and one applicati
 per image (a different slice of /usr/share, one file edited per image), gzip-compressed as
 registries hold them, pushed with skopeo to Debian's docker-registry on loopback. Then, ``--runs`` times (default 3), one after the other so that both see the same load:
 
-- `skopeo copy docker://... oci:LAYOUT:TAG` of every image into one fresh OCI layout (what a
-  layer-deduplicating local copy costs), timed;
-- `dsec import` of every image into a fresh file store (SDK), timed.
+- `skopeo copy docker://... oci:LAYOUT:TAG` of every image, one after the other, into one
+  fresh OCI layout (what a layer-deduplicating local copy costs), timed;
+- `dsec import` of the whole library in one run (`import_images`, as `dsec import A B ...`)
+  into a fresh file store, timed;
+- `dsec import` of each image on its own (`import_image` per image, one after the other)
+  into another fresh store, timed.
 
-Reported: import throughput against skopeo's on the same images (higher is better; the
-ratio is taken within each run, the median reported, with the load average before each
-run), dsec's stored bytes against the sum of the images' compressed layers and against the
+Reported: import throughput against skopeo's on the same images, for the library run and
+for image-by-image imports (higher is better; each ratio is taken within each run, the
+median reported, with the load average before each run), dsec's stored bytes against the sum of the images' compressed layers and against the
 layer-deduplicated layout. Then an imported image (busybox under the first base and
 application layers) is pushed to a dsec store served by the same registry, and a container's
 first exec on a fresh node with ``--fetch lazy`` is timed against `dsec pull` of the whole
@@ -173,11 +176,19 @@ def main(argv: list[str]) -> None:
                 sh(f"skopeo --insecure-policy copy --src-tls-verify=false "
                    f"docker://{reg.url}/lib/img{i}:v1 oci:{work / 'skopeo'}:img{i}")
 
-        def dsec_all() -> None:
-            for d in ("store", "data"):
+        def fresh(store: str) -> str:
+            for d in (store, "data"):
                 shutil.rmtree(work / d, ignore_errors=True)
             os.environ["DSEC_DATA_DIR"] = str(work / "data")
-            store = (work / "store").as_uri()
+            return (work / store).as_uri()
+
+        def dsec_all() -> None:
+            run = oci.import_images([f"{reg.url}/lib/img{i}:v1" for i in range(args.images)],
+                                    store=fresh("store"), insecure=True)
+            assert not run.failed, run.failed
+
+        def dsec_each() -> None:
+            store = fresh("store-each")
             for i in range(args.images):
                 oci.import_image(f"{reg.url}/lib/img{i}:v1", as_ref=f"img{i}@v1",
                                  store=store, insecure=True)
@@ -190,6 +201,8 @@ def main(argv: list[str]) -> None:
         # CPU seconds too (skopeo's processes, this process for dsec; the registry's own
         # work counts for neither): what a busy machine's share of the cores multiplies
         skopeo_s, dsec_s, ratios, loads, skopeo_cpu, dsec_cpu = [], [], [], [], [], []
+        each_s: list[float] = []
+        each_ratios: list[float] = []
         for run in range(args.runs):
             loads.append(round(os.getloadavg()[0], 2))
             t, c = time.perf_counter(), children_cpu()
@@ -201,9 +214,15 @@ def main(argv: list[str]) -> None:
             dsec_s.append(time.perf_counter() - t)
             dsec_cpu.append(time.process_time() - c)
             ratios.append(skopeo_s[-1] / dsec_s[-1])
+            t = time.perf_counter()
+            dsec_each()
+            each_s.append(time.perf_counter() - t)
+            each_ratios.append(skopeo_s[-1] / each_s[-1])
             print(f"run {run + 1}: load {loads[-1]}, skopeo {skopeo_s[-1]:.2f} s "
-                  f"({skopeo_cpu[-1]:.2f} s CPU), dsec {dsec_s[-1]:.2f} s "
-                  f"({dsec_cpu[-1]:.2f} s CPU), throughput ratio {ratios[-1]:.3f}", flush=True)
+                  f"({skopeo_cpu[-1]:.2f} s CPU), dsec one run {dsec_s[-1]:.2f} s "
+                  f"({dsec_cpu[-1]:.2f} s CPU), throughput ratio {ratios[-1]:.3f}; "
+                  f"image by image {each_s[-1]:.2f} s, ratio {each_ratios[-1]:.3f}",
+                  flush=True)
         dedup_layout = du(work / "skopeo" / "blobs")
         stored = sum(du(work / "store" / k) for k in ("packs", "indexes", "manifests"))
         start = _first_exec(work, reg.url, [bases[0], first_app], args.runs)
@@ -220,6 +239,11 @@ def main(argv: list[str]) -> None:
             "import_throughput_vs_skopeo": round(statistics.median(ratios), 3),
             "skopeo_cpu_seconds": [round(x, 2) for x in skopeo_cpu],
             "dsec_cpu_seconds": [round(x, 2) for x in dsec_cpu],
+            "dsec_image_by_image_seconds": [round(x, 2) for x in each_s],
+            "image_by_image_throughput_vs_skopeo_per_run": [round(x, 3) for x in each_ratios],
+            "image_by_image_throughput_vs_skopeo": round(statistics.median(each_ratios), 3),
+            "image_by_image_stored_bytes": sum(du(work / "store-each" / k)
+                                               for k in ("packs", "indexes", "manifests")),
             "first_exec": start,
         }
         print(json.dumps(out, indent=2))

@@ -73,6 +73,8 @@ build_ext() {  # SOURCE.c WHAT-RUNS-WITHOUT-IT
 build_ext dsec_cli/format/_walk.c "builds use the Python walk"
 # content-defined cut points without the GIL: compression runs while a large file is cut
 build_ext dsec_cli/format/_cdc.c "builds cut with fastcdc's generator"
+# index entries as canonical JSON straight from the entries (builds and imports)
+build_ext dsec_cli/format/_entryjson.c "index entries are written as JSON in Python"
 # the tar header decoder: `dsec import` reads each layer member's header in one call
 build_ext dsec_cli/build/_tarhdr.c "imports use tarfile's parser"
 # the request loop of kernel-served lazy mounts: a walk's per-file requests (opens, small

@@ -92,9 +92,9 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 #: the most the env, workdir and annotations taken from an image config may weigh in all
 MAX_SETTINGS = 1 << 20
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
-#: layers of one image read at the same time (each on its own read-ahead thread and
-#: compression pool): enough to overlap one layer's download with another's chunking
-LAYER_WORKERS = max(1, min(4, os.cpu_count() or 1))
+#: layers read at the same time (each on its own read-ahead thread and compression pool):
+#: enough to overlap one layer's download and verification with another's chunking
+RUN_LAYER_WORKERS = max(2, min(6, 2 * (os.cpu_count() or 1)))
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
 
@@ -717,7 +717,7 @@ def import_images(store: Store, sources: list[str], *, as_ref: str | None = None
                   replace: bool = False) -> ImportRun:
     """Import a library of images in one run: their manifests are read side by side, each
     distinct layer is read once (by ``diff_id``, whatever image lists it) with up to
-    `LAYER_WORKERS` layers of any image at a time, and a chunk met by two layers being read
+    `RUN_LAYER_WORKERS` layers of any image at a time, and a chunk met by two layers being read
     at once is compressed once (the second takes it from the first's packs). Images are
     published in source order, each once all its layers are verified; an image that fails
     (unreadable, a digest mismatch, a name taken) is reported in `ImportRun.failed` and
@@ -844,7 +844,8 @@ class _Run:
         self.done: dict[str, StagedLayer | ImportedLayer | DsecError] = {}
         self.imported: dict[str, ImportedLayer] = {}  # layers published by this run
         self.manifests: dict[str, Manifest] = {}  # the layers' manifests, not read back
-        self.again: list[tuple[_Plan, Descriptor, str]] = []  # lost a claim: read again
+        self.settled: dict[str, threading.Event] = {}  # layers being read: set once ended
+        self.closing = False
         self.writers: list[tuple[_Writer, Path]] = []
         self.claims: Claims = {}
         self.interrupted: BaseException | None = None
@@ -873,18 +874,23 @@ class _Run:
                 self.progress(self.prog)
 
     def wanted(self, diff_id: str) -> bool:
-        """False once every image that lists the layer has failed: its read stops."""
-        return any(p.error is None for p in self.needed_by[diff_id])
+        """False once every image that lists the layer has failed (or the run is being
+        given up): its read stops."""
+        return not self.closing and any(p.error is None for p in self.needed_by[diff_id])
 
     def fail(self, diff_id: str, e: DsecError) -> None:
         self.done[diff_id] = e
         for p in self.needed_by[diff_id]:
             p.error = p.error or e
+        if diff_id in self.settled:
+            self.settled[diff_id].set()
 
 
 def _read_and_publish(store: Store, plans: list[_Plan],
                       progress: Callable[[ImportProgress], None] | None, known: KnownChunks,
                       tables: Path) -> None:
+    """Read the wave's missing layers, up to `RUN_LAYER_WORKERS` at once, while its images
+    are published in source order, each as soon as its own layers are verified."""
     r = _Run(plans, progress)
     todo: list[tuple[_Plan, Descriptor, str]] = []
     for p in plans:
@@ -908,10 +914,20 @@ def _read_and_publish(store: Store, plans: list[_Plan],
                 r.layer_done()
             else:
                 todo.append((p, desc, diff_id))
+                r.settled[diff_id] = threading.Event()
+    shared = all(p.source is not None and p.source.concurrent_blobs for p, _, _ in todo)
+    pool = ThreadPoolExecutor(max(1, min(len(todo), RUN_LAYER_WORKERS if shared else 1)),
+                              thread_name_prefix="oci-import")
     try:
-        if todo:
-            _read_layers(store, r, todo, known, tables)
+        reader = _LayerReader(store, r, known, pool)
+        for p, desc, diff_id in todo:
+            reader.read(p, desc, diff_id, r.claims)
         for p in plans:
+            for _, diff_id in p.layers:
+                if diff_id in r.settled:
+                    r.settled[diff_id].wait()
+            if r.interrupted is not None:
+                raise r.interrupted
             if p.error is None:
                 try:
                     _publish_image(store, p, r, tables)
@@ -920,78 +936,79 @@ def _read_and_publish(store: Store, plans: list[_Plan],
                 except (OSError, ValueError, KeyError, TypeError) as e:
                     p.error = IntegrityError(f"{p.source_text}: {type(e).__name__}: {e}")
     finally:
-        published = {d for w, _ in r.writers if w.published for d in w.written}
-        unpublished = {d for w, _ in r.writers for d in w.written} - published
+        r.closing = True  # layers no image waits for stop at their next piece
+        pool.shutdown(wait=True, cancel_futures=True)
+        writers = list(r.writers)
+        published = {d for w, _ in writers if w.published for d in w.written}
+        unpublished = {d for w, _ in writers for d in w.written} - published
         if unpublished:  # later waves must not take chunks from packs now discarded
             known.chunks = {k: v for k, v in known.chunks.items()
                             if v.pack not in unpublished}
         sweep = threading.Thread(target=_remove_dirs, name="oci-import-sweep", daemon=True,
-                                 args=([path for _, path in r.writers],))
-        for w, _ in r.writers:
+                                 args=([path for _, path in writers],))
+        for w, _ in writers:
             w.abort()
         sweep.start()
         sweep.join()
 
 
-def _read_layers(store: Store, r: _Run, todo: list[tuple[_Plan, Descriptor, str]],
-                 known: KnownChunks, tables: Path) -> None:
-    """Read the missing layers, up to `LAYER_WORKERS` at once, sharing chunk claims; a layer
-    whose claimed chunk came from a layer that failed is read again afterwards, alone."""
+class _LayerReader:
+    """Reads one layer of a wave on the pool and records what became of it as it ends: a
+    failure fails every image that lists the layer (and stops, at their next piece, the
+    reads no other image needs); a layer whose claimed chunk came from a layer that failed
+    is read again, without claims."""
 
-    def one(p: _Plan, desc: Descriptor, diff_id: str, claims: Claims | None) -> StagedLayer:
-        source = p.source
+    def __init__(self, store: Store, r: _Run, known: KnownChunks,
+                 pool: ThreadPoolExecutor) -> None:
+        self.store, self.r, self.known, self.pool = store, r, known, pool
+
+    def read(self, p: _Plan, desc: Descriptor, diff_id: str, claims: Claims | None) -> None:
+        try:
+            fut = self.pool.submit(self._stage, p, desc, diff_id, claims)
+        except RuntimeError:  # the pool is shutting down: the run is being given up
+            self.r.fail(diff_id, IntegrityError(f"{p.source_text}: import stopped"))
+            return
+        fut.add_done_callback(lambda f: self._settle(p, desc, diff_id, f))
+
+    def _stage(self, p: _Plan, desc: Descriptor, diff_id: str, claims: Claims | None
+               ) -> StagedLayer:
+        r, source = self.r, p.source
         assert source is not None
-        if not r.wanted(diff_id):
-            raise _Stopped
 
         def tick_or_stop(n: int) -> None:
             if not r.wanted(diff_id):
                 raise _Stopped
             r.tick(p, n)
 
+        if not r.wanted(diff_id):
+            raise _Stopped
         # a connection that breaks mid-layer reads the layer again (transient failures
         # only, under the one retry policy)
-        return retry.call(lambda: stage_layer(store, source, desc, diff_id, known=known,
-                                              tick=tick_or_stop, claims=claims,
-                                              writers=r.writers),
+        return retry.call(lambda: stage_layer(self.store, source, desc, diff_id,
+                                              known=self.known, tick=tick_or_stop,
+                                              claims=claims, writers=r.writers),
                           f"importing layer {desc.digest or diff_id}")
 
-    def settle(p: _Plan, desc: Descriptor, diff_id: str) -> Callable[[Future[StagedLayer]],
-                                                                     None]:
-        """Record a finished read as it finishes (a failure stops, at their next piece, the
-        reads no other image needs)."""
-        def done(fut: Future[StagedLayer]) -> None:
-            try:
-                r.done[diff_id] = fut.result()
-                r.layer_done()
-            except ClaimLost:
-                r.again.append((p, desc, diff_id))
-            except (_Stopped, CancelledError):
-                pass
-            except DsecError as e:
-                r.fail(diff_id, e)
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                label = p.source.label if p.source is not None else p.source_text
-                r.fail(diff_id, IntegrityError(f"{label}: {type(e).__name__}: {e}"))
-            except BaseException as e:  # noqa: BLE001 - an interrupt: raised by the caller
-                r.fail(diff_id, IntegrityError(f"{p.source_text}: interrupted"))
-                r.interrupted = r.interrupted or e
-        return done
-
-    shared = all(p.source is not None and p.source.concurrent_blobs for p, _, _ in todo)
-    with ThreadPoolExecutor(min(len(todo), LAYER_WORKERS if shared else 1),
-                            thread_name_prefix="oci-import") as pool:
-        for p, desc, d in todo:
-            pool.submit(one, p, desc, d, r.claims).add_done_callback(settle(p, desc, d))
-    for p, desc, d in r.again:  # each alone: no claims left to lose
-        fut: Future[StagedLayer] = Future()
+    def _settle(self, p: _Plan, desc: Descriptor, diff_id: str, fut: Future[StagedLayer]
+                ) -> None:
+        r = self.r
         try:
-            fut.set_result(one(p, desc, d, None))
-        except BaseException as e:  # noqa: BLE001 - recorded by settle
-            fut.set_exception(e)
-        settle(p, desc, d)(fut)
-    if r.interrupted is not None:
-        raise r.interrupted
+            r.done[diff_id] = fut.result()
+            r.layer_done()
+        except ClaimLost:
+            self.read(p, desc, diff_id, None)  # alone: no claims left to lose
+            return
+        except (_Stopped, CancelledError):
+            r.fail(diff_id, IntegrityError(f"{p.source_text}: import stopped"))
+        except DsecError as e:
+            r.fail(diff_id, e)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            label = p.source.label if p.source is not None else p.source_text
+            r.fail(diff_id, IntegrityError(f"{label}: {type(e).__name__}: {e}"))
+        except BaseException as e:  # noqa: BLE001 - an interrupt: raised by the run
+            r.interrupted = r.interrupted or e
+            r.fail(diff_id, IntegrityError(f"{p.source_text}: interrupted"))
+        r.settled[diff_id].set()
 
 
 def _publish_image(store: Store, p: _Plan, r: _Run, tables: Path) -> None:

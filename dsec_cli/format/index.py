@@ -18,6 +18,11 @@ import zstandard
 from ..core.errors import FormatError
 from . import canonical
 
+try:  # index entries written as JSON in C (built by scripts/setup.sh); else in Python
+    from . import _entryjson  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on set-up
+    _entryjson = None
+
 #: the newest index format; 2 adds chunk groups (codec 2, format/codec.py). An index is
 #: written as format 1 when none of its chunks is in a group, so older readers still read it
 INDEX_VERSION = 2
@@ -151,6 +156,11 @@ class EntryJson:
     def add(self, entries: list[Entry]) -> None:
         if not entries:
             return
+        if _entryjson is not None:  # the same bytes, written from the entries in C
+            stored_items, content_items = _entryjson.items(entries, self.ids, self._one)
+            self._stored.append(stored_items)
+            self._content.append(content_items)
+            return
         ids = self.ids
         stored, content = [], []
         for e in entries:
@@ -162,6 +172,15 @@ class EntryJson:
         # each slice is a JSON array; its items are joined into one array below
         self._stored.append(canonical.dumps(stored)[1:-1])
         self._content.append(canonical.dumps(content)[1:-1])
+
+    def _one(self, e: Entry) -> tuple[bytes, bytes]:
+        """One entry's two items the Python way (what `_entryjson` leaves: xattrs, device
+        numbers, names that are not UTF-8, unexpected field types)."""
+        d = e.to_doc()
+        stored = canonical.dumps(d)
+        if e.chunks:
+            d = {**d, "c": [[self.ids[i].hex(), off, ln] for i, off, ln in e.chunks]}
+        return stored, canonical.dumps(d)
 
     def arrays(self) -> tuple[bytes, bytes]:
         """(stored array, content array): exactly the `canonical.dumps` of the lists of
