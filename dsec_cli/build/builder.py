@@ -8,14 +8,12 @@ leaves at most unreferenced objects for gc.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +21,7 @@ from typing import TYPE_CHECKING
 from ..core.config import load_config
 from ..core.digests import object_key
 from ..core.errors import NotFoundError, RefConflictError, SpecError, UsageError
+from ..core.gcpause import gc_paused
 from ..format import canonical
 from ..format.index import CONTENT_VERSION
 from ..format.manifest import Manifest, load_manifest
@@ -298,26 +297,6 @@ def _point_ref(st: Store, spec: Spec, digest: str, replace: bool) -> str:
     return current or ""
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while a layer is built: the build makes a few objects
-    per file and next to no reference cycles, and with the collector on, its passes over the
-    growing heap cost as much as making the entries (half of turning 51,000 scan records
-    into entries). Reference counting still frees what the build drops."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        # what the build allocated is all in the youngest generation now: moved to the
-        # oldest one (freeze, then unfreeze) so that the next young collection does not
-        # scan the whole build's heap at once (a quarter of a second for 51,000 files)
-        gc.freeze()
-        gc.unfreeze()
-        if was:
-            gc.enable()
-
-
 def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, data_dir: Path,
                  progress: Progress | None, on_log: Callable[[str], None] | None,
                  chunk_sha256: bool, listing: Future[str] | None = None
@@ -341,7 +320,7 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
     try:
         if listing is not None and any(s.kind != "copy" for s in spec.steps if "src" in s.args):
             listing.result()  # those steps read their inputs while the tree is made
-        with _gc_paused():
+        with gc_paused():
             scanned = build_tree(spec, staging, lowers, base_env, on_log)
             if listing is not None:
                 listing.result()  # a copy step's files are read from here on

@@ -48,6 +48,7 @@ from ..core.errors import (
     SpecError,
     UsageError,
 )
+from ..core.gcpause import gc_paused
 from ..format.index import ChunkParams, Entry, LayerIndex
 from ..format.manifest import Manifest, load_manifest
 from ..format.refs import get_ref, set_ref
@@ -731,7 +732,7 @@ def import_images(store: Store, sources: list[str], *, as_ref: str | None = None
     run = ImportRun()
     want = platform or host_platform()
     tables = _chunk_tables()
-    with WriterLease(store, "import"):
+    with WriterLease(store, "import"), gc_paused():
         known = KnownChunks.load(store, tables)
         for at in range(0, len(sources), WAVE_IMAGES):
             _wave(store, sources[at:at + WAVE_IMAGES], as_ref, want, insecure, replace,
