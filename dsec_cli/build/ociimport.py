@@ -732,13 +732,18 @@ def import_images(store: Store, sources: list[str], *, as_ref: str | None = None
     run = ImportRun()
     want = platform or host_platform()
     tables = _chunk_tables()
+    prog = ImportProgress()  # one for the run, whatever waves it takes
     with WriterLease(store, "import"), gc_paused():
         known = KnownChunks.load(store, tables)
         for at in range(0, len(sources), WAVE_IMAGES):
             _wave(store, sources[at:at + WAVE_IMAGES], as_ref, want, insecure, replace,
-                  progress, known, tables, run)
+                  (progress, prog), known, tables, run)
     run.seconds = time.monotonic() - t0
     return run
+
+
+#: what a run reports progress to, and the run's totals so far
+_Progress = tuple[Callable[[ImportProgress], None] | None, ImportProgress]
 
 
 @dataclass
@@ -813,7 +818,7 @@ def _plan(store: Store, source_text: str, as_ref: str | None, want: str, insecur
 
 
 def _wave(store: Store, sources: list[str], as_ref: str | None, want: str, insecure: bool,
-          replace: bool, progress: Callable[[ImportProgress], None] | None,
+          replace: bool, progress: _Progress,
           known: KnownChunks, tables: Path, run: ImportRun) -> None:
     with ThreadPoolExecutor(min(len(sources), 4), thread_name_prefix="oci-plan") as pool:
         plans = list(pool.map(lambda s: _plan(store, s, as_ref, want, insecure, replace),
@@ -836,11 +841,9 @@ class _Run:
     """The layers of one wave being read: who needs each, what became of it, every writer
     (a pack of one layer may be named by another's index), the progress of the whole."""
 
-    def __init__(self, plans: list[_Plan], progress: Callable[[ImportProgress], None] | None
-                 ) -> None:
+    def __init__(self, plans: list[_Plan], progress: _Progress) -> None:
         self.lock = threading.Lock()
-        self.progress = progress
-        self.prog = ImportProgress()
+        self.progress, self.prog = progress
         self.needed_by: dict[str, list[_Plan]] = {}
         self.done: dict[str, StagedLayer | ImportedLayer | DsecError] = {}
         self.imported: dict[str, ImportedLayer] = {}  # layers published by this run
@@ -888,7 +891,7 @@ class _Run:
 
 
 def _read_and_publish(store: Store, plans: list[_Plan],
-                      progress: Callable[[ImportProgress], None] | None, known: KnownChunks,
+                      progress: _Progress, known: KnownChunks,
                       tables: Path) -> None:
     """Read the wave's missing layers, up to `RUN_LAYER_WORKERS` at once, while its images
     are published in source order, each as soon as its own layers are verified."""

@@ -182,3 +182,26 @@ def test_a_claim_on_a_failed_writer_is_lost_and_given_up(tmp_path: Path) -> None
     assert loc is not None and taker.packs[loc.pack] == owner.written[0]
     for w in (first, second, third, owner, taker):
         w.abort()
+
+
+def test_a_later_wave_takes_no_chunks_from_an_image_that_failed(
+        env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One image per wave: the first image's base is read and verified but its own
+    application layer is not, so nothing of it is published; the second image's base holds
+    the same big file, and must store it again rather than name the packs thrown away."""
+    from dsec_cli.build import ociimport
+
+    monkeypatch.setattr(ociimport, "WAVE_IMAGES", 1)
+    write_layout(Image([[file("opt/big.bin", BIG)], [file("app/x", os.urandom(5000))]]),
+                 tmp_path / "bad", tag="1", tamper=1)
+    write_layout(Image([[file("opt/big.bin", BIG), file("etc/other", b"other")]]),
+                 tmp_path / "good", tag="1")
+    seen = []
+    run = oci.import_images([str(tmp_path / "bad") + ":1", str(tmp_path / "good") + ":1"],
+                            progress=lambda p: seen.append(p.objects_total))
+    assert [s for s, _ in run.failed] == [str(tmp_path / "bad") + ":1"]
+    assert [r.ref for r in run.reports] == ["good@1"]
+    assert seen[-1] == 3  # one progress for the run, across its waves
+    assert verify(open_store(env["DSEC_STORE"]), deep=True).ok
+    images.export_image("good@1", tmp_path / "tree")
+    assert (tmp_path / "tree/opt/big.bin").read_bytes() == BIG
