@@ -61,6 +61,7 @@ class ClaimLost(Exception):
 
 #: new chunks are compressed in groups of up to GROUP_BYTES (or GROUP_CHUNKS chunks), one
 #: pool task per group: the group shares one zstd frame's context (format/codec.py)
+
 #: a chunk waiting for its group to be compressed: (chunk number, id, uncompressed length)
 _Job = tuple[int, bytes, int]
 _Encoded = tuple[bytes, list[tuple[int, int, int]]]
