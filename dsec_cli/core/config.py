@@ -56,6 +56,11 @@ class Config:
     def resolve(self) -> Config:
         if not self.data_dir:
             self.data_dir = str(data_home())
+        # a relative directory (DSEC_DATA_DIR=work/data) is taken from the working directory,
+        # so the store URL and node paths made from it are absolute
+        self.data_dir = os.path.abspath(self.data_dir)
+        if self.state_dir:
+            self.state_dir = os.path.abspath(self.state_dir)
         if not self.store:
             self.store = Path(self.data_dir, "store").as_uri()
         if not self.state_dir:

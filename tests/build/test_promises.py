@@ -188,3 +188,21 @@ def test_store_is_chosen_by_flag_env_project_and_user_config(tmp_path: Path, run
     out = json.loads(run_dsec("ls", "--json", cwd=project).stdout)
     assert [r["ref"] for r in out] == ["s@1"]
     assert not (stores["user"]).exists()
+
+
+def test_a_relative_data_dir_is_taken_from_where_dsec_runs(tmp_path: Path, run_dsec,  # type: ignore[no-untyped-def]
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """DSEC_DATA_DIR=rel (no store named): the default store is rel/store under the working
+    directory, not a traceback about a relative file URI."""
+    folder = tmp_path / "specs"
+    (folder / "tree").mkdir(parents=True)
+    (folder / "tree" / "f").write_text("f")
+    spec = write_spec(folder, "s", 'layer: s\nversion: "1"\nsteps:\n'
+                      "  - copy: {src: ./tree, dst: /t}\n")
+    monkeypatch.delenv("DSEC_STORE", raising=False)
+    run_dsec("build", str(spec), cwd=tmp_path, env={"DSEC_DATA_DIR": "rel"})
+    assert sorted(p.name for p in (tmp_path / "rel/store/refs").iterdir()) == ["s"]
+    out = json.loads(run_dsec("ls", "--json", cwd=tmp_path,
+                              env={"DSEC_DATA_DIR": "rel"}).stdout)
+    assert [r["ref"] for r in out] == ["s@1"]
