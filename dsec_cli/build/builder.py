@@ -255,29 +255,36 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
 def _import_oci_deps(specs: list[Spec], st: Store, report: BuildReport) -> None:
     """``oci:HOST/REPO:TAG`` in ``from:`` or ``layers:`` stands for the layers of that image,
     bottom first: it is imported (layers already in the store are not read again) and
-    replaced by their refs; the build report pins the manifest digest it resolved to."""
+    replaced by their refs; the build report pins the manifest digest it resolved to. All
+    the images the specs name are imported in one run (`ociimport.import_images`: a layer
+    two of them share is read once)."""
     from .spec import OCI_PREFIX
 
-    if not any(ref.startswith(OCI_PREFIX) for s in specs for ref, _ in s.deps):
+    wanted: dict[str, tuple[Spec, int]] = {}  # ref -> where it is first named
+    for s in specs:
+        for ref, line in s.deps:
+            if ref.startswith(OCI_PREFIX):
+                wanted.setdefault(ref, (s, line))
+    if not wanted:
         return  # nothing to import: the importer's modules stay unloaded
-    from .ociimport import import_image
+    from .ociimport import import_images
 
+    run = import_images(st, [ref[len(OCI_PREFIX):] for ref in wanted], as_ref="")
+    for source, e in run.failed:
+        ref = OCI_PREFIX + source
+        s, line = wanted[ref]
+        if isinstance(e, UsageError):
+            raise SpecError(f"{ref}: {e.message}", path=str(s.path), line=line) from None
+        raise e
     layers: dict[str, list[str]] = {}
+    for r in run.reports:
+        ref = OCI_PREFIX + r.source
+        layers[ref] = [x.ref for x in r.layers]
+        report.pinned[ref] = r.source_digest
     for s in specs:
         deps: list[tuple[str, int]] = []
         for ref, line in s.deps:
-            if not ref.startswith(OCI_PREFIX):
-                deps.append((ref, line))
-                continue
-            if ref not in layers:
-                try:
-                    r = import_image(st, ref[len(OCI_PREFIX):], as_ref="")
-                except UsageError as e:
-                    raise SpecError(f"{ref}: {e.message}", path=str(s.path), line=line
-                                    ) from None
-                layers[ref] = [x.ref for x in r.layers]
-                report.pinned[ref] = r.source_digest
-            deps += [(x, line) for x in layers[ref]]
+            deps += [(x, line) for x in layers[ref]] if ref in layers else [(ref, line)]
         s.deps = deps
 
 

@@ -722,10 +722,12 @@ def import_images(store: Store, sources: list[str], *, as_ref: str | None = None
     at once is compressed once (the second takes it from the first's packs). Images are
     published in source order, each once all its layers are verified; an image that fails
     (unreadable, a digest mismatch, a name taken) is reported in `ImportRun.failed` and
-    changes nothing, and the others are imported all the same."""
+    changes nothing, and the others are imported all the same. ``as_ref`` names the one
+    image of a run of one; ``""`` imports the layers without naming the images (what a
+    build's `oci:` dependencies take)."""
     from ..push.lease import WriterLease
 
-    if as_ref is not None and len(sources) != 1:
+    if as_ref and len(sources) != 1:
         raise UsageError("--as names one image: import several sources under the names "
                          "their references give")
     t0 = time.monotonic()

@@ -39,3 +39,37 @@ def test_spec_from_an_oci_image(env: dict[str, str], tmp_path: Path, registry: s
     # a second build reads nothing again: the layers are in the store, the build cached
     again = json.loads(run_dsec("build", str(specs), "--json").stdout)
     assert all(i["cached"] for i in again["items"]) and again["pinned"] == {base: pushed}
+
+
+def test_specs_on_several_images_import_them_in_one_run(
+        env: dict[str, str], tmp_path: Path, registry: str, busybox_tar: Path,
+        run_dsec) -> None:  # type: ignore[no-untyped-def]
+    """Two specs on two images that share their base: both images come in with one build
+    (each spec on its own image's layers, both pinned); a third spec naming an image the
+    registry lacks is refused with its file, line and the image named, exit 2."""
+    from .helpers import file
+
+    for name in ("a", "b"):
+        write_layout(Image([busybox_tar.read_bytes(), [file(f"srv/{name}.txt", name.encode())]],
+                           env=["PATH=/bin"], workdir="/"), tmp_path / name)
+        skopeo("copy", "--dest-tls-verify=false", f"oci:{tmp_path / name}:v1",
+               f"docker://{registry}/lib/{name}:v1")
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    for name in ("a", "b"):
+        (specs / f"t{name}.yaml").write_text(
+            f'layer: t{name}\nversion: "1"\nfrom: ["oci:{registry}/lib/{name}:v1"]\n'
+            'steps:\n  - run: "busybox cat /srv/*.txt > /seen.txt"\n')
+        (specs / f"i{name}.yaml").write_text(
+            f'image: i{name}\nversion: "1"\nlayers: ["oci:{registry}/lib/{name}:v1", '
+            f't{name}@1]\n')
+    report = json.loads(run_dsec("build", str(specs), "--json").stdout)
+    assert set(report["pinned"]) == {f"oci:{registry}/lib/{n}:v1" for n in "ab"}
+    for name in ("a", "b"):
+        images.export_image(f"i{name}@1", tmp_path / f"tree-{name}")
+        assert (tmp_path / f"tree-{name}/seen.txt").read_text() == name  # its own image only
+    (specs / "tc.yaml").write_text(
+        f'layer: tc\nversion: "1"\n\nfrom: ["oci:{registry}/lib/none:v1"]\n'
+        'steps:\n  - run: "true"\n')
+    p = run_dsec("build", str(specs), check=2)
+    assert "lib/none:v1" in p.stderr and "tc.yaml:4:" in " ".join(p.stderr.split()), p.stderr
