@@ -681,10 +681,6 @@ def import_image(store: Store, source_text: str, *, as_ref: str | None = None,
     """Import an image from a registry, an OCI layout or a docker save tarball; write its
     layers and an image manifest, and point ``as_ref`` (or a name taken from the source) at
     it."""
-    if as_ref:
-        from ..core.digests import parse_ref
-
-        parse_ref(as_ref)
     run = import_images(store, [source_text], as_ref=as_ref, platform=platform,
                         insecure=insecure, progress=progress, replace=replace)
     if run.failed:
@@ -730,6 +726,10 @@ def import_images(store: Store, sources: list[str], *, as_ref: str | None = None
     if as_ref and len(sources) != 1:
         raise UsageError("--as names one image: import several sources under the names "
                          "their references give")
+    if as_ref:
+        from ..core.digests import parse_ref
+
+        parse_ref(as_ref)  # before anything is opened
     t0 = time.monotonic()
     run = ImportRun()
     want = platform or host_platform()
@@ -768,10 +768,14 @@ class _Plan:
     replace: bool = False
 
 
+#: what an image's failure may be besides a DsecError: input that broke a decoder
+_INPUT_ERRORS = (OSError, ValueError, KeyError, TypeError)
+
+
 def _as_dsec_error(e: BaseException, label: str) -> DsecError:
     if isinstance(e, DsecError):
         return e
-    if isinstance(e, (OSError, ValueError, KeyError, TypeError)):
+    if isinstance(e, _INPUT_ERRORS):
         return IntegrityError(f"{label}: {type(e).__name__}: {e}")
     raise e
 
@@ -847,7 +851,7 @@ class _Run:
         self.lock = threading.Lock()
         self.progress, self.prog = progress
         self.needed_by: dict[str, list[_Plan]] = {}
-        self.done: dict[str, StagedLayer | ImportedLayer | DsecError] = {}
+        self.done: dict[str, StagedLayer | ImportedLayer] = {}  # layers read or present
         self.imported: dict[str, ImportedLayer] = {}  # layers published by this run
         self.manifests: dict[str, Manifest] = {}  # the layers' manifests, not read back
         self.settled: dict[str, threading.Event] = {}  # layers being read: set once ended
@@ -885,7 +889,6 @@ class _Run:
         return not self.closing and any(p.error is None for p in self.needed_by[diff_id])
 
     def fail(self, diff_id: str, e: DsecError) -> None:
-        self.done[diff_id] = e
         for p in self.needed_by[diff_id]:
             p.error = p.error or e
         if diff_id in self.settled:
@@ -937,10 +940,8 @@ def _read_and_publish(store: Store, plans: list[_Plan],
             if p.error is None:
                 try:
                     _publish_image(store, p, r, tables)
-                except DsecError as e:
-                    p.error = e
-                except (OSError, ValueError, KeyError, TypeError) as e:
-                    p.error = IntegrityError(f"{p.source_text}: {type(e).__name__}: {e}")
+                except (DsecError, *_INPUT_ERRORS) as e:
+                    p.error = _as_dsec_error(e, p.source_text)
     finally:
         r.closing = True  # layers no image waits for stop at their next piece
         pool.shutdown(wait=True, cancel_futures=True)
@@ -950,12 +951,9 @@ def _read_and_publish(store: Store, plans: list[_Plan],
         if unpublished:  # later waves must not take chunks from packs now discarded
             known.chunks = {k: v for k, v in known.chunks.items()
                             if v.pack not in unpublished}
-        sweep = threading.Thread(target=_remove_dirs, name="oci-import-sweep", daemon=True,
-                                 args=([path for _, path in writers],))
         for w, _ in writers:
             w.abort()
-        sweep.start()
-        sweep.join()
+        _remove_dirs([path for _, path in writers])
 
 
 class _LayerReader:
@@ -1006,11 +1004,8 @@ class _LayerReader:
             return
         except (_Stopped, CancelledError):
             r.fail(diff_id, IntegrityError(f"{p.source_text}: import stopped"))
-        except DsecError as e:
-            r.fail(diff_id, e)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            label = p.source.label if p.source is not None else p.source_text
-            r.fail(diff_id, IntegrityError(f"{label}: {type(e).__name__}: {e}"))
+        except (DsecError, *_INPUT_ERRORS) as e:
+            r.fail(diff_id, _as_dsec_error(e, p.source.label if p.source else p.source_text))
         except BaseException as e:  # noqa: BLE001 - an interrupt: raised by the run
             r.interrupted = r.interrupted or e
             r.fail(diff_id, IntegrityError(f"{p.source_text}: interrupted"))
@@ -1025,7 +1020,6 @@ def _publish_image(store: Store, p: _Plan, r: _Run, tables: Path) -> None:
     assert p.report is not None
     owners = {d: w for w, _ in r.writers if w.ok for d in w.written}
     layers: list[ImportedLayer] = []
-    manifests: dict[str, Manifest] = {}
     with store.write_batch():
         for desc, diff_id in p.layers:
             x = r.done[diff_id]
@@ -1043,16 +1037,14 @@ def _publish_image(store: Store, p: _Plan, r: _Run, tables: Path) -> None:
                     layers.append(replace(r.imported[diff_id], digest=desc.digest or "",
                                           reused=True, new_bytes=0))
             else:
-                assert isinstance(x, ImportedLayer)
                 layers.append(replace(x, digest=desc.digest or ""))
-            manifests[layers[-1].manifest] = r.manifests[layers[-1].manifest]
         ann = dict(p.ann)
         ann["oci.source"] = p.source_text
         if p.top_digest:
             ann["oci.digest"] = p.top_digest
         digest, _ = write_image(store, p.name, p.version, [x.manifest for x in layers],
                                 env=p.env, workdir=p.workdir, annotations=ann,
-                                manifests=[manifests[x.manifest] for x in layers],
+                                manifests=[r.manifests[x.manifest] for x in layers],
                                 created_by=f"dsec import {p.source_text}")
     if p.as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
         _set_image_ref(store, p.name, p.version, digest, p.replace)
