@@ -2,8 +2,8 @@
 file. Only writers import this module (readers need `codec`, not the chunker).
 
 Where `_cdc` is built (scripts/setup.sh), the cut points come from it: the same cut with
-fastcdc's gear table, over the whole buffer without the GIL, so compression threads run
-while a large file is cut. Without it, fastcdc's own generator cuts."""
+fastcdc's gear table, a window of the buffer per call and without the GIL, so compression
+threads run while a large file is cut. Without it, fastcdc's own generator cuts."""
 
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ except ImportError:  # pragma: no cover - built by scripts/setup.sh
 _GEAR = array("I", _GEAR_TABLE).tobytes()
 
 
+#: bytes cut per call of the compiled chunker: a large file is cut a window at a time, so
+#: its first chunks go to the compression threads while the rest is still uncut
+CUT_WINDOW = 8 << 20
+
+
 def cut(data: memoryview, params: ChunkParams) -> Iterator[tuple[int, int]]:
     """(offset, length) of each content-defined chunk of one file's bytes."""
     if len(data) <= params.min_size:
@@ -37,7 +42,16 @@ def cut(data: memoryview, params: ChunkParams) -> Iterator[tuple[int, int]]:
                              None):
             yield c.offset, c.length
         return
-    off = 0
-    for ln in _cdc.lengths(data, params.min_size, params.avg_size, params.max_size, _GEAR):
-        yield off, ln
-        off += ln
+    # a boundary depends only on the bytes since the previous one: every chunk of a window
+    # but its last is final, and the last is cut again as the start of the next window
+    window = max(CUT_WINDOW, 2 * params.max_size)
+    off, end = 0, len(data)
+    while off < end:
+        stop = min(off + window, end)
+        lengths = _cdc.lengths(data[off:stop], params.min_size, params.avg_size,
+                               params.max_size, _GEAR)
+        if stop < end:
+            lengths = lengths[:-1]
+        for ln in lengths:
+            yield off, ln
+            off += ln

@@ -44,10 +44,15 @@ def _inputs() -> list[bytes]:
             rng.randbytes(65_537), rng.randbytes(16_385)]
 
 
+@pytest.mark.parametrize("window", [chunker.CUT_WINDOW, 1 << 20, 0],
+                         ids=["whole", "1MiB-windows", "smallest-windows"])
 @pytest.mark.parametrize("p", PARAMS, ids=lambda p: f"{p.min_size}-{p.avg_size}-{p.max_size}")
 def test_compiled_cut_matches_fastcdc(cdc: ModuleType, monkeypatch: pytest.MonkeyPatch,
-                                      p: ChunkParams) -> None:
+                                      p: ChunkParams, window: int) -> None:
+    """Cut a window at a time (the last chunk of each window cut again with the next), the
+    chunks are those of one cut over the whole buffer."""
     monkeypatch.setattr(chunker, "_cdc", cdc)
+    monkeypatch.setattr(chunker, "CUT_WINDOW", window)
     for data in _inputs():
         got = list(chunker.cut(memoryview(data), p))
         want = _reference(data, p) if len(data) > p.min_size else [(0, len(data))]
