@@ -12,7 +12,7 @@ from pathlib import Path
 #: modules only some commands need: the ones a command that does not use them must not load
 HEAVY = ("boto3", "botocore", "oras", "rich", "typer", "pydantic", "yaml", "fastcdc",
          "dsec_cli.push.stores.s3", "dsec_cli.push.stores.oci", "dsec_cli.api.sandboxes",
-         "dsec_cli.run.node", "dsec_cli.build")
+         "dsec_cli.run.node", "dsec_cli.build", "dsec_cli.backends", "tarfile")
 
 
 def _loaded_after(argv: list[str], env: dict[str, str] | None = None) -> tuple[set[str], str]:
@@ -104,6 +104,46 @@ def test_a_push_between_file_stores_loads_no_remote_store_library(tmp_path: Path
     assert not loaded & {"boto3", "botocore", "oras", "dsec_cli.push.stores.s3",
                          "dsec_cli.push.stores.oci", "dsec_cli.api.sandboxes",
                          "dsec_cli.run.node", "rich"}, loaded
+
+
+def test_a_copy_only_build_loads_no_sandbox_or_drawing_code(tmp_path: Path,
+                                                            dsec_home: Path) -> None:
+    """A build whose specs only copy files starts no sandbox and reads no tarball, and with
+    its output piped it draws nothing: none of that code is loaded before (or after) its
+    work."""
+    import os
+
+    spec = tmp_path / "s"
+    (spec / "files").mkdir(parents=True)
+    (spec / "files/x").write_text("x")
+    (spec / "l.yaml").write_text('layer: l\nversion: "1"\nsteps:\n'
+                                 "  - copy: {src: ./files, dst: /x}\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TTY_COMPATIBLE", "FORCE_COLOR", "FORCE_TERMINAL")}
+    loaded, out = _loaded_after(["build", str(spec), "--store", (tmp_path / "st").as_uri(),
+                                 "--json"], env)
+    assert [r["ref"] for r in json.loads(out)["items"]] == ["l@1"], out
+    assert "dsec_cli.build" in loaded  # the probe sees what the command loaded
+    assert not loaded & {"dsec_cli.backends", "tarfile", "rich", "boto3", "oras"}, loaded
+
+
+def test_progress_draws_only_where_rich_sees_a_terminal() -> None:
+    """Piped stderr: no progress and rich not imported; where an environment variable makes
+    rich draw anyway (FORCE_COLOR), the progress is drawn as before."""
+    import os
+
+    code = ("import sys\nfrom dsec_cli.cli import render\n"
+            "with render.progress() as p:\n"
+            "    found = [type(p).__name__, 'rich' in sys.modules]\n"
+            "print(*found)\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TTY_COMPATIBLE", "FORCE_COLOR", "FORCE_TERMINAL")}
+    piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert piped.stdout.split()[-2:] == ["NoneType", "False"], piped.stdout + piped.stderr
+    forced = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**env, "FORCE_COLOR": "1"}, timeout=120)
+    assert forced.stdout.split()[-2:] == ["Progress", "True"], forced.stdout + forced.stderr
 
 
 def test_no_command_prints_the_help_and_exits_2() -> None:

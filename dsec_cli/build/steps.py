@@ -20,12 +20,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..backends.oneshot import run_in_root
 from ..core.errors import BuildError, DsecError
 from ..format.index import Entry
 from ..format.tree import Scanned, TreeWriter, parent_of, scan_dir
 from .spec import Spec, Step
-from .tarball import read_tar
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +180,8 @@ class StagedTree:
                 bases = ", ".join(r for r, _ in spec.deps) or "none"
                 raise BuildError(f"{spec.path}:{step.line}: `run` needs /bin/sh in the layers "
                                  f"this spec builds `from` ({bases})")
+            from ..backends.oneshot import run_in_root  # only `run` steps start a sandbox
+
             code = run_in_root(self.merged, ["/bin/sh", "-c", step.args["cmd"]],
                                env={**env, **step.args["env"]}, network=step.args["network"],
                                on_line=on_line)
@@ -350,6 +350,8 @@ def _step_entries(step: Step, spool: Path, sde: int) -> list[Scanned]:
     if step.kind == "copy":
         return reproducible(copy_entries(step, sde), step, sde)
     if step.kind == "extract":
+        from .tarball import read_tar
+
         return reproducible(read_tar(step.args["src"], step.args["dst"], spool), step, sde)
     raise AssertionError(step.kind)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -28,6 +29,18 @@ def err_console() -> Console:
     from rich.console import Console
 
     return Console(stderr=True)
+
+
+def _may_be_terminal() -> bool:
+    """False where rich would surely not see a terminal on stderr (not a tty, and none of
+    the variables that make it draw anyway): a piped build then never imports rich before
+    its work starts."""
+    if any(v in os.environ for v in ("TTY_COMPATIBLE", "FORCE_COLOR", "FORCE_TERMINAL")):
+        return True
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def print_json(data: Any) -> None:
@@ -58,7 +71,7 @@ def progress(enabled: bool = True) -> Iterator[Any]:
     """A rich Progress on a terminal (stderr), or None when output is piped or --json.
 
     Tasks added with ``unit="bytes"`` show sizes and MB/s; others show counts."""
-    if not enabled or not err_console().is_terminal:
+    if not enabled or not _may_be_terminal() or not err_console().is_terminal:
         yield None
         return
     from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
