@@ -34,6 +34,7 @@ from .spec import Spec, find_specs, load_spec
 # the steps (and the sandbox runner under them), the image writer and the layer writer (with
 # the compiled chunker) are imported only when something is built: a no-op build skips them
 if TYPE_CHECKING:
+    from ..format.index import LayerIndex
     from .layer import Progress, WriteStats
 
 
@@ -204,6 +205,9 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
     cache = _BuildCache(Path(cfg.data_dir), st)
     digests: dict[str, str] = {}  # ref -> manifest digest, for this run
     known: KnownChunks | None = None
+    #: indexes written this run whose chunks the next layer's writer should know; added to
+    #: `known` only when a next layer is built (the last layer's never need to be)
+    unadded: list[LayerIndex] = []
 
     def dep_digest(ref: str) -> str:
         return digests[ref] if ref in digests else get_ref(st, ref).manifest
@@ -236,8 +240,12 @@ def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
         else:
             if known is None:
                 known = KnownChunks.load(st, Path(cfg.data_dir) / "chunk-tables")
-            digest, m, stats = _build_layer(st, spec, deps, known, Path(cfg.data_dir), progress,
-                                            on_log, chunk_sha256, listing)
+            for ix in unadded:
+                known.add_index(ix)
+            unadded.clear()
+            digest, m, stats, index = _build_layer(st, spec, deps, known, Path(cfg.data_dir),
+                                                   progress, on_log, chunk_sha256, listing)
+            unadded.append(index)
             if listing is not None:
                 key = hashlib.sha256(canonical.dumps(
                     {**ident, "inputs": listing.result()})).hexdigest()
@@ -307,7 +315,7 @@ def _point_ref(st: Store, spec: Spec, digest: str, replace: bool) -> str:
 def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, data_dir: Path,
                  progress: Progress | None, on_log: Callable[[str], None] | None,
                  chunk_sha256: bool, listing: Future[str] | None = None
-                 ) -> tuple[str, Manifest, WriteStats]:
+                 ) -> tuple[str, Manifest, WriteStats, LayerIndex]:
     from .layer import layer_manifest, write_layer
     from .steps import STAGED_STEPS, build_tree, clean_stale_staging, make_staging
 
@@ -338,8 +346,7 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
     digest, m = layer_manifest(st, index, name=spec.name, version=spec.version,
                                spec_digest=spec.digest(), base=deps, env=spec.env,
                                workdir=spec.workdir)
-    known.add_index(index)
-    return digest, m, stats
+    return digest, m, stats, index
 
 
 def _build_image(st: Store, spec: Spec, layers: list[str]) -> tuple[str, Manifest, list[str]]:

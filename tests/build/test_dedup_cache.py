@@ -42,6 +42,20 @@ def test_identical_content_in_another_layer_stores_nothing_new(tmp_path: Path, s
     assert grown < 20_000, f"second identical layer added {grown} bytes (index+manifest only)"
 
 
+def test_a_layer_reuses_the_chunks_of_one_built_before_it_in_the_same_run(
+        tmp_path: Path, store) -> None:
+    """Specs built in one run: the second layer's writer knows the first's chunks (and the
+    third the first two's), though the run adds a layer's chunks only when another layer
+    follows."""
+    for name in ("a", "b", "c"):
+        _corpus(tmp_path / name / "tree")
+    report = build([_layer_spec(tmp_path / n, n, "1") for n in ("a", "b", "c")], store)
+    first, second, third = report.items
+    assert first.new_bytes > 0 and first.reused_chunks == 0
+    assert second.new_bytes == 0 and second.reused_chunks == first.new_chunks
+    assert third.new_bytes == 0 and third.reused_chunks == first.new_chunks
+
+
 def test_one_percent_change_stores_little(tmp_path: Path, store) -> None:
     v1 = tmp_path / "v1"
     _corpus(v1 / "tree", files=300)
