@@ -91,3 +91,32 @@ def test_errors_are_raised_not_written(cjson: ModuleType) -> None:
         cjson.items([Entry("r", "chr", rdev=(1, 3))], ids, lambda e: "not bytes")
     with pytest.raises(AttributeError):
         cjson.items([object()], ids, lambda e: (b"", b""))
+
+
+@pytest.mark.parametrize("with_sha", [False, True])
+def test_the_chunk_table_is_the_canonical_json_of_its_rows(with_sha: bool) -> None:
+    """The index writes its chunk table row by row; the stored index holds exactly what
+    canonical JSON of the rows gives (large offsets, a chunk without a sha256 among ones
+    with it), and reads back to the same chunks."""
+    import zstandard
+
+    from dsec_cli.format import canonical
+    from dsec_cli.format.index import ChunkLoc
+
+    rng = random.Random(11)
+    chunks = []
+    for i in range(500):
+        codec, ulen = rng.choice([0, 1, 2]), rng.randrange(1, 1 << 18)
+        chunks.append(ChunkLoc(rng.randbytes(16), rng.randrange(3), rng.randrange(1 << 40),
+                               ulen if codec == 0 else rng.randrange(1, 1 << 18), ulen, codec,
+                               rng.randbytes(32) if with_sha and i % 7 else None))
+    ix = LayerIndex(entries=[Entry(".", "dir", 0o755)], chunks=chunks,
+                    packs=[f"{i:064x}" for i in range(3)])
+    doc = canonical.loads(zstandard.ZstdDecompressor().decompress(
+        ix.to_bytes(), max_output_size=1 << 26), "index")
+    want = [[c.chunk_id.hex(), c.pack, c.offset, c.clen, c.ulen, c.codec]
+            + ([c.sha256.hex() if c.sha256 else ""] if with_sha else []) for c in chunks]
+    assert doc["chunks"] == want and doc["chunk_sha256"] is with_sha
+    raw = zstandard.ZstdDecompressor().decompress(ix.to_bytes(), max_output_size=1 << 26)
+    assert raw == canonical.dumps(doc)  # the stored bytes are canonical as a whole
+    assert LayerIndex.from_bytes(ix.to_bytes()).chunks == chunks
