@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .render import err_console, human_bytes, print_json, progress, table
+from .render import err_console, human_bytes, prepare_table, print_json, progress, table
 
 
 def build_command(specs: list[Path] | None, store: str | None = None, *, force: bool = False,
@@ -18,7 +18,12 @@ def build_command(specs: list[Path] | None, store: str | None = None, *, force: 
         files = p.add_task("files", total=None) if p else None
         data = p.add_task("chunked", total=None, unit="bytes") if p else None
 
+        warm = [not json_out]  # the table's renderer not yet asked for
+
         def tick(kind: str, n: int) -> None:
+            if warm[0]:  # a layer's data is being written: the table is drawn once it ends
+                warm[0] = False
+                prepare_table()
             if p is not None:
                 p.advance(files if kind == "files" else data, n)
 

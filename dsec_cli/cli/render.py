@@ -47,6 +47,20 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def prepare_table() -> None:
+    """Import the table renderer on a thread of its own, for a command that draws a table
+    after long work: the import (about 30 ms) then runs while the work waits on other
+    threads or the kernel, not after it."""
+    import threading
+
+    threading.Thread(target=_import_table, name="dsec-render-import", daemon=True).start()
+
+
+def _import_table() -> None:
+    import rich.console  # noqa: F401
+    import rich.table  # noqa: F401
+
+
 def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     from rich.table import Table
 
