@@ -124,7 +124,7 @@ def test_a_copy_only_build_loads_no_sandbox_or_drawing_code(tmp_path: Path,
                                  "--json"], env)
     assert [r["ref"] for r in json.loads(out)["items"]] == ["l@1"], out
     assert "dsec_cli.build" in loaded  # the probe sees what the command loaded
-    assert not loaded & {"dsec_cli.backends", "tarfile", "rich", "boto3", "oras"}, loaded
+    assert not loaded & {"dsec_cli.backends", "tarfile", "rich", "boto3", "oras", "fastcdc"}, loaded
 
 
 def test_progress_draws_only_where_rich_sees_a_terminal() -> None:

@@ -7,23 +7,49 @@ threads run while a large file is cut. Without it, fastcdc's own generator cuts.
 
 from __future__ import annotations
 
+import importlib.util
 from array import array
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 from .index import ChunkParams
-
-try:  # the compiled chunker; the package's pure-Python fallback is far too slow
-    from fastcdc.const import TABLE as _GEAR_TABLE
-    from fastcdc.fastcdc_cy import chunk_generator as _cdc_chunks
-except ImportError as e:  # pragma: no cover - depends on the wheel
-    raise ImportError("dsec needs fastcdc's compiled chunker (fastcdc.fastcdc_cy)") from e
 
 try:
     from . import _cdc  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - built by scripts/setup.sh
     _cdc = None
 
-_GEAR = array("I", _GEAR_TABLE).tobytes()
+
+def _generator() -> Any:
+    try:  # the compiled generator; the package's pure-Python fallback is far too slow
+        from fastcdc.fastcdc_cy import chunk_generator
+    except ImportError as e:  # pragma: no cover - depends on the wheel
+        raise ImportError("dsec needs fastcdc's compiled chunker (fastcdc.fastcdc_cy)") from e
+    return chunk_generator
+
+
+def _gear_table() -> list[int]:
+    """fastcdc's gear table, read from its `const` module alone where that module is a file:
+    the package's ``__init__`` imports its command line (click), a tenth of a build's
+    start-up. Elsewhere it is imported the usual way."""
+    found = importlib.util.find_spec("fastcdc")
+    where = found.submodule_search_locations if found else None
+    if where:
+        spec = importlib.util.spec_from_file_location("fastcdc.const",
+                                                      Path(list(where)[0]) / "const.py")
+        if spec is not None and spec.loader is not None and Path(spec.origin or "").is_file():
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return list(module.TABLE)
+    from fastcdc.const import TABLE  # pragma: no cover - an installed package has the file
+
+    return list(TABLE)
+
+
+if _cdc is None:  # pragma: no cover - the generator is all there is: fail at import
+    _generator()
+_GEAR = array("I", _gear_table()).tobytes()
 
 
 #: bytes cut per call of the compiled chunker: a large file is cut a window at a time, so
@@ -38,8 +64,8 @@ def cut(data: memoryview, params: ChunkParams) -> Iterator[tuple[int, int]]:
             yield 0, len(data)
         return
     if _cdc is None:
-        for c in _cdc_chunks(data, params.min_size, params.avg_size, params.max_size, False,
-                             None):
+        for c in _generator()(data, params.min_size, params.avg_size, params.max_size,
+                              False, None):
             yield c.offset, c.length
         return
     # a boundary depends only on the bytes since the previous one: every chunk of a window

@@ -107,3 +107,12 @@ def test_cut_runs_without_the_gil(cdc: ModuleType) -> None:
     inside = [x for x in ticks if start <= x <= end]
     pauses = [b - a for a, b in zip([start, *inside], [*inside, end], strict=True)]
     assert max(pauses) < (end - start) / 2, (max(pauses), end - start, len(inside))
+
+
+def test_the_gear_table_is_fastcdcs() -> None:
+    """The table read from fastcdc's `const` module alone is the one its package exports."""
+    from array import array
+
+    from fastcdc.const import TABLE
+
+    assert chunker._GEAR == array("I", TABLE).tobytes() and len(chunker._GEAR) == 1024
