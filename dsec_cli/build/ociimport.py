@@ -36,6 +36,7 @@ import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -826,12 +827,15 @@ def _plan(store: Store, source_text: str, as_ref: str | None, want: str, insecur
 def _wave(store: Store, sources: list[str], as_ref: str | None, want: str, insecure: bool,
           replace: bool, progress: _Progress,
           known: KnownChunks, tables: Path, run: ImportRun) -> None:
-    with ThreadPoolExecutor(min(len(sources), 4), thread_name_prefix="oci-plan") as pool:
-        plans = list(pool.map(lambda s: _plan(store, s, as_ref, want, insecure, replace),
-                              sources))
+    pool = ThreadPoolExecutor(min(len(sources), 4), thread_name_prefix="oci-plan")
+    # each image's layers start as soon as its own manifest and config are read, not once
+    # every image's are: from a registry far away that is a round trip or three per image
+    planned = [pool.submit(_plan, store, s, as_ref, want, insecure, replace) for s in sources]
     try:
-        _read_and_publish(store, plans, progress, known, tables)
+        _read_and_publish(store, planned, progress, known, tables)
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        plans = [f.result() for f in planned if not f.cancelled()]
         for p in plans:
             if p.source is not None:
                 p.source.close()
@@ -847,7 +851,7 @@ class _Run:
     """The layers of one wave being read: who needs each, what became of it, every writer
     (a pack of one layer may be named by another's index), the progress of the whole."""
 
-    def __init__(self, plans: list[_Plan], progress: _Progress) -> None:
+    def __init__(self, progress: _Progress) -> None:
         self.lock = threading.Lock()
         self.progress, self.prog = progress
         self.needed_by: dict[str, list[_Plan]] = {}
@@ -859,10 +863,28 @@ class _Run:
         self.writers: list[tuple[_Writer, Path]] = []
         self.claims: Claims = {}
         self.interrupted: BaseException | None = None
-        for p in plans:
-            if p.error is None:
+        self.errors: dict[str, DsecError] = {}  # layers that failed, and why
+        #: False while images are still being planned: until then a layer no image yet
+        #: read wants may still be wanted by the next, so no read is stopped for that
+        self.all_planned = False
+
+    def plan(self, p: _Plan) -> None:
+        """An image joins the run: its layers and bytes count in the totals."""
+        if p.error is None:
+            with self.lock:
                 self.prog.objects_total += len(p.layers)
                 self.prog.bytes_total += sum(d.size for d, _ in p.layers)
+
+    def join(self, p: _Plan, diff_id: str) -> bool:
+        """``p`` needs a layer an earlier image of the run needs too: True when it is (or
+        is being) read for that image; a layer that already failed fails ``p`` now."""
+        with self.lock:
+            if diff_id not in self.needed_by:
+                return False
+            self.needed_by[diff_id].append(p)
+            if diff_id in self.errors:
+                p.error = p.error or self.errors[diff_id]
+            return True
 
     def tick(self, p: _Plan, n: int) -> None:
         with self.lock:
@@ -886,51 +908,55 @@ class _Run:
     def wanted(self, diff_id: str) -> bool:
         """False once every image that lists the layer has failed (or the run is being
         given up): its read stops."""
-        return not self.closing and any(p.error is None for p in self.needed_by[diff_id])
+        if self.closing:
+            return False
+        return not self.all_planned or any(p.error is None for p in self.needed_by[diff_id])
 
     def fail(self, diff_id: str, e: DsecError) -> None:
-        for p in self.needed_by[diff_id]:
-            p.error = p.error or e
-        if diff_id in self.settled:
-            self.settled[diff_id].set()
+        with self.lock:  # with `join`: an image that joins later fails too
+            self.errors[diff_id] = e
+            for p in self.needed_by[diff_id]:
+                p.error = p.error or e
+            if diff_id in self.settled:
+                self.settled[diff_id].set()
 
 
-def _read_and_publish(store: Store, plans: list[_Plan],
+def _read_and_publish(store: Store, planned: list[Future[_Plan]],
                       progress: _Progress, known: KnownChunks,
                       tables: Path) -> None:
-    """Read the wave's missing layers, up to `RUN_LAYER_WORKERS` at once, while its images
-    are published in source order, each as soon as its own layers are verified."""
-    r = _Run(plans, progress)
-    todo: list[tuple[_Plan, Descriptor, str]] = []
-    for p in plans:
-        if p.error is not None:
-            continue
-        for desc, diff_id in p.layers:
-            if diff_id in r.needed_by:
-                r.needed_by[diff_id].append(p)
-                r.skip(desc.size)
-                r.layer_done()
-                continue
-            r.needed_by[diff_id] = [p]
-            have = _existing_layer(store, diff_id)  # by diff_id: nothing is downloaded
-            if have is not None:
-                d, m = have
-                r.manifests[d] = m
-                r.done[diff_id] = ImportedLayer(m.ref, d, m.content_digest, diff_id,
-                                                desc.digest or "", m.size, m.stored_size,
-                                                True)
-                r.skip(desc.size)
-                r.layer_done()
-            else:
-                todo.append((p, desc, diff_id))
-                r.settled[diff_id] = threading.Event()
-    shared = all(p.source is not None and p.source.concurrent_blobs for p, _, _ in todo)
-    pool = ThreadPoolExecutor(max(1, min(len(todo), RUN_LAYER_WORKERS if shared else 1)),
-                              thread_name_prefix="oci-import")
+    """Read the wave's missing layers, up to `RUN_LAYER_WORKERS` at once, each image's as
+    soon as it is planned, while its images are published in source order, each as soon as
+    its own layers are verified."""
+    r = _Run(progress)
+    plans: list[_Plan] = []
+    pool = ThreadPoolExecutor(RUN_LAYER_WORKERS, thread_name_prefix="oci-import")
     try:
         reader = _LayerReader(store, r, known, pool)
-        for p, desc, diff_id in todo:
-            reader.read(p, desc, diff_id, r.claims)
+        for fut in planned:
+            p = fut.result()
+            plans.append(p)
+            r.plan(p)
+            if p.error is not None:
+                continue
+            for desc, diff_id in p.layers:
+                if r.join(p, diff_id):
+                    r.skip(desc.size)
+                    r.layer_done()
+                    continue
+                r.needed_by[diff_id] = [p]
+                have = _existing_layer(store, diff_id)  # by diff_id: nothing is downloaded
+                if have is not None:
+                    d, m = have
+                    r.manifests[d] = m
+                    r.done[diff_id] = ImportedLayer(m.ref, d, m.content_digest, diff_id,
+                                                    desc.digest or "", m.size, m.stored_size,
+                                                    True)
+                    r.skip(desc.size)
+                    r.layer_done()
+                else:
+                    r.settled[diff_id] = threading.Event()
+                    reader.read(p, desc, diff_id, r.claims)
+        r.all_planned = True
         for p in plans:
             for _, diff_id in p.layers:
                 if diff_id in r.settled:
@@ -965,6 +991,9 @@ class _LayerReader:
     def __init__(self, store: Store, r: _Run, known: KnownChunks,
                  pool: ThreadPoolExecutor) -> None:
         self.store, self.r, self.known, self.pool = store, r, known, pool
+        #: a source whose blobs share one file position (a `docker save` tarball) is read
+        #: one layer at a time; other sources' layers go on beside it
+        self.locks: dict[int, threading.Lock] = {}
 
     def read(self, p: _Plan, desc: Descriptor, diff_id: str, claims: Claims | None) -> None:
         try:
@@ -986,12 +1015,16 @@ class _LayerReader:
 
         if not r.wanted(diff_id):
             raise _Stopped
-        # a connection that breaks mid-layer reads the layer again (transient failures
-        # only, under the one retry policy)
-        return retry.call(lambda: stage_layer(self.store, source, desc, diff_id,
-                                              known=self.known, tick=tick_or_stop,
-                                              claims=claims, writers=r.writers),
-                          f"importing layer {desc.digest or diff_id}")
+        one_at_a_time: AbstractContextManager[object] = (
+            nullcontext() if source.concurrent_blobs
+            else self.locks.setdefault(id(source), threading.Lock()))
+        with one_at_a_time:
+            # a connection that breaks mid-layer reads the layer again (transient failures
+            # only, under the one retry policy)
+            return retry.call(lambda: stage_layer(self.store, source, desc, diff_id,
+                                                  known=self.known, tick=tick_or_stop,
+                                                  claims=claims, writers=r.writers),
+                              f"importing layer {desc.digest or diff_id}")
 
     def _settle(self, p: _Plan, desc: Descriptor, diff_id: str, fut: Future[StagedLayer]
                 ) -> None:

@@ -212,3 +212,147 @@ def test_a_later_wave_takes_no_chunks_from_an_image_that_failed(
     assert verify(open_store(env["DSEC_STORE"]), deep=True).ok
     images.export_image("good@1", tmp_path / "tree")
     assert (tmp_path / "tree/opt/big.bin").read_bytes() == BIG
+
+
+def _hold_plans(monkeypatch: pytest.MonkeyPatch, held: str, until: threading.Event,
+                seen: list[bool]) -> None:
+    """The plan of the source ``held`` waits (at most 10 s) for ``until``; ``seen`` records
+    whether it came in time."""
+    from dsec_cli.build import ociimport
+
+    plan = ociimport._plan
+
+    def held_plan(store, source_text, *a, **kw):  # type: ignore[no-untyped-def]
+        if source_text.startswith(held):
+            seen.append(until.wait(10))
+        return plan(store, source_text, *a, **kw)
+
+    monkeypatch.setattr(ociimport, "_plan", held_plan)
+
+
+def test_an_images_layers_are_read_while_later_images_are_planned(
+        env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second image's manifest is not read until the first image's layer is being
+    read: the run starts each image's layers once that image is planned."""
+    from dsec_cli.build import ociimport
+
+    write_layout(Image([[file("a.bin", BIG)]]), tmp_path / "a", tag="1")
+    write_layout(Image([[file("b.txt", b"b")]]), tmp_path / "b", tag="1")
+    reading = threading.Event()
+    stage = ociimport.stage_layer
+
+    def staged(*a, **kw):  # type: ignore[no-untyped-def]
+        reading.set()
+        return stage(*a, **kw)
+
+    monkeypatch.setattr(ociimport, "stage_layer", staged)
+    seen: list[bool] = []
+    _hold_plans(monkeypatch, str(tmp_path / "b"), reading, seen)
+    run = oci.import_images([str(tmp_path / "a") + ":1", str(tmp_path / "b") + ":1"])
+    assert seen == [True]  # a's layer was being read while b was still to be planned
+    assert not run.failed and [r.ref for r in run.reports] == ["a@1", "b@1"]
+
+
+def test_images_planned_after_a_layer_failed_or_its_first_image_failed(
+        env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Image a lists a good layer and a layer whose bytes do not match their digest; b,
+    planned only after that layer has failed, lists the same good layer, and c the same bad
+    one. The good layer is read to its end for b, though the only image that wanted it when
+    a failed was a (no read is stopped while images are still being planned); c fails with
+    the bad layer's digest named, as a did."""
+    from dsec_cli.build import ociimport
+
+    good = [file("good.bin", random.Random(5).randbytes(4 << 20))]
+    bad = [file("bad.bin", os.urandom(4000))]
+    wrote = write_layout(Image([good, bad]), tmp_path / "a", tag="1", tamper=1)
+    write_layout(Image([good]), tmp_path / "b", tag="1")
+    write_layout(Image([bad]), tmp_path / "c", tag="1", tamper=0)
+    bad_blob = json.loads(wrote["layers"])[1]
+    good_diff = json.loads(wrote["diff_ids"])[0]
+    failed, good_read = threading.Event(), threading.Event()
+    fail = ociimport._Run.fail
+
+    def failing(self, diff_id, e):  # type: ignore[no-untyped-def]
+        fail(self, diff_id, e)
+        failed.set()
+
+    stage = ociimport.stage_layer
+
+    def staged(store, source, desc, diff_id, **kw):  # type: ignore[no-untyped-def]
+        if diff_id != good_diff:
+            return stage(store, source, desc, diff_id, **kw)
+        failed.wait(10)  # the good layer is read once a has failed...
+        try:
+            return stage(store, source, desc, diff_id, **kw)
+        finally:
+            good_read.set()  # ...and b is planned once it has been read
+
+    monkeypatch.setattr(ociimport._Run, "fail", failing)
+    monkeypatch.setattr(ociimport, "stage_layer", staged)
+    seen: list[bool] = []
+    _hold_plans(monkeypatch, str(tmp_path / "b"), good_read, seen)
+    _hold_plans(monkeypatch, str(tmp_path / "c"), failed, seen)
+    run = oci.import_images([str(tmp_path / n) + ":1" for n in "abc"])
+    assert seen == [True, True]
+    assert [r.ref for r in run.reports] == ["b@1"]
+    assert [s for s, _ in run.failed] == [str(tmp_path / n) + ":1" for n in "ac"]
+    for _, e in run.failed:
+        assert bad_blob in " ".join(e.message.split())
+    images.export_image("b@1", tmp_path / "tree")
+    assert (tmp_path / "tree/good.bin").read_bytes() == good[0].data
+    assert verify(open_store(env["DSEC_STORE"]), deep=True).ok
+
+
+def test_docker_save_tarballs_are_read_one_layer_at_a_time_each(
+        env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two `docker save` tarballs of three layers each, in one run: the layers of one
+    tarball share its file position and are read one after another, whatever the run reads
+    beside them, and every file comes out whole."""
+    import io
+    import tarfile
+
+    from dsec_cli.build import ociimport
+
+    from .helpers import layer_tar, sha
+
+    rng = random.Random(9)
+    want: dict[str, dict[str, bytes]] = {}
+    for name in ("s1", "s2"):
+        layers = [[file(f"{name}/l{i}.bin", rng.randbytes(300_000 + i))] for i in range(3)]
+        want[name] = {m.name: m.data for ms in layers for m in ms}
+        plains = [layer_tar(ms) for ms in layers]
+        config = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
+                             "rootfs": {"type": "layers",
+                                        "diff_ids": [sha(p) for p in plains]}}).encode()
+        members = {**{f"l{i}/layer.tar": p for i, p in enumerate(plains)}, "cfg.json": config,
+                   "manifest.json": json.dumps([{
+                       "Config": "cfg.json", "RepoTags": [f"x/{name}:1"],
+                       "Layers": [f"l{i}/layer.tar" for i in range(3)]}]).encode()}
+        with tarfile.open(tmp_path / f"{name}.tar", "w") as tf:
+            for member, data in members.items():
+                ti = tarfile.TarInfo(member)
+                ti.size = len(data)
+                tf.addfile(ti, io.BytesIO(data))
+    lock = threading.Lock()
+    active: dict[int, int] = {}
+    most: dict[int, int] = {}
+    stage = ociimport.stage_layer
+
+    def staged(store, source, *a, **kw):  # type: ignore[no-untyped-def]
+        with lock:
+            active[id(source)] = active.get(id(source), 0) + 1
+            most[id(source)] = max(most.get(id(source), 0), active[id(source)])
+        try:
+            return stage(store, source, *a, **kw)
+        finally:
+            with lock:
+                active[id(source)] -= 1
+
+    monkeypatch.setattr(ociimport, "stage_layer", staged)
+    run = oci.import_images([str(tmp_path / "s1.tar") + ":1", str(tmp_path / "s2.tar") + ":1"])
+    assert not run.failed and [r.ref for r in run.reports] == ["s1@1", "s2@1"]
+    assert sorted(most.values()) == [1, 1]  # two sources, each read one layer at a time
+    for name, files in want.items():
+        images.export_image(f"{name}@1", tmp_path / f"tree-{name}")
+        for path, data in files.items():
+            assert (tmp_path / f"tree-{name}" / path).read_bytes() == data
