@@ -1053,22 +1053,26 @@ def _publish_image(store: Store, p: _Plan, r: _Run, tables: Path) -> None:
     assert p.report is not None
     owners = {d: w for w, _ in r.writers if w.ok for d in w.written}
     layers: list[ImportedLayer] = []
+    #: layers this image publishes: known to later images only once the batch is durable
+    #: (a batch that fails shows none of its objects, and a later image publishes them)
+    newly: dict[str, ImportedLayer] = {}
     with store.write_batch():
         for desc, diff_id in p.layers:
             x = r.done[diff_id]
             if isinstance(x, StagedLayer):
-                if diff_id not in r.imported:
+                earlier = r.imported.get(diff_id) or newly.get(diff_id)
+                if earlier is None:
                     for pack in x.index.packs:  # chunks taken from other layers' packs
                         owner = owners.get(pack)
                         if owner is not None and owner is not x.w:
                             owner.publish()
-                    r.imported[diff_id] = x.publish(store, tables)
+                    newly[diff_id] = x.publish(store, tables)
                     assert x.published is not None
                     r.manifests[x.published[0]] = x.published[1]
-                    layers.append(r.imported[diff_id])
-                else:  # published for an earlier image of the run
-                    layers.append(replace(r.imported[diff_id], digest=desc.digest or "",
-                                          reused=True, new_bytes=0))
+                    layers.append(newly[diff_id])
+                else:  # published for an earlier image of the run (or listed twice)
+                    layers.append(replace(earlier, digest=desc.digest or "", reused=True,
+                                          new_bytes=0))
             else:
                 layers.append(replace(x, digest=desc.digest or ""))
         ann = dict(p.ann)
@@ -1079,6 +1083,7 @@ def _publish_image(store: Store, p: _Plan, r: _Run, tables: Path) -> None:
                                 env=p.env, workdir=p.workdir, annotations=ann,
                                 manifests=[r.manifests[x.manifest] for x in layers],
                                 created_by=f"dsec import {p.source_text}")
+    r.imported.update(newly)
     if p.as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
         _set_image_ref(store, p.name, p.version, digest, p.replace)
     p.report.layers = layers

@@ -356,3 +356,36 @@ def test_docker_save_tarballs_are_read_one_layer_at_a_time_each(
         images.export_image(f"{name}@1", tmp_path / f"tree-{name}")
         for path, data in files.items():
             assert (tmp_path / f"tree-{name}" / path).read_bytes() == data
+
+
+def test_an_image_whose_objects_fail_to_commit_leaves_its_layers_to_the_next(
+        env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store refuses the first image's batch of objects (its base layer's index,
+    manifest and ref, its image manifest): that image fails, and the second image, on the
+    same base, publishes the base itself instead of naming objects that never appeared."""
+    from dsec_cli.core.errors import StoreError
+    from dsec_cli.push.stores.file import FileStore
+
+    base = _base("1")
+    write_layout(Image([base, [file("app/a.txt", b"a")]]), tmp_path / "a", tag="1")
+    write_layout(Image([base, [file("app/b.txt", b"b")]]), tmp_path / "b", tag="1")
+    commit = FileStore._commit_batch
+    calls = []
+
+    def refuse_first(self, batch):  # type: ignore[no-untyped-def]
+        calls.append(len(batch))
+        if len(calls) == 1:
+            for tmp, _ in batch:
+                tmp.unlink(missing_ok=True)
+            raise StoreError("writing a batch: the disk is full (refused in this test)")
+        return commit(self, batch)
+
+    monkeypatch.setattr(FileStore, "_commit_batch", refuse_first)
+    run = oci.import_images([str(tmp_path / "a") + ":1", str(tmp_path / "b") + ":1"])
+    assert [s for s, _ in run.failed] == [str(tmp_path / "a") + ":1"]
+    assert "refused in this test" in run.failed[0][1].message
+    assert [r.ref for r in run.reports] == ["b@1"]
+    assert [x.reused for x in run.reports[0].layers] == [False, False]
+    assert verify(open_store(env["DSEC_STORE"]), deep=True).ok
+    images.export_image("b@1", tmp_path / "tree")
+    assert (tmp_path / "tree/opt/big.bin").read_bytes() == BIG
