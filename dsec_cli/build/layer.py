@@ -31,7 +31,7 @@ from ..core.digests import chunk_id, object_key
 from ..core.errors import BuildError
 from ..core.files import fsync_path
 from ..format.chunker import cut
-from ..format.codec import GROUP_BYTES, GROUP_CHUNKS, encode_group
+from ..format.codec import GROUP_BYTES, GROUP_CHUNKS, encode_joined
 from ..format.index import ChunkLoc, ChunkParams, Entry, EntryJson, LayerIndex, put_index
 from ..format.manifest import Manifest, put_manifest
 from ..format.pack import FinishedPack, PackWriter
@@ -103,8 +103,8 @@ class _Writer:
         self.pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1)))
         self.window = 2 * max(1, (os.cpu_count() or 1)) + 2  # groups in flight
         self.group: list[_Job] = []
-        self.group_payloads: list[bytes] = []
-        self.group_bytes = 0
+        #: the open group's chunks back to back: each chunk is copied once, into this
+        self.group_buf = bytearray()
         self.pack: PackWriter | None = None
         self.result_new_bytes = 0
         self.new_chunks = 0
@@ -122,7 +122,7 @@ class _Writer:
             self.packs.append(digest)
         return n
 
-    def chunk(self, data: memoryview | bytes) -> int:
+    def chunk(self, data: memoryview | bytes | bytearray) -> int:
         """The chunk number of these bytes in this layer's chunk table."""
         cid = chunk_id(data)
         n = self.by_id.get(cid)
@@ -144,22 +144,21 @@ class _Writer:
                 self.claimed.append((n, owner[0], owner[1]))
                 return n
         self.locs.append(None)
-        payload = bytes(data)
         if self.crypto:
-            self.sha[n] = hashlib.sha256(payload).digest()
-        self.group.append((n, cid, len(payload)))
-        self.group_payloads.append(payload)
-        self.group_bytes += len(payload)
-        if self.group_bytes >= GROUP_BYTES or len(self.group) >= GROUP_CHUNKS:
+            self.sha[n] = hashlib.sha256(data).digest()
+        self.group.append((n, cid, len(data)))
+        self.group_buf += data
+        if len(self.group_buf) >= GROUP_BYTES or len(self.group) >= GROUP_CHUNKS:
             self._submit()
         return n
 
     def _submit(self) -> None:
         if not self.group:
             return
-        self.pending.append((self.group, self.pool.submit(encode_group, self.group_payloads,
-                                                          self.params.level)))
-        self.group, self.group_payloads, self.group_bytes = [], [], 0
+        self.pending.append((self.group, self.pool.submit(
+            encode_joined, self.group_buf, [ulen for _, _, ulen in self.group],
+            self.params.level)))
+        self.group, self.group_buf = [], bytearray()
         while len(self.pending) >= self.window:
             self._drain_one()
 
@@ -361,7 +360,7 @@ class _Batcher:
     def flush(self) -> None:
         if not self.files:
             return
-        n = self.w.chunk(bytes(self.batch))
+        n = self.w.chunk(self.batch)  # copied into the group as it is taken
         for e, off, ln in self.files:
             e.chunks = [(n, off, ln)]
         self.batch.clear()

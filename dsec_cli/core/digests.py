@@ -25,7 +25,7 @@ def sha256_hex(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def chunk_id(data: bytes | memoryview) -> bytes:
+def chunk_id(data: bytes | bytearray | memoryview) -> bytes:
     """The 16-byte xxh3-128 identity of a chunk's uncompressed bytes."""
     return xxhash.xxh3_128_digest(data)
 

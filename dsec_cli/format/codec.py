@@ -80,25 +80,36 @@ def encode_group(payloads: list[bytes], level: int) -> tuple[bytes, list[tuple[i
     Several chunks that compress become one group (codec 2); a lone chunk, or a set that does
     not compress or is larger than GROUP_MAX, is stored chunk by chunk as `encode` stores
     it."""
+    return encode_joined(b"".join(payloads), [len(p) for p in payloads], level)
+
+
+def encode_joined(data: bytes | bytearray, lengths: list[int], level: int
+                  ) -> tuple[bytes, list[tuple[int, int, int]]]:
+    """`encode_group` of chunks given back to back in one buffer, ``lengths`` long each (a
+    writer appends each chunk to the group's buffer as it cuts it, so the group is not
+    joined again from separate copies)."""
     # (a group past what readers accept, possible only with very large chunk parameters, is
     # stored chunk by chunk)
-    if len(payloads) > 1 and sum(map(len, payloads)) <= GROUP_MAX:
-        n = len(payloads)
-        frame = _compressor(level).compress(b"".join(payloads))
-        if len(frame) + MEMBER.size * n < sum(map(len, payloads)):
+    n = len(lengths)
+    if n > 1 and len(data) <= GROUP_MAX:
+        frame = _compressor(level).compress(data)
+        if len(frame) + MEMBER.size * n < len(data):
             heads, uoff = [], 0
-            for i, p in enumerate(payloads):
+            for i, ln in enumerate(lengths):
                 heads.append(MEMBER.pack(uoff, n - 1 - i))
-                uoff += len(p)
+                uoff += ln
             blob = b"".join(heads) + frame
             return blob, [(CODEC_ZGROUP, MEMBER.size * i, len(blob) - MEMBER.size * i)
                           for i in range(n)]
-    parts, rows, off = [], [], 0
-    for p in payloads:
-        codec, stored = encode(p, level)
+    view = memoryview(data)
+    parts, rows, off, at = [], [], 0, 0
+    for ln in lengths:
+        codec, stored = encode(view[at:at + ln], level)
+        at += ln
         parts.append(stored)
         rows.append((codec, off, len(stored)))
         off += len(stored)
+    view.release()
     return b"".join(parts), rows
 
 
