@@ -388,12 +388,14 @@ def chunk_stream(w: _Writer, read: Callable[[int], bytes], size: int, params: Ch
         return [(w.chunk(exact(size)), 0, size)]
     window = 16 * params.max_size
     out: list[tuple[int, int, int]] = []
-    buf = b""
+    buf: bytes | memoryview = b""
     left = size
     while left or buf:
         take = min(left, window - len(buf))
         if take:
-            buf += exact(take)
+            # the stream's own bytes (often a view of its piece) when nothing is left over;
+            # each chunk is copied once, into its group (`_Writer.chunk`)
+            buf = exact(take) if not buf else b"".join((buf, exact(take)))
             left -= take
         view = memoryview(buf)
         cuts = list(cut(view, params))
