@@ -406,7 +406,7 @@ def chunk_stream(w: _Writer, read: Callable[[int], bytes], size: int, params: Ch
             out.append((w.chunk(view[o:o + ln]), 0, ln))
             done = o + ln
         view.release()
-        buf = buf[done:]
+        buf = bytes(buf[done:])  # the remainder alone, so the window it ends is freed
         if not left and done == 0 and buf:  # pragma: no cover - cut always covers the rest
             raise BuildError("chunker left bytes uncut")
     return out

@@ -101,15 +101,21 @@ def encode_joined(data: bytes | bytearray, lengths: list[int], level: int
             blob = b"".join(heads) + frame
             return blob, [(CODEC_ZGROUP, MEMBER.size * i, len(blob) - MEMBER.size * i)
                           for i in range(n)]
+        del frame  # not kept while the chunks are stored one by one
+    # chunk by chunk, as `encode` stores each (raw when compression does not pay); a raw
+    # chunk goes into the blob straight from the group's buffer
+    comp = _compressor(level)
     view = memoryview(data)
-    parts, rows, off, at = [], [], 0, 0
+    parts: list[bytes | memoryview] = []
+    rows, off, at = [], 0, 0
     for ln in lengths:
-        codec, stored = encode(view[at:at + ln], level)
+        piece = view[at:at + ln]
         at += ln
+        z = comp.compress(piece)
+        stored, codec = (piece, CODEC_RAW) if len(z) >= ln else (z, CODEC_ZSTD)
         parts.append(stored)
         rows.append((codec, off, len(stored)))
         off += len(stored)
-    view.release()
     return b"".join(parts), rows
 
 
