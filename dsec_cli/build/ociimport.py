@@ -36,7 +36,6 @@ import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -991,9 +990,6 @@ class _LayerReader:
     def __init__(self, store: Store, r: _Run, known: KnownChunks,
                  pool: ThreadPoolExecutor) -> None:
         self.store, self.r, self.known, self.pool = store, r, known, pool
-        #: a source whose blobs share one file position (a `docker save` tarball) is read
-        #: one layer at a time; other sources' layers go on beside it
-        self.locks: dict[int, threading.Lock] = {}
 
     def read(self, p: _Plan, desc: Descriptor, diff_id: str, claims: Claims | None) -> None:
         try:
@@ -1015,16 +1011,13 @@ class _LayerReader:
 
         if not r.wanted(diff_id):
             raise _Stopped
-        one_at_a_time: AbstractContextManager[object] = (
-            nullcontext() if source.concurrent_blobs
-            else self.locks.setdefault(id(source), threading.Lock()))
-        with one_at_a_time:
-            # a connection that breaks mid-layer reads the layer again (transient failures
-            # only, under the one retry policy)
-            return retry.call(lambda: stage_layer(self.store, source, desc, diff_id,
-                                                  known=self.known, tick=tick_or_stop,
-                                                  claims=claims, writers=r.writers),
-                              f"importing layer {desc.digest or diff_id}")
+        # a connection that breaks mid-layer reads the layer again (transient failures
+        # only, under the one retry policy); a source whose blobs share one file position
+        # (a `docker save` tarball) opens them one at a time
+        return retry.call(lambda: stage_layer(self.store, source, desc, diff_id,
+                                              known=self.known, tick=tick_or_stop,
+                                              claims=claims, writers=r.writers),
+                          f"importing layer {desc.digest or diff_id}")
 
     def _settle(self, p: _Plan, desc: Descriptor, diff_id: str, fut: Future[StagedLayer]
                 ) -> None:

@@ -18,11 +18,12 @@ def build_command(specs: list[Path] | None, store: str | None = None, *, force: 
         files = p.add_task("files", total=None) if p else None
         data = p.add_task("chunked", total=None, unit="bytes") if p else None
 
-        warm = [not json_out]  # the table's renderer not yet asked for
+        warm = not json_out  # the table's renderer not yet asked for
 
         def tick(kind: str, n: int) -> None:
-            if warm[0]:  # a layer's data is being written: the table is drawn once it ends
-                warm[0] = False
+            nonlocal warm
+            if warm:  # a layer's data is being written: the table is drawn once it ends
+                warm = False
                 prepare_table()
             if p is not None:
                 p.advance(files if kind == "files" else data, n)

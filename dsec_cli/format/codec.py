@@ -66,12 +66,16 @@ def _decompressor(group: bool = False) -> zstandard.ZstdDecompressor:
     return d
 
 
+def _zstd_unless_raw(data: bytes | memoryview, level: int) -> bytes | None:
+    """One chunk's zstd frame, or None when compression does not pay (it is stored raw)."""
+    z = _compressor(level).compress(data)
+    return None if len(z) >= len(data) else z
+
+
 def encode(data: bytes | memoryview, level: int) -> tuple[int, bytes]:
     """(codec, stored bytes) of one chunk on its own; raw when compression does not pay."""
-    z = _compressor(level).compress(data)
-    if len(z) >= len(data):
-        return CODEC_RAW, bytes(data)
-    return CODEC_ZSTD, z
+    z = _zstd_unless_raw(data, level)
+    return (CODEC_RAW, bytes(data)) if z is None else (CODEC_ZSTD, z)
 
 
 def encode_group(payloads: list[bytes], level: int) -> tuple[bytes, list[tuple[int, int, int]]]:
@@ -104,15 +108,14 @@ def encode_joined(data: bytes | bytearray, lengths: list[int], level: int
         del frame  # not kept while the chunks are stored one by one
     # chunk by chunk, as `encode` stores each (raw when compression does not pay); a raw
     # chunk goes into the blob straight from the group's buffer
-    comp = _compressor(level)
     view = memoryview(data)
     parts: list[bytes | memoryview] = []
     rows, off, at = [], 0, 0
     for ln in lengths:
         piece = view[at:at + ln]
         at += ln
-        z = comp.compress(piece)
-        stored, codec = (piece, CODEC_RAW) if len(z) >= ln else (z, CODEC_ZSTD)
+        z = _zstd_unless_raw(piece, level)
+        stored, codec = (piece, CODEC_RAW) if z is None else (z, CODEC_ZSTD)
         parts.append(stored)
         rows.append((codec, off, len(stored)))
         off += len(stored)

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import tarfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -87,8 +88,6 @@ class Source:
     reference: str = ""
     #: a local source's path (its name is the default image name)
     path: Path = Path("image")
-    #: whether several blobs may be read at once, from several threads
-    concurrent_blobs: bool = True
 
     def root(self) -> tuple[bytes, str, str | None]:
         """The top document (an index or a manifest): bytes, media type, and its digest
@@ -161,11 +160,11 @@ class LayoutSource(Source):
 class ArchiveSource(Source):
     """A `docker save` (or `skopeo copy ... docker-archive:`) tarball: ``manifest.json``
     names the config and the layer tarballs by member path. Its blobs are read one at a
-    time (members of one open archive share its file position)."""
-
-    concurrent_blobs = False
+    time (members of one open archive share its file position): a thread that opens one
+    while another is being read waits for it."""
 
     def __init__(self, path: Path, tag: str = "") -> None:
+        self._one_blob = threading.Lock()
         self.path = path
         self.label = f"docker archive {path}"
         self.reference = tag
@@ -226,7 +225,8 @@ class ArchiveSource(Source):
 
     @contextmanager
     def blob(self, desc: Descriptor) -> Iterator[IO[bytes]]:
-        yield self._member(desc.path)
+        with self._one_blob:
+            yield self._member(desc.path)
 
     def close(self) -> None:
         self.tf.close()

@@ -311,8 +311,6 @@ def test_docker_save_tarballs_are_read_one_layer_at_a_time_each(
     import io
     import tarfile
 
-    from dsec_cli.build import ociimport
-
     from .helpers import layer_tar, sha
 
     rng = random.Random(9)
@@ -333,22 +331,28 @@ def test_docker_save_tarballs_are_read_one_layer_at_a_time_each(
                 ti = tarfile.TarInfo(member)
                 ti.size = len(data)
                 tf.addfile(ti, io.BytesIO(data))
+    from contextlib import contextmanager
+
+    from dsec_cli.push.ocisource import ArchiveSource
+
     lock = threading.Lock()
     active: dict[int, int] = {}
     most: dict[int, int] = {}
-    stage = ociimport.stage_layer
+    blob = ArchiveSource.blob
 
-    def staged(store, source, *a, **kw):  # type: ignore[no-untyped-def]
-        with lock:
-            active[id(source)] = active.get(id(source), 0) + 1
-            most[id(source)] = max(most.get(id(source), 0), active[id(source)])
-        try:
-            return stage(store, source, *a, **kw)
-        finally:
+    @contextmanager
+    def counted(self, desc):  # type: ignore[no-untyped-def]
+        with blob(self, desc) as f:  # layers read at once from this archive, at most
             with lock:
-                active[id(source)] -= 1
+                active[id(self)] = active.get(id(self), 0) + 1
+                most[id(self)] = max(most.get(id(self), 0), active[id(self)])
+            try:
+                yield f
+            finally:
+                with lock:
+                    active[id(self)] -= 1
 
-    monkeypatch.setattr(ociimport, "stage_layer", staged)
+    monkeypatch.setattr(ArchiveSource, "blob", counted)
     run = oci.import_images([str(tmp_path / "s1.tar") + ":1", str(tmp_path / "s2.tar") + ":1"])
     assert not run.failed and [r.ref for r in run.reports] == ["s1@1", "s2@1"]
     assert sorted(most.values()) == [1, 1]  # two sources, each read one layer at a time
