@@ -31,7 +31,7 @@ from ..core.digests import chunk_id, object_key
 from ..core.errors import BuildError
 from ..core.files import fsync_path
 from ..format.chunker import cut
-from ..format.codec import GROUP_BYTES, GROUP_CHUNKS, encode_joined
+from ..format.codec import GROUP_BYTES, GROUP_CHUNKS, encode_parts
 from ..format.index import ChunkLoc, ChunkParams, Entry, EntryJson, LayerIndex, put_index
 from ..format.manifest import Manifest, put_manifest
 from ..format.pack import FinishedPack, PackWriter
@@ -64,7 +64,7 @@ class ClaimLost(Exception):
 
 #: a chunk waiting for its group to be compressed: (chunk number, id, uncompressed length)
 _Job = tuple[int, bytes, int]
-_Encoded = tuple[bytes, list[tuple[int, int, int]]]
+_Encoded = tuple[list[bytes | memoryview], list[tuple[int, int, int]]]
 #: chunk id -> (writer, chunk number) of the first writer of a run to meet it
 Claims = dict[bytes, tuple["_Writer", int]]
 
@@ -99,12 +99,18 @@ class _Writer:
         #: work done while waiting for a group's compression; returns False when it has
         #: nothing (left) to do
         self.idle: Callable[[], bool] | None = None
-        self.pending: deque[tuple[list[_Job], Future[_Encoded]]] = deque()
+        self.pending: deque[tuple[list[_Job], bytearray, Future[_Encoded]]] = deque()
         self.pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1)))
         self.window = 2 * max(1, (os.cpu_count() or 1)) + 2  # groups in flight
         self.group: list[_Job] = []
-        #: the open group's chunks back to back: each chunk is copied once, into this
-        self.group_buf = bytearray()
+        #: the open group's chunks back to back, ``group_fill`` bytes of it: each chunk is
+        #: copied once, into this. Group buffers are of one size, enough for a group and its
+        #: last chunk, and are used again once their group is written (`spare`): no buffer
+        #: grows chunk by chunk, nor is new memory taken and faulted in for every group
+        self.buf_size = GROUP_BYTES + params.max_size
+        self.spare: list[bytearray] = []
+        self.group_buf = bytearray(self.buf_size)
+        self.group_fill = 0
         self.pack: PackWriter | None = None
         self.result_new_bytes = 0
         self.new_chunks = 0
@@ -147,38 +153,51 @@ class _Writer:
         if self.crypto:
             self.sha[n] = hashlib.sha256(data).digest()
         self.group.append((n, cid, len(data)))
-        self.group_buf += data
-        if len(self.group_buf) >= GROUP_BYTES or len(self.group) >= GROUP_CHUNKS:
+        fill = self.group_fill
+        end = fill + len(data)
+        if end > len(self.group_buf):  # a chunk past the buffer's room (larger than max_size)
+            grown = bytearray(end)
+            grown[:fill] = memoryview(self.group_buf)[:fill]
+            self.group_buf = grown
+        self.group_buf[fill:end] = data
+        self.group_fill = end
+        if end >= GROUP_BYTES or len(self.group) >= GROUP_CHUNKS:
             self._submit()
         return n
 
     def _submit(self) -> None:
         if not self.group:
             return
-        self.pending.append((self.group, self.pool.submit(
-            encode_joined, self.group_buf, [ulen for _, _, ulen in self.group],
+        buf = self.group_buf
+        self.pending.append((self.group, buf, self.pool.submit(
+            encode_parts, memoryview(buf)[:self.group_fill], [ulen for _, _, ulen in self.group],
             self.params.level)))
-        self.group, self.group_buf = [], bytearray()
+        self.group, self.group_fill = [], 0
+        self.group_buf = self.spare.pop() if self.spare else bytearray(self.buf_size)
         while len(self.pending) >= self.window:
             self._drain_one()
 
     def _drain_one(self) -> None:
         """Append the oldest group's stored bytes to the open pack, in submission order; a
         pack is sealed after the group that fills it (a group never spans two packs)."""
-        jobs, fut = self.pending.popleft()
+        jobs, buf, fut = self.pending.popleft()
         while not fut.done() and self.idle is not None and self.idle():
             pass
-        blob, rows = fut.result()
+        parts, rows = fut.result()
         if self.pack is None:
             self.pack = PackWriter(self.staging)
-        pcs = self.pack.add_blob(blob, [(cid, codec, off, clen, ulen) for (_, cid, ulen),
-                                        (codec, off, clen) in zip(jobs, rows, strict=True)])
+        pcs = self.pack.add_blob(parts, [(cid, codec, off, clen, ulen) for (_, cid, ulen),
+                                         (codec, off, clen) in zip(jobs, rows, strict=True)])
+        blob_size = sum(len(p) for p in parts)
+        del parts  # the last views of the group's buffer: it may be used again
+        if len(buf) == self.buf_size:
+            self.spare.append(buf)
         for (n, cid, ulen), pc in zip(jobs, pcs, strict=True):
             self.locs[n] = ChunkLoc(cid, -1, pc.offset, pc.clen, ulen, pc.codec,
                                     self.sha.get(n))
             self.open_chunks.append(n)
             self.new_chunks += 1
-        self.result_new_bytes += len(blob)
+        self.result_new_bytes += blob_size
         if self.pack.size >= PACK_TARGET:
             self._seal()
 
@@ -259,7 +278,7 @@ class _Writer:
         self.published = True
 
     def abort(self) -> None:
-        for _, fut in self.pending:
+        for _, _, fut in self.pending:
             fut.cancel()
         self.pool.shutdown(cancel_futures=True)
         self.upload_pool.shutdown(cancel_futures=True)

@@ -87,27 +87,34 @@ def encode_group(payloads: list[bytes], level: int) -> tuple[bytes, list[tuple[i
     return encode_joined(b"".join(payloads), [len(p) for p in payloads], level)
 
 
-def encode_joined(data: bytes | bytearray, lengths: list[int], level: int
+def encode_joined(data: bytes | bytearray | memoryview, lengths: list[int], level: int
                   ) -> tuple[bytes, list[tuple[int, int, int]]]:
-    """`encode_group` of chunks given back to back in one buffer, ``lengths`` long each (a
-    writer appends each chunk to the group's buffer as it cuts it, so the group is not
-    joined again from separate copies)."""
+    """`encode_group` of chunks given back to back in one buffer, ``lengths`` long each."""
+    parts, rows = encode_parts(data, lengths, level)
+    return b"".join(parts), rows
+
+
+def encode_parts(data: bytes | bytearray | memoryview, lengths: list[int], level: int
+                 ) -> tuple[list[bytes | memoryview], list[tuple[int, int, int]]]:
+    """`encode_joined` with the stored bytes left in pieces to be written one after the other
+    (a group's member headers and its frame; each chunk stored alone), so that a writer's
+    chunks are not copied again to join them. A raw chunk's piece is a view of ``data``,
+    which must stay unchanged until the pieces are written."""
     # (a group past what readers accept, possible only with very large chunk parameters, is
     # stored chunk by chunk)
     n = len(lengths)
     if n > 1 and len(data) <= GROUP_MAX:
         frame = _compressor(level).compress(data)
         if len(frame) + MEMBER.size * n < len(data):
-            heads, uoff = [], 0
+            heads, uoff = bytearray(), 0
             for i, ln in enumerate(lengths):
-                heads.append(MEMBER.pack(uoff, n - 1 - i))
+                heads += MEMBER.pack(uoff, n - 1 - i)
                 uoff += ln
-            blob = b"".join(heads) + frame
-            return blob, [(CODEC_ZGROUP, MEMBER.size * i, len(blob) - MEMBER.size * i)
-                          for i in range(n)]
+            size = len(heads) + len(frame)
+            return [heads, frame], [(CODEC_ZGROUP, MEMBER.size * i, size - MEMBER.size * i)
+                                    for i in range(n)]
         del frame  # not kept while the chunks are stored one by one
-    # chunk by chunk, as `encode` stores each (raw when compression does not pay); a raw
-    # chunk goes into the blob straight from the group's buffer
+    # chunk by chunk, as `encode` stores each (raw when compression does not pay)
     view = memoryview(data)
     parts: list[bytes | memoryview] = []
     rows, off, at = [], 0, 0
@@ -119,7 +126,7 @@ def encode_joined(data: bytes | bytearray, lengths: list[int], level: int
         parts.append(stored)
         rows.append((codec, off, len(stored)))
         off += len(stored)
-    return b"".join(parts), rows
+    return parts, rows
 
 
 def member(stored: bytes | memoryview) -> tuple[int, int]:

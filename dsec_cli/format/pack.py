@@ -57,13 +57,15 @@ class PackWriter:
     def __init__(self, tmp_dir: Path) -> None:
         fd, name = tempfile.mkstemp(prefix="pack-", suffix=".tmp", dir=tmp_dir)
         self.path = Path(name)
-        self._f = os.fdopen(fd, "wb", buffering=1 << 20)
+        # a buffer for the small writes; a group's frame (hundreds of KiB) goes to the file
+        # as it is, not copied through the buffer
+        self._f = os.fdopen(fd, "wb", buffering=64 << 10)
         self._hash = hashlib.sha256()
         self._chunks: list[PackedChunk] = []
         self.size = 0
         self._write(HEADER)
 
-    def _write(self, data: bytes | memoryview) -> None:
+    def _write(self, data: bytes | bytearray | memoryview) -> None:
         self._f.write(data)
         self._hash.update(data)
         self.size += len(data)
@@ -74,12 +76,14 @@ class PackWriter:
         self._chunks.append(pc)
         return pc
 
-    def add_blob(self, blob: bytes, rows: list[tuple[bytes, int, int, int, int]]
-                 ) -> list[PackedChunk]:
-        """Stored bytes holding several chunks (a group, format/codec.py); ``rows`` are
-        (id, codec, offset in blob, clen, ulen). The chunks' ranges may overlap."""
+    def add_blob(self, blob: bytes | memoryview | list[bytes | bytearray | memoryview],
+                 rows: list[tuple[bytes, int, int, int, int]]) -> list[PackedChunk]:
+        """Stored bytes holding several chunks (a group, format/codec.py), whole or as the
+        pieces written one after the other; ``rows`` are (id, codec, offset in blob, clen,
+        ulen). The chunks' ranges may overlap."""
         base = self.size
-        self._write(blob)
+        for part in blob if isinstance(blob, list) else [blob]:
+            self._write(part)
         out = [PackedChunk(cid, base + off, clen, ulen, codec)
                for cid, codec, off, clen, ulen in rows]
         self._chunks += out
