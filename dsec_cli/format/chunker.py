@@ -8,8 +8,11 @@ threads run while a large file is cut. Without it, fastcdc's own generator cuts.
 from __future__ import annotations
 
 import importlib.util
+import os
+import threading
 from array import array
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -69,15 +72,44 @@ def cut(data: memoryview, params: ChunkParams) -> Iterator[tuple[int, int]]:
             yield c.offset, c.length
         return
     # a boundary depends only on the bytes since the previous one: every chunk of a window
-    # but its last is final, and the last is cut again as the start of the next window
+    # but its last is final, and the last is cut again as the start of the next window. The
+    # next window is cut on a thread of its own while this one's chunks are handed out, so
+    # the caller's work on them (hashing, grouping) runs beside the cut, not after it
     window = max(CUT_WINDOW, 2 * params.max_size)
-    off, end = 0, len(data)
-    while off < end:
-        stop = min(off + window, end)
-        lengths = _cdc.lengths(data[off:stop], params.min_size, params.avg_size,
-                               params.max_size, _GEAR)
-        if stop < end:
-            lengths = lengths[:-1]
-        for ln in lengths:
-            yield off, ln
-            off += ln
+    end = len(data)
+
+    def lengths_from(start: int) -> tuple[int, int, list[int]]:
+        stop = min(start + window, end)
+        return start, stop, _cdc.lengths(data[start:stop], params.min_size, params.avg_size,
+                                         params.max_size, _GEAR)
+
+    ahead: Future[tuple[int, int, list[int]]] | None = None
+    try:
+        off, stop, lengths = lengths_from(0)
+        while True:
+            if stop < end:
+                lengths = lengths[:-1]
+                ahead = _cut_pool().submit(lengths_from, off + sum(lengths))
+            for ln in lengths:
+                yield off, ln
+                off += ln
+            if ahead is None:
+                return
+            off, stop, lengths = ahead.result()
+            ahead = None
+    finally:
+        if ahead is not None:  # the caller stopped early: the window's cut still reads data
+            wait([ahead])
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _cut_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
+                                       thread_name_prefix="dsec-cut")
+        return _pool

@@ -75,11 +75,49 @@ def test_fallback_cuts_alike(cdc: ModuleType, monkeypatch: pytest.MonkeyPatch) -
     assert sum(n for _, n in fallback) == len(data)
 
 
+@pytest.mark.parametrize("warm", [1, 2, 8])
+@pytest.mark.parametrize("p", PARAMS, ids=lambda p: f"{p.min_size}-{p.avg_size}-{p.max_size}")
+def test_a_second_lane_started_cold_is_scanned_again(cdc: ModuleType, p: ChunkParams,
+                                                     warm: int) -> None:
+    """The cut scans a range as two lanes, the second started a few bytes early. Started
+    only 1, 2 or 8 bytes early, that lane's hash is not yet the exact one: its half must be
+    scanned again, and every cut point is still fastcdc's (trusting the lane would move
+    them)."""
+    for data in _inputs():
+        if len(data) <= p.min_size:
+            continue
+        got = cdc.lengths(data, p.min_size, p.avg_size, p.max_size, chunker._GEAR, warm)
+        assert got == [n for _, n in _reference(data, p)], (len(data), p, warm)
+
+
+def test_a_cut_stopped_early_leaves_no_window_being_read(cdc: ModuleType,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """The next window is cut on another thread while the caller takes this one's chunks;
+    a caller that stops early gets its buffer back free (while a cut still reads it, a
+    bytearray cannot be resized, nor an mmap closed)."""
+    monkeypatch.setattr(chunker, "_cdc", cdc)
+    monkeypatch.setattr(chunker, "CUT_WINDOW", 32 << 20)
+    data = bytearray(random.Random(5).randbytes(80 << 20))
+    for _ in range(3):
+        view = memoryview(data)
+        chunks = chunker.cut(view, ChunkParams())
+        assert next(chunks)[0] == 0
+        time.sleep(0.003)  # the next window's cut (some 15 ms) has begun
+        chunks.close()
+        view.release()
+        data.append(0)  # BufferError while a slice of it is being cut elsewhere
+        del data[-1]
+
+
 def test_bad_arguments_are_refused(cdc: ModuleType) -> None:
     with pytest.raises(ValueError, match="gear table"):
         cdc.lengths(b"x" * 100_000, 16384, 65536, 262144, b"short")
     with pytest.raises(ValueError, match="out of range"):
         cdc.lengths(b"x" * 100_000, 1, 65536, 262144, chunker._GEAR)
+    for warm in (0, 65):
+        with pytest.raises(ValueError, match="warm"):
+            cdc.lengths(b"x" * 100_000, 16384, 65536, 262144, chunker._GEAR, warm)
 
 
 def test_cut_runs_without_the_gil(cdc: ModuleType) -> None:
