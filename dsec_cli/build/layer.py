@@ -31,7 +31,7 @@ from ..core.digests import chunk_id, object_key
 from ..core.errors import BuildError
 from ..core.files import fsync_path
 from ..format.chunker import cut
-from ..format.codec import GROUP_BYTES, GROUP_CHUNKS, encode_parts
+from ..format.codec import GROUP_BYTES, GROUP_CHUNKS, Piece, encode_parts
 from ..format.index import ChunkLoc, ChunkParams, Entry, EntryJson, LayerIndex, put_index
 from ..format.manifest import Manifest, put_manifest
 from ..format.pack import FinishedPack, PackWriter
@@ -64,7 +64,7 @@ class ClaimLost(Exception):
 
 #: a chunk waiting for its group to be compressed: (chunk number, id, uncompressed length)
 _Job = tuple[int, bytes, int]
-_Encoded = tuple[list[bytes | memoryview], list[tuple[int, int, int]]]
+_Encoded = tuple[list[Piece], list[tuple[int, int, int]]]
 #: chunk id -> (writer, chunk number) of the first writer of a run to meet it
 Claims = dict[bytes, tuple["_Writer", int]]
 
@@ -109,7 +109,7 @@ class _Writer:
         #: grows chunk by chunk, nor is new memory taken and faulted in for every group
         self.buf_size = GROUP_BYTES + params.max_size
         self.spare: list[bytearray] = []
-        self.group_buf = bytearray(self.buf_size)
+        self.group_buf = bytearray()  # taken at the group's first chunk (`_buffer`)
         self.group_fill = 0
         self.pack: PackWriter | None = None
         self.result_new_bytes = 0
@@ -155,15 +155,26 @@ class _Writer:
         self.group.append((n, cid, len(data)))
         fill = self.group_fill
         end = fill + len(data)
-        if end > len(self.group_buf):  # a chunk past the buffer's room (larger than max_size)
-            grown = bytearray(end)
-            grown[:fill] = memoryview(self.group_buf)[:fill]
-            self.group_buf = grown
+        if end > len(self.group_buf):
+            self._buffer(end)
         self.group_buf[fill:end] = data
         self.group_fill = end
         if end >= GROUP_BYTES or len(self.group) >= GROUP_CHUNKS:
             self._submit()
         return n
+
+    def _buffer(self, need: int) -> None:
+        """Room for ``need`` bytes in the open group's buffer: a buffer given back, or a new
+        one, at a group's first chunk (once the groups before it have been drained, so
+        no more buffers are held than groups in flight); a larger one for a chunk past a
+        buffer's room (larger than max_size)."""
+        fill = self.group_fill
+        if fill == 0 and need <= self.buf_size:
+            self.group_buf = self.spare.pop() if self.spare else bytearray(self.buf_size)
+            return
+        grown = bytearray(max(need, self.buf_size))
+        grown[:fill] = memoryview(self.group_buf)[:fill]
+        self.group_buf = grown
 
     def _submit(self) -> None:
         if not self.group:
@@ -172,8 +183,7 @@ class _Writer:
         self.pending.append((self.group, buf, self.pool.submit(
             encode_parts, memoryview(buf)[:self.group_fill], [ulen for _, _, ulen in self.group],
             self.params.level)))
-        self.group, self.group_fill = [], 0
-        self.group_buf = self.spare.pop() if self.spare else bytearray(self.buf_size)
+        self.group, self.group_fill, self.group_buf = [], 0, bytearray()
         while len(self.pending) >= self.window:
             self._drain_one()
 

@@ -94,8 +94,12 @@ def encode_joined(data: bytes | bytearray | memoryview, lengths: list[int], leve
     return b"".join(parts), rows
 
 
+#: a piece of a chunk's (or group's) stored bytes, as `encode_parts` gives them
+Piece = bytes | bytearray | memoryview
+
+
 def encode_parts(data: bytes | bytearray | memoryview, lengths: list[int], level: int
-                 ) -> tuple[list[bytes | memoryview], list[tuple[int, int, int]]]:
+                 ) -> tuple[list[Piece], list[tuple[int, int, int]]]:
     """`encode_joined` with the stored bytes left in pieces to be written one after the other
     (a group's member headers and its frame; each chunk stored alone), so that a writer's
     chunks are not copied again to join them. A raw chunk's piece is a view of ``data``,
@@ -116,7 +120,7 @@ def encode_parts(data: bytes | bytearray | memoryview, lengths: list[int], level
         del frame  # not kept while the chunks are stored one by one
     # chunk by chunk, as `encode` stores each (raw when compression does not pay)
     view = memoryview(data)
-    parts: list[bytes | memoryview] = []
+    parts: list[Piece] = []
     rows, off, at = [], 0, 0
     for ln in lengths:
         piece = view[at:at + ln]

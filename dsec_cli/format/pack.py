@@ -25,7 +25,7 @@ from pathlib import Path
 import zstandard
 
 from . import canonical
-from .codec import CODEC_ZGROUP
+from .codec import CODEC_ZGROUP, Piece
 
 HEADER = b"DSECPK\x00\x01"
 FOOTER_MAGIC = b"DSECPKND"
@@ -76,7 +76,7 @@ class PackWriter:
         self._chunks.append(pc)
         return pc
 
-    def add_blob(self, blob: bytes | memoryview | list[bytes | bytearray | memoryview],
+    def add_blob(self, blob: bytes | memoryview | list[Piece],
                  rows: list[tuple[bytes, int, int, int, int]]) -> list[PackedChunk]:
         """Stored bytes holding several chunks (a group, format/codec.py), whole or as the
         pieces written one after the other; ``rows`` are (id, codec, offset in blob, clen,
