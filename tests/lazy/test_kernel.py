@@ -329,7 +329,11 @@ def _loop_counters(m: Any) -> dict[str, Any]:
     deadline = time.monotonic() + 60
     last = None
     while time.monotonic() < deadline:
-        doc = json.loads((m.state / "loop.json").read_text())
+        path = m.state / "loop.json"
+        if not path.exists():  # the mount's first write of them is a tick away
+            time.sleep(0.2)
+            continue
+        doc = json.loads(path.read_text())
         if doc == last:
             return doc  # type: ignore[no-any-return]
         last = doc

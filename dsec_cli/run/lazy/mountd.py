@@ -35,7 +35,9 @@ MOUNT_OPTIONS = {"ro": True, "allow_other": True, "default_permissions": True,
 
 
 def _write_json(path: Path, doc: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    # a temporary name of the writing thread's own: the flush thread and the main thread
+    # (before the mount and after it) both write these documents
+    tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(doc))
     os.replace(tmp, path)
 
