@@ -110,6 +110,33 @@ def test_a_cut_stopped_early_leaves_no_window_being_read(cdc: ModuleType,
         del data[-1]
 
 
+def test_a_forked_child_cuts_with_a_pool_of_its_own(cdc: ModuleType,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The windows are cut on a thread pool; a child forked after it started has none of its
+    threads, so it must start its own (with the parent's pool it would wait forever). The
+    child is killed if it has not finished within 30 s."""
+    import signal
+
+    monkeypatch.setattr(chunker, "_cdc", cdc)
+    monkeypatch.setattr(chunker, "CUT_WINDOW", 1 << 20)
+    data = random.Random(9).randbytes(4 << 20)
+    want = list(chunker.cut(memoryview(data), ChunkParams()))  # the pool is running now
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os._exit(0 if list(chunker.cut(memoryview(data), ChunkParams())) == want else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's cut did not finish within 30 s")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
 def test_bad_arguments_are_refused(cdc: ModuleType) -> None:
     with pytest.raises(ValueError, match="gear table"):
         cdc.lengths(b"x" * 100_000, 16384, 65536, 262144, b"short")
