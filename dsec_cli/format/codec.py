@@ -84,13 +84,7 @@ def encode_group(payloads: list[bytes], level: int) -> tuple[bytes, list[tuple[i
     Several chunks that compress become one group (codec 2); a lone chunk, or a set that does
     not compress or is larger than GROUP_MAX, is stored chunk by chunk as `encode` stores
     it."""
-    return encode_joined(b"".join(payloads), [len(p) for p in payloads], level)
-
-
-def encode_joined(data: bytes | bytearray | memoryview, lengths: list[int], level: int
-                  ) -> tuple[bytes, list[tuple[int, int, int]]]:
-    """`encode_group` of chunks given back to back in one buffer, ``lengths`` long each."""
-    parts, rows = encode_parts(data, lengths, level)
+    parts, rows = encode_parts(b"".join(payloads), [len(p) for p in payloads], level)
     return b"".join(parts), rows
 
 
@@ -100,9 +94,10 @@ Piece = bytes | bytearray | memoryview
 
 def encode_parts(data: bytes | bytearray | memoryview, lengths: list[int], level: int
                  ) -> tuple[list[Piece], list[tuple[int, int, int]]]:
-    """`encode_joined` with the stored bytes left in pieces to be written one after the other
-    (a group's member headers and its frame; each chunk stored alone), so that a writer's
-    chunks are not copied again to join them. A raw chunk's piece is a view of ``data``,
+    """`encode_group` of chunks given back to back in one buffer, ``lengths`` long each, the
+    stored bytes left in pieces to be written one after the other (a group's member headers
+    and its frame; each chunk stored alone), so that a writer's chunks are not copied again
+    to join them. A raw chunk's piece is a view of ``data``,
     which must stay unchanged until the pieces are written."""
     # (a group past what readers accept, possible only with very large chunk parameters, is
     # stored chunk by chunk)
