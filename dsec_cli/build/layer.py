@@ -199,8 +199,8 @@ class _Writer:
         pcs = self.pack.add_blob(parts, [(cid, codec, off, clen, ulen) for (_, cid, ulen),
                                          (codec, off, clen) in zip(jobs, rows, strict=True)])
         blob_size = sum(len(p) for p in parts)
-        del parts  # the last views of the group's buffer: it may be used again
-        if len(buf) == self.buf_size:
+        del parts
+        if len(buf) == self.buf_size:  # its pieces are in the pack: the buffer is free again
             self.spare.append(buf)
         for (n, cid, ulen), pc in zip(jobs, pcs, strict=True):
             self.locs[n] = ChunkLoc(cid, -1, pc.offset, pc.clen, ulen, pc.codec,
