@@ -97,8 +97,8 @@ def encode_parts(data: bytes | bytearray | memoryview, lengths: list[int], level
     """`encode_group` of chunks given back to back in one buffer, ``lengths`` long each, the
     stored bytes left in pieces to be written one after the other (a group's member headers
     and its frame; each chunk stored alone), so that a writer's chunks are not copied again
-    to join them. A raw chunk's piece is a view of ``data``,
-    which must stay unchanged until the pieces are written."""
+    to join them. A raw chunk's piece is a view of ``data``, which must stay unchanged until
+    the pieces are written."""
     # (a group past what readers accept, possible only with very large chunk parameters, is
     # stored chunk by chunk)
     n = len(lengths)

@@ -76,14 +76,14 @@ class PackWriter:
         self._chunks.append(pc)
         return pc
 
-    def add_blob(self, blob: bytes | memoryview | list[Piece],
-                 rows: list[tuple[bytes, int, int, int, int]]) -> list[PackedChunk]:
-        """Stored bytes holding several chunks (a group, format/codec.py), whole or as the
-        pieces written one after the other; ``rows`` are (id, codec, offset in blob, clen,
+    def add_blob(self, pieces: list[Piece], rows: list[tuple[bytes, int, int, int, int]]
+                 ) -> list[PackedChunk]:
+        """Stored bytes holding several chunks (a group, format/codec.py), given as pieces
+        written one after the other; ``rows`` are (id, codec, offset in the blob, clen,
         ulen). The chunks' ranges may overlap."""
         base = self.size
-        for part in blob if isinstance(blob, list) else [blob]:
-            self._write(part)
+        for piece in pieces:
+            self._write(piece)
         out = [PackedChunk(cid, base + off, clen, ulen, codec)
                for cid, codec, off, clen, ulen in rows]
         self._chunks += out

@@ -132,7 +132,7 @@ def _copy_live_chunks(store: Store, packs: set[str], indexes: Iterable[LayerInde
                     writer = PackWriter(staging)
                 # one copy of a range the chunks share (a chunk group's frame), each chunk
                 # keeping its place relative to the others
-                pcs = writer.add_blob(data[start:end], [
+                pcs = writer.add_blob([memoryview(data)[start:end]], [
                     (c.chunk_id, c.codec, c.offset - start, c.clen, c.ulen) for c in cs])
                 pending += [(pack, c.offset, pc.offset) for c, pc in zip(cs, pcs, strict=True)]
                 report.bytes_copied += end - start
