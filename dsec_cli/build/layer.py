@@ -278,10 +278,15 @@ class _Writer:
                                     loc.offset, loc.clen, loc.ulen, loc.codec, loc.sha256)
         self.claimed = []
 
-    def publish(self) -> None:
-        """Upload the deferred packs and wait for every upload."""
+    def start_publish(self) -> None:
+        """Start uploading the deferred packs (`publish` waits for them): the packs of
+        several writers go up side by side."""
         self.uploads += [self.upload_pool.submit(self._upload, fp) for fp in self.deferred]
         self.deferred = []
+
+    def publish(self) -> None:
+        """Upload the deferred packs and wait for every upload."""
+        self.start_publish()
         for f in self.uploads:
             f.result()  # raise the first upload error
         self.upload_pool.shutdown()

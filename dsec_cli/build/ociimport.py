@@ -96,6 +96,12 @@ _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
 #: layers read at the same time (each on its own read-ahead thread and compression pool):
 #: enough to overlap one layer's download and verification with another's chunking
 RUN_LAYER_WORKERS = max(2, min(6, 2 * (os.cpu_count() or 1)))
+#: how imported layers are cut and stored: the build's chunking, zstd at level 1. An import
+#: is a conversion on the way to a sandbox (`from: [oci:...]` waits for it), its new bytes
+#: are mostly one base image's, and zstd is the largest part of its CPU after the inflate:
+#: level 1 compresses a Python tree's 1 MiB groups about 1.4x as fast as level 3 for about
+#: a tenth more stored bytes (docs/oci.md, "Measured")
+IMPORT_PARAMS = ChunkParams(level=1)
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
 
@@ -484,7 +490,7 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
     taken from that layer's packs; ``writers`` then lists this layer's writer and staging,
     which the run removes once it has published what it needs (another layer's index may
     name these packs even if this layer fails later on)."""
-    params = params or ChunkParams()
+    params = params or IMPORT_PARAMS
     label = f"layer {desc.digest or diff_id} of {source.label}"
     staging = Path(tempfile.mkdtemp(prefix="import-", dir=store.staging_dir()))
     w = _Writer(store, known, params, staging, None, False, defer_uploads=True,
@@ -956,17 +962,21 @@ def _read_and_publish(store: Store, planned: list[Future[_Plan]],
                     r.settled[diff_id] = threading.Event()
                     reader.read(p, desc, diff_id, r.claims)
         r.all_planned = True
-        for p in plans:
-            for _, diff_id in p.layers:
+        at = 0
+        while at < len(plans):
+            for _, diff_id in plans[at].layers:
                 if diff_id in r.settled:
                     r.settled[diff_id].wait()
+            # with it, every image after it whose layers have all ended too: layers read side
+            # by side end together, and their images are published as one
+            end = at + 1
+            while end < len(plans) and all(r.settled[d].is_set() for _, d in plans[end].layers
+                                           if d in r.settled):
+                end += 1
             if r.interrupted is not None:
                 raise r.interrupted
-            if p.error is None:
-                try:
-                    _publish_image(store, p, r, tables)
-                except (DsecError, *_INPUT_ERRORS) as e:
-                    p.error = _as_dsec_error(e, p.source_text)
+            _publish_ready(store, [p for p in plans[at:end] if p.error is None], r, tables)
+            at = end
     finally:
         r.closing = True  # layers no image waits for stop at their next piece
         pool.shutdown(wait=True, cancel_futures=True)
@@ -1038,50 +1048,99 @@ class _LayerReader:
         r.settled[diff_id].set()
 
 
-def _publish_image(store: Store, p: _Plan, r: _Run, tables: Path) -> None:
-    """Every layer verified: only now does the store change. Each layer's packs (and those
-    of the layers it took chunks from), then its index, manifest and ref, then the image
-    manifest, in that order; the objects after the packs are made durable together
-    (`Store.write_batch`)."""
-    assert p.report is not None
+def _publish_ready(store: Store, ready: list[_Plan], r: _Run, tables: Path) -> None:
+    """Publish images whose layers are all verified, in source order: only now does the
+    store change. Several images ready at once share their writes (`_publish_images`);
+    should that fail, each is published again on its own, so that one image's failure
+    stays its own."""
+    if len(ready) > 1:
+        try:
+            _publish_images(store, ready, r, tables)
+            return
+        except (DsecError, *_INPUT_ERRORS):
+            pass  # the batch showed nothing (`Store.write_batch`): one image at a time
+    for p in ready:
+        if p.error is None and p.report is not None and not p.report.manifest:
+            try:
+                _publish_images(store, [p], r, tables)
+            except (DsecError, *_INPUT_ERRORS) as e:
+                p.error = _as_dsec_error(e, p.source_text)
+
+
+def _publish_images(store: Store, ps: list[_Plan], r: _Run, tables: Path) -> None:
+    """The packs of every layer the images name (those of the layers they took chunks from
+    too), uploaded side by side; then each layer's index, manifest and ref and each image's
+    manifest, made durable together (one `Store.write_batch`); then the images' refs, in
+    one more. An image whose name was taken meanwhile fails alone (`p.error`); a batch
+    that fails raises, and shows none of its objects."""
     owners = {d: w for w, _ in r.writers if w.ok for d in w.written}
-    layers: list[ImportedLayer] = []
-    #: layers this image publishes: known to later images only once the batch is durable
+    writers: dict[int, _Writer] = {}
+    for p in ps:
+        for _, diff_id in p.layers:
+            x = r.done[diff_id]
+            if isinstance(x, StagedLayer) and diff_id not in r.imported:
+                writers[id(x.w)] = x.w
+                for pack in x.index.packs:  # chunks taken from other layers' packs
+                    owner = owners.get(pack)
+                    if owner is not None:
+                        writers[id(owner)] = owner
+    for w in writers.values():
+        w.start_publish()
+    for w in writers.values():
+        w.publish()
+    #: layers these images publish: known to later images only once the batch is durable
     #: (a batch that fails shows none of its objects, and a later image publishes them)
     newly: dict[str, ImportedLayer] = {}
+    made: list[tuple[str, list[ImportedLayer]]] = []
     with store.write_batch():
-        for desc, diff_id in p.layers:
-            x = r.done[diff_id]
-            if isinstance(x, StagedLayer):
-                earlier = r.imported.get(diff_id) or newly.get(diff_id)
-                if earlier is None:
-                    for pack in x.index.packs:  # chunks taken from other layers' packs
-                        owner = owners.get(pack)
-                        if owner is not None and owner is not x.w:
-                            owner.publish()
-                    newly[diff_id] = x.publish(store, tables)
-                    assert x.published is not None
-                    r.manifests[x.published[0]] = x.published[1]
-                    layers.append(newly[diff_id])
-                else:  # published for an earlier image of the run (or listed twice)
-                    layers.append(replace(earlier, digest=desc.digest or "", reused=True,
-                                          new_bytes=0))
-            else:
-                layers.append(replace(x, digest=desc.digest or ""))
-        ann = dict(p.ann)
-        ann["oci.source"] = p.source_text
-        if p.top_digest:
-            ann["oci.digest"] = p.top_digest
-        digest, _ = write_image(store, p.name, p.version, [x.manifest for x in layers],
-                                env=p.env, workdir=p.workdir, annotations=ann,
-                                manifests=[r.manifests[x.manifest] for x in layers],
-                                created_by=f"dsec import {p.source_text}")
+        for p in ps:
+            made.append(_image_objects(store, p, r, tables, newly))
     r.imported.update(newly)
-    if p.as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
-        _set_image_ref(store, p.name, p.version, digest, p.replace)
-    p.report.layers = layers
-    p.report.manifest = digest
-    p.report.seconds = time.monotonic() - p.t0
+    named: list[tuple[_Plan, str, list[ImportedLayer]]] = []
+    with store.write_batch():
+        for p, (digest, layers) in zip(ps, made, strict=True):
+            try:
+                if p.as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
+                    _set_image_ref(store, p.name, p.version, digest, p.replace)
+            except (DsecError, *_INPUT_ERRORS) as e:
+                p.error = _as_dsec_error(e, p.source_text)
+                continue
+            named.append((p, digest, layers))
+    for p, digest, layers in named:
+        assert p.report is not None
+        p.report.layers = layers
+        p.report.manifest = digest
+        p.report.seconds = time.monotonic() - p.t0
+
+
+def _image_objects(store: Store, p: _Plan, r: _Run, tables: Path,
+                   newly: dict[str, ImportedLayer]) -> tuple[str, list[ImportedLayer]]:
+    """Put an image's new layers (index, manifest, ref; their packs are in) and its
+    manifest, inside the caller's write batch; return the manifest digest and the layers."""
+    layers: list[ImportedLayer] = []
+    for desc, diff_id in p.layers:
+        x = r.done[diff_id]
+        if isinstance(x, StagedLayer):
+            earlier = r.imported.get(diff_id) or newly.get(diff_id)
+            if earlier is None:
+                newly[diff_id] = x.publish(store, tables)
+                assert x.published is not None
+                r.manifests[x.published[0]] = x.published[1]
+                layers.append(newly[diff_id])
+            else:  # published for an earlier image of the run (or listed twice)
+                layers.append(replace(earlier, digest=desc.digest or "", reused=True,
+                                      new_bytes=0))
+        else:
+            layers.append(replace(x, digest=desc.digest or ""))
+    ann = dict(p.ann)
+    ann["oci.source"] = p.source_text
+    if p.top_digest:
+        ann["oci.digest"] = p.top_digest
+    digest, _ = write_image(store, p.name, p.version, [x.manifest for x in layers],
+                            env=p.env, workdir=p.workdir, annotations=ann,
+                            manifests=[r.manifests[x.manifest] for x in layers],
+                            created_by=f"dsec import {p.source_text}")
+    return digest, layers
 
 
 class _Stopped(Exception):

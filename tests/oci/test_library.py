@@ -362,11 +362,64 @@ def test_docker_save_tarballs_are_read_one_layer_at_a_time_each(
             assert (tmp_path / f"tree-{name}" / path).read_bytes() == data
 
 
+def test_images_ready_together_are_published_as_one_and_alone_if_that_fails(
+        env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two images on one base: their application layers end first, the base last, so both
+    images are ready at once and their objects go to the store in one batch. The store
+    refuses that batch (and only a batch holding both images): each image is then
+    published on its own, and both come out whole."""
+    from dsec_cli.build import ociimport
+    from dsec_cli.core.errors import StoreError
+    from dsec_cli.push.stores.file import FileStore
+
+    base = _base("1")
+    write_layout(Image([base, [file("app/a.txt", b"a")]]), tmp_path / "a", tag="1")
+    write_layout(Image([base, [file("app/b.txt", b"b")]]), tmp_path / "b", tag="1")
+    stage = ociimport.stage_layer
+
+    def base_last(store, source, desc, diff_id, **kw):  # type: ignore[no-untyped-def]
+        staged = stage(store, source, desc, diff_id, **kw)
+        if desc.size > len(BIG) // 2:  # the base: ends well after both application layers
+            threading.Event().wait(0.5)
+        return staged
+
+    commit = FileStore._commit_batch
+    sources = [json.dumps(str(tmp_path / n) + ":1").encode() for n in "ab"]
+    batches: list[int] = []  # image manifests per batch of objects
+    refused = []
+
+    def refuse_both(self, batch):  # type: ignore[no-untyped-def]
+        held = [x for x in sources if any(x in tmp.read_bytes() for tmp, key in batch
+                                          if key.startswith("manifests/"))]
+        if held:
+            batches.append(len(held))
+        if len(held) == 2:
+            refused.append(len(batch))
+            for tmp, _ in batch:
+                tmp.unlink(missing_ok=True)
+            raise StoreError("writing a batch: refused in this test")
+        return commit(self, batch)
+
+    monkeypatch.setattr(ociimport, "stage_layer", base_last)
+    monkeypatch.setattr(FileStore, "_commit_batch", refuse_both)
+    run = oci.import_images([str(tmp_path / n) + ":1" for n in "ab"])
+    assert batches == [2, 1, 1] and refused, batches  # together, then one at a time
+    assert not run.failed and [r.ref for r in run.reports] == ["a@1", "b@1"]
+    ra, rb = run.reports
+    assert rb.layers[0].manifest == ra.layers[0].manifest and rb.layers[0].reused
+    assert verify(open_store(env["DSEC_STORE"]), deep=True).ok
+    for n in "ab":
+        images.export_image(f"{n}@1", tmp_path / f"tree-{n}")
+        assert (tmp_path / f"tree-{n}/opt/big.bin").read_bytes() == BIG
+        assert (tmp_path / f"tree-{n}/app/{n}.txt").read_bytes() == n.encode()
+
+
 def test_an_image_whose_objects_fail_to_commit_leaves_its_layers_to_the_next(
         env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The store refuses the first image's batch of objects (its base layer's index,
-    manifest and ref, its image manifest): that image fails, and the second image, on the
-    same base, publishes the base itself instead of naming objects that never appeared."""
+    """The store refuses every batch of objects that holds the first image's manifest (with
+    its base layer's index, manifest and ref, whether the two images are published
+    together or one by one): that image fails, and the second image, on the same base,
+    publishes the base itself instead of naming objects that never appeared."""
     from dsec_cli.core.errors import StoreError
     from dsec_cli.push.stores.file import FileStore
 
@@ -374,21 +427,23 @@ def test_an_image_whose_objects_fail_to_commit_leaves_its_layers_to_the_next(
     write_layout(Image([base, [file("app/a.txt", b"a")]]), tmp_path / "a", tag="1")
     write_layout(Image([base, [file("app/b.txt", b"b")]]), tmp_path / "b", tag="1")
     commit = FileStore._commit_batch
-    calls = []
+    source_a = json.dumps(str(tmp_path / "a") + ":1").encode()
+    refused = []
 
-    def refuse_first(self, batch):  # type: ignore[no-untyped-def]
-        calls.append(len(batch))
-        if len(calls) == 1:
+    def refuse_a(self, batch):  # type: ignore[no-untyped-def]
+        if any(source_a in tmp.read_bytes() for tmp, key in batch
+               if key.startswith("manifests/")):
+            refused.append(len(batch))
             for tmp, _ in batch:
                 tmp.unlink(missing_ok=True)
             raise StoreError("writing a batch: the disk is full (refused in this test)")
         return commit(self, batch)
 
-    monkeypatch.setattr(FileStore, "_commit_batch", refuse_first)
+    monkeypatch.setattr(FileStore, "_commit_batch", refuse_a)
     run = oci.import_images([str(tmp_path / "a") + ":1", str(tmp_path / "b") + ":1"])
     assert [s for s, _ in run.failed] == [str(tmp_path / "a") + ":1"]
     assert "refused in this test" in run.failed[0][1].message
-    assert [r.ref for r in run.reports] == ["b@1"]
+    assert refused and [r.ref for r in run.reports] == ["b@1"]
     assert [x.reused for x in run.reports[0].layers] == [False, False]
     assert verify(open_store(env["DSEC_STORE"]), deep=True).ok
     images.export_image("b@1", tmp_path / "tree")
