@@ -14,6 +14,8 @@ registries hold them, pushed with skopeo to Debian's docker-registry on loopback
 - `dsec import` of each image on its own (`import_image` per image, one after the other)
   into another fresh store, timed.
 
+Each tool's output of the run before is removed before its clock starts.
+
 Reported: import throughput against skopeo's on the same images, for the library run and
 for image-by-image imports (higher is better; each ratio is taken within each run, the
 median reported, with the load average before each run), dsec's stored bytes against the sum of the images' compressed layers and against the
@@ -170,8 +172,9 @@ def main(argv: list[str]) -> None:
         os.environ["DOCKER_CONFIG"] = str(work / "docker")
         from dsec_cli.api import oci
 
+        # each tool's output of the run before is removed before its clock starts: what is
+        # timed is the copy or the import alone
         def skopeo_all() -> None:
-            shutil.rmtree(work / "skopeo", ignore_errors=True)
             for i in range(args.images):
                 sh(f"skopeo --insecure-policy copy --src-tls-verify=false "
                    f"docker://{reg.url}/lib/img{i}:v1 oci:{work / 'skopeo'}:img{i}")
@@ -182,13 +185,12 @@ def main(argv: list[str]) -> None:
             os.environ["DSEC_DATA_DIR"] = str(work / "data")
             return (work / store).as_uri()
 
-        def dsec_all() -> None:
+        def dsec_all(store: str) -> None:
             run = oci.import_images([f"{reg.url}/lib/img{i}:v1" for i in range(args.images)],
-                                    store=fresh("store"), insecure=True)
+                                    store=store, insecure=True)
             assert not run.failed, run.failed
 
-        def dsec_each() -> None:
-            store = fresh("store-each")
+        def dsec_each(store: str) -> None:
             for i in range(args.images):
                 oci.import_image(f"{reg.url}/lib/img{i}:v1", as_ref=f"img{i}@v1",
                                  store=store, insecure=True)
@@ -205,17 +207,20 @@ def main(argv: list[str]) -> None:
         each_ratios: list[float] = []
         for run in range(args.runs):
             loads.append(round(os.getloadavg()[0], 2))
+            shutil.rmtree(work / "skopeo", ignore_errors=True)
             t, c = time.perf_counter(), children_cpu()
             skopeo_all()
             skopeo_s.append(time.perf_counter() - t)
             skopeo_cpu.append(children_cpu() - c)
+            store = fresh("store")
             t, c = time.perf_counter(), time.process_time()
-            dsec_all()
+            dsec_all(store)
             dsec_s.append(time.perf_counter() - t)
             dsec_cpu.append(time.process_time() - c)
             ratios.append(skopeo_s[-1] / dsec_s[-1])
+            store = fresh("store-each")
             t = time.perf_counter()
-            dsec_each()
+            dsec_each(store)
             each_s.append(time.perf_counter() - t)
             each_ratios.append(skopeo_s[-1] / each_s[-1])
             print(f"run {run + 1}: load {loads[-1]}, skopeo {skopeo_s[-1]:.2f} s "

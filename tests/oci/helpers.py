@@ -91,10 +91,11 @@ class Image:
 
 
 def write_layout(img: Image, path: Path, tag: str = "v1", *,
-                 tamper: int | None = None) -> dict[str, str]:
+                 tamper: int | None = None, lie: int | None = None) -> dict[str, str]:
     """An OCI image layout of ``img``; ``tamper`` changes one byte of that layer's blob
-    after its digest is taken. Returns the digests written (layer blobs, diff_ids,
-    manifest)."""
+    after its digest is taken, ``lie`` gives that layer a diff_id its bytes do not have (in
+    a config, manifest and index hashed around the lie). Returns the digests written (layer
+    blobs, diff_ids, manifest)."""
     blobs = path / "blobs" / "sha256"
     blobs.mkdir(parents=True, exist_ok=True)
 
@@ -114,7 +115,7 @@ def write_layout(img: Image, path: Path, tag: str = "v1", *,
             bad[len(bad) // 2] ^= 0xFF
             (blobs / d[7:]).write_bytes(bytes(bad))
         descs.append({"mediaType": LAYER_TYPES[how], "digest": d, "size": len(blob)})
-        diff_ids.append(sha(plain))
+        diff_ids.append("sha256:" + "0" * 64 if lie == n else sha(plain))
     config = {"architecture": "amd64", "os": "linux",
               "config": {"Env": img.env, "WorkingDir": img.workdir, "User": img.user,
                          "Entrypoint": img.entrypoint, "Cmd": img.cmd, "Labels": img.labels},

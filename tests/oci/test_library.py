@@ -21,7 +21,7 @@ from dsec_cli.push.stores import open_store
 from dsec_cli.push.verify import verify
 
 from .conftest import store_files
-from .helpers import Image, file, write_layout
+from .helpers import Image, base_image, file, write_layout
 
 BIG = random.Random(11).randbytes(3 << 20)  # incompressible: stored once is 3 MiB, twice 6
 
@@ -360,6 +360,46 @@ def test_docker_save_tarballs_are_read_one_layer_at_a_time_each(
         images.export_image(f"{name}@1", tmp_path / f"tree-{name}")
         for path, data in files.items():
             assert (tmp_path / f"tree-{name}" / path).read_bytes() == data
+
+
+def test_layers_read_lean_make_the_same_layers_and_check_both_digests(
+        env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer read lean (its fetch and both hashes on the inflating thread, as a layer
+    read beside as many others as there are cores is): the same layers, to their content
+    digests (the packs a layer's chunks land in depend on which of two layers read side by
+    side met them first), as read on four threads each; a tampered blob and a lying
+    diff_id are refused all the same, with the digest named and the store as it was."""
+    from dsec_cli.build import ociimport
+    from dsec_cli.core.errors import IntegrityError
+
+    imgs = {"a": Image([_base("1"), [file("app/a.txt", b"a")]], ["gzip", "none"]),
+            "b": Image([_base("2"), [file("app/b.txt", b"b")]], ["zstd", "gzip"])}
+    for name, img in imgs.items():
+        write_layout(img, tmp_path / name, tag="1")
+    sources = [str(tmp_path / n) + ":1" for n in imgs]
+    made = {}
+    for beside in (0, 99):  # every layer lean; none
+        monkeypatch.setattr(ociimport, "LEAN_BESIDE", beside)
+        store = (tmp_path / f"store-{beside}").as_uri()
+        run = oci.import_images(sources, store=store)
+        assert not run.failed
+        made[beside] = [(r.ref, [(x.diff_id, x.content_digest, x.size) for x in r.layers])
+                        for r in run.reports]
+        assert verify(open_store(store), deep=True).ok
+    assert made[0] == made[99]
+    for n in imgs:
+        images.export_image(f"{n}@1", tmp_path / f"tree-{n}", store=store)
+        assert (tmp_path / f"tree-{n}/opt/big.bin").read_bytes() == BIG
+
+    monkeypatch.setattr(ociimport, "LEAN_BESIDE", 0)
+    before = store_files(env)
+    digests = write_layout(base_image(), tmp_path / "tampered", tamper=1)
+    with pytest.raises(IntegrityError, match=json.loads(digests["layers"])[1]):
+        oci.import_image(str(tmp_path / "tampered"), as_ref="bad@1")
+    write_layout(base_image(), tmp_path / "lying", lie=0)
+    with pytest.raises(IntegrityError, match="not its diff_id sha256:0000"):
+        oci.import_image(str(tmp_path / "lying"), as_ref="bad@2")
+    assert store_files(env) == before
 
 
 def test_images_ready_together_are_published_as_one_and_alone_if_that_fails(
