@@ -96,8 +96,9 @@ _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
 #: layers read at the same time (each on its own read-ahead thread and compression pool):
 #: enough to overlap one layer's download and verification with another's chunking
 RUN_LAYER_WORKERS = max(2, min(6, 2 * (os.cpu_count() or 1)))
-#: a layer read while this many others are read is read lean (`stage_layer`)
-LEAN_BESIDE = os.cpu_count() or 1
+#: a layer read while this many others are read is read lean (`stage_layer`): a layer read
+#: on four threads keeps about two cores busy (its inflate beside its parser)
+LEAN_BESIDE = max(1, (os.cpu_count() or 1) // 2)
 #: how imported layers are cut and stored: the build's chunking, zstd at level 1. An import
 #: is a conversion on the way to a sandbox (`from: [oci:...]` waits for it), its new bytes
 #: are mostly one base image's, and zstd is the largest part of its CPU after the inflate:
@@ -251,11 +252,15 @@ class _Prefetch:
     To the tar reader it is a file that only goes forward: ``read(n)`` returns ``n`` bytes
     unless the stream ends, ``seek`` skips ahead (what tarfile's random-access mode does
     between members) and refuses to go back, so the archive is still read once, as a stream,
-    without the per-record copies of tarfile's stream mode."""
+    without the per-record copies of tarfile's stream mode.
+
+    Without ``thread`` the pieces are read by the caller as it needs them (a layer read
+    lean: the stages then take turns on one thread)."""
 
     PIECE = 1 << 20
 
-    def __init__(self, f: Any, depth: int = 8, name: str = "oci-layer-read") -> None:
+    def __init__(self, f: Any, depth: int = 8, name: str = "oci-layer-read",
+                 thread: bool = True) -> None:
         self.f = f
         self.q: queue.Queue[bytes | BaseException] = queue.Queue(depth)
         self.stop = threading.Event()
@@ -263,8 +268,10 @@ class _Prefetch:
         self.piece = b""  # what ``buf`` is a view of
         self.eof = False
         self.pos = 0
-        self.t = threading.Thread(target=self._run, name=name, daemon=True)
-        self.t.start()
+        self.t: threading.Thread | None = None
+        if thread:
+            self.t = threading.Thread(target=self._run, name=name, daemon=True)
+            self.t.start()
 
     def _put(self, item: bytes | BaseException) -> bool:
         while not self.stop.is_set():
@@ -287,7 +294,7 @@ class _Prefetch:
     def _fill(self) -> bool:
         """The next piece in ``buf``; False at the end of the stream."""
         while not self.buf and not self.eof:
-            item = self.q.get()
+            item = self.q.get() if self.t is not None else self.f.read(self.PIECE)
             if isinstance(item, BaseException):
                 self.eof = True
                 raise item
@@ -337,11 +344,13 @@ class _Prefetch:
     def drain(self) -> None:
         while self._fill():
             self.buf = memoryview(b"")
-        self.t.join()
+        if self.t is not None:
+            self.t.join()
 
     def close(self) -> None:
         self.stop.set()
-        self.t.join()
+        if self.t is not None:
+            self.t.join()
 
 
 class _Inflate:
@@ -492,9 +501,9 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
     With ``claims`` (shared by the layers of a run), a chunk another layer met first is
     taken from that layer's packs; ``writers`` then lists this layer's writer and staging,
     which the run removes once it has published what it needs (another layer's index may
-    name these packs even if this layer fails later on). ``lean`` reads the layer on two
-    threads instead of four (`_LayerReader`): the blob is fetched and both hashes are taken
-    on the inflating thread."""
+    name these packs even if this layer fails later on). ``lean`` reads the layer on one
+    thread instead of four (`_LayerReader`): the blob is fetched, hashed, inflated, hashed
+    again and parsed by the layer's own thread, piece by piece as the parser needs them."""
     params = params or IMPORT_PARAMS
     label = f"layer {desc.digest or diff_id} of {source.label}"
     staging = Path(tempfile.mkdtemp(prefix="import-", dir=store.staging_dir()))
@@ -507,7 +516,7 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
                 SPOOL_MEMORY, dir=str(staging)) as spool:
             # four threads per layer: the blob's bytes come in (a registry's are waited
             # for) and are hashed on one, inflated on a second, the inflated bytes hashed
-            # on a third, parsed and chunked here; lean, the first and third are the second
+            # on a third, parsed and chunked here; lean, all on this one
             raw = _Hashed(f, desc.size if desc.digest else None, tick)
             fetched: _Hashed | _Prefetch = raw if lean else _Prefetch(
                 raw, depth=2, name="oci-blob-read")
@@ -516,7 +525,7 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
             ahead = None
             try:
                 plain.f = _decompressed(head)
-                ahead = _Prefetch(plain)
+                ahead = _Prefetch(plain, thread=not lean)
                 with tarfile.open(fileobj=ahead, mode="r:",  # type: ignore[call-overload]
                                   tarinfo=tarinfo_class()) as tf:
                     entries = _scan_layer(tf, ahead, label, w, params, spool)
@@ -1031,10 +1040,10 @@ class _LayerReader:
 
         if not r.wanted(diff_id):
             raise _Stopped
-        # a layer read while as many others are read as there are cores is read lean: its
-        # fetch and hashes on its inflating thread. Each stage on its own thread lets one
-        # layer use two cores; beside other layers, it only adds threads waiting for the
-        # GIL and for a core (the ten-image benchmark: 7% less wall time, docs/oci.md)
+        # a layer read while the layers being read already fill the cores is read lean, on
+        # its own thread. Each stage on a thread of its own lets one layer use two cores;
+        # beside other layers it only adds threads waiting for the GIL and for a core
+        # (docs/oci.md, "Measured")
         with self.lock:
             lean = self.reading >= LEAN_BESIDE
             self.reading += 1

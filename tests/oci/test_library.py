@@ -364,8 +364,8 @@ def test_docker_save_tarballs_are_read_one_layer_at_a_time_each(
 
 def test_layers_read_lean_make_the_same_layers_and_check_both_digests(
         env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every layer read lean (its fetch and both hashes on the inflating thread, as a layer
-    read beside as many others as there are cores is): the same layers, to their content
+    """Every layer read lean (fetched, hashed, inflated and parsed on one thread, as a layer
+    read while the layers being read fill the cores is): the same layers, to their content
     digests (the packs a layer's chunks land in depend on which of two layers read side by
     side met them first), as read on four threads each; a tampered blob and a lying
     diff_id are refused all the same, with the digest named and the store as it was."""
