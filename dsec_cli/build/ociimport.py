@@ -1100,10 +1100,10 @@ def _publish_ready(store: Store, ready: list[_Plan], r: _Run, tables: Path) -> N
 
 def _publish_images(store: Store, ps: list[_Plan], r: _Run, tables: Path) -> None:
     """The packs of every layer the images name (those of the layers they took chunks from
-    too), uploaded side by side; then each layer's index, manifest and ref and each image's
-    manifest, made durable together (one `Store.write_batch`); then the images' refs, in
-    one more. An image whose name was taken meanwhile fails alone (`p.error`); a batch
-    that fails raises, and shows none of its objects."""
+    too), uploaded side by side; then each layer's index, manifest and ref, each image's
+    manifest and then the images' refs, made durable together (one `Store.write_batch`,
+    shown in that order). An image whose name was taken meanwhile fails alone (`p.error`;
+    its objects are left for gc); a batch that fails raises, and shows none of them."""
     owners = {d: w for w, _ in r.writers if w.ok for d in w.written}
     writers: dict[int, _Writer] = {}
     for p in ps:
@@ -1122,13 +1122,9 @@ def _publish_images(store: Store, ps: list[_Plan], r: _Run, tables: Path) -> Non
     #: layers these images publish: known to later images only once the batch is durable
     #: (a batch that fails shows none of its objects, and a later image publishes them)
     newly: dict[str, ImportedLayer] = {}
-    made: list[tuple[str, list[ImportedLayer]]] = []
-    with store.write_batch():
-        for p in ps:
-            made.append(_image_objects(store, p, r, tables, newly))
-    r.imported.update(newly)
     named: list[tuple[_Plan, str, list[ImportedLayer]]] = []
-    with store.write_batch():
+    with store.write_batch():  # the refs after every object: shown after them, too
+        made = [_image_objects(store, p, r, tables, newly) for p in ps]
         for p, (digest, layers) in zip(ps, made, strict=True):
             try:
                 if p.as_ref != "":  # "": the layers only (a spec's `from: [oci:...]`)
@@ -1137,6 +1133,7 @@ def _publish_images(store: Store, ps: list[_Plan], r: _Run, tables: Path) -> Non
                 p.error = _as_dsec_error(e, p.source_text)
                 continue
             named.append((p, digest, layers))
+    r.imported.update(newly)
     for p, digest, layers in named:
         assert p.report is not None
         p.report.layers = layers
