@@ -35,6 +35,34 @@ def _pack_bytes(env: dict[str, str]) -> int:
     return sum(n for k, n in store_files(env).items() if k.startswith("packs/"))
 
 
+def _refuse_batches(monkeypatch: pytest.MonkeyPatch, sources: list[Path],
+                    refuse: int) -> list[tuple[int, bool]]:
+    """The file store's batch commit, watched: for each batch holding the image manifests
+    of some of ``sources`` (an image's manifest names its source), how many, and whether
+    it was refused; a batch holding at least ``refuse`` of them is refused (its files
+    removed, nothing shown), as a full disk would."""
+    from dsec_cli.core.errors import StoreError
+    from dsec_cli.push.stores.file import FileStore
+
+    commit = FileStore._commit_batch
+    names = [json.dumps(str(x) + ":1").encode() for x in sources]
+    seen: list[tuple[int, bool]] = []
+
+    def watched(self, batch):  # type: ignore[no-untyped-def]
+        held = sum(any(x in tmp.read_bytes() for tmp, key in batch
+                       if key.startswith("manifests/")) for x in names)
+        if held:
+            seen.append((held, held >= refuse))
+        if held and held >= refuse:
+            for tmp, _ in batch:
+                tmp.unlink(missing_ok=True)
+            raise StoreError("writing a batch: the disk is full (refused in this test)")
+        return commit(self, batch)
+
+    monkeypatch.setattr(FileStore, "_commit_batch", watched)
+    return seen
+
+
 def test_library_run_reads_each_layer_once_and_stores_shared_chunks_once(
         env: dict[str, str], tmp_path: Path) -> None:
     a = Image([_base("1"), [file("app/a.txt", b"a")]], ["gzip", "none"])
@@ -409,8 +437,6 @@ def test_images_ready_together_are_published_as_one_and_alone_if_that_fails(
     refuses that batch (and only a batch holding both images): each image is then
     published on its own, and both come out whole."""
     from dsec_cli.build import ociimport
-    from dsec_cli.core.errors import StoreError
-    from dsec_cli.push.stores.file import FileStore
 
     base = _base("1")
     write_layout(Image([base, [file("app/a.txt", b"a")]]), tmp_path / "a", tag="1")
@@ -423,27 +449,11 @@ def test_images_ready_together_are_published_as_one_and_alone_if_that_fails(
             threading.Event().wait(0.5)
         return staged
 
-    commit = FileStore._commit_batch
-    sources = [json.dumps(str(tmp_path / n) + ":1").encode() for n in "ab"]
-    batches: list[int] = []  # image manifests per batch of objects
-    refused = []
-
-    def refuse_both(self, batch):  # type: ignore[no-untyped-def]
-        held = [x for x in sources if any(x in tmp.read_bytes() for tmp, key in batch
-                                          if key.startswith("manifests/"))]
-        if held:
-            batches.append(len(held))
-        if len(held) == 2:
-            refused.append(len(batch))
-            for tmp, _ in batch:
-                tmp.unlink(missing_ok=True)
-            raise StoreError("writing a batch: refused in this test")
-        return commit(self, batch)
-
     monkeypatch.setattr(ociimport, "stage_layer", base_last)
-    monkeypatch.setattr(FileStore, "_commit_batch", refuse_both)
+    seen = _refuse_batches(monkeypatch, [tmp_path / "a", tmp_path / "b"], refuse=2)
     run = oci.import_images([str(tmp_path / n) + ":1" for n in "ab"])
-    assert batches == [2, 1, 1] and refused, batches  # together, then one at a time
+    # together (refused), then one at a time
+    assert seen == [(2, True), (1, False), (1, False)], seen
     assert not run.failed and [r.ref for r in run.reports] == ["a@1", "b@1"]
     ra, rb = run.reports
     assert rb.layers[0].manifest == ra.layers[0].manifest and rb.layers[0].reused
@@ -460,30 +470,15 @@ def test_an_image_whose_objects_fail_to_commit_leaves_its_layers_to_the_next(
     its base layer's index, manifest and ref, whether the two images are published
     together or one by one): that image fails, and the second image, on the same base,
     publishes the base itself instead of naming objects that never appeared."""
-    from dsec_cli.core.errors import StoreError
-    from dsec_cli.push.stores.file import FileStore
-
     base = _base("1")
     write_layout(Image([base, [file("app/a.txt", b"a")]]), tmp_path / "a", tag="1")
     write_layout(Image([base, [file("app/b.txt", b"b")]]), tmp_path / "b", tag="1")
-    commit = FileStore._commit_batch
-    source_a = json.dumps(str(tmp_path / "a") + ":1").encode()
-    refused = []
-
-    def refuse_a(self, batch):  # type: ignore[no-untyped-def]
-        if any(source_a in tmp.read_bytes() for tmp, key in batch
-               if key.startswith("manifests/")):
-            refused.append(len(batch))
-            for tmp, _ in batch:
-                tmp.unlink(missing_ok=True)
-            raise StoreError("writing a batch: the disk is full (refused in this test)")
-        return commit(self, batch)
-
-    monkeypatch.setattr(FileStore, "_commit_batch", refuse_a)
+    seen = _refuse_batches(monkeypatch, [tmp_path / "a"], refuse=1)
     run = oci.import_images([str(tmp_path / "a") + ":1", str(tmp_path / "b") + ":1"])
     assert [s for s, _ in run.failed] == [str(tmp_path / "a") + ":1"]
     assert "refused in this test" in run.failed[0][1].message
-    assert refused and [r.ref for r in run.reports] == ["b@1"]
+    assert seen and all(refused for _, refused in seen)
+    assert [r.ref for r in run.reports] == ["b@1"]
     assert [x.reused for x in run.reports[0].layers] == [False, False]
     assert verify(open_store(env["DSEC_STORE"]), deep=True).ok
     images.export_image("b@1", tmp_path / "tree")
