@@ -77,6 +77,9 @@ build_ext dsec_cli/format/_cdc.c "builds cut with fastcdc's generator"
 build_ext dsec_cli/format/_entryjson.c "index entries are written as JSON in Python"
 # the tar header decoder: `dsec import` reads each layer member's header in one call
 build_ext dsec_cli/build/_tarhdr.c "imports use tarfile's parser"
+# the chunks a store holds, in one table: a library's millions of chunks loaded in tens of
+# milliseconds and tens of bytes each (docs/architecture.md, `dedup.py`)
+build_ext dsec_cli/push/_known.c "known chunks are held as Python tuples in a dict"
 # the request loop of kernel-served lazy mounts: a walk's per-file requests (opens, small
 # files' reads, listings, releases) answered without Python (docs/lazy.md)
 build_ext dsec_cli/run/lazy/_fuseloop.c "lazy mounts use the Python loop"

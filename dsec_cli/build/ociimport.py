@@ -1001,8 +1001,7 @@ def _read_and_publish(store: Store, planned: list[Future[_Plan]],
         published = {d for w, _ in writers if w.published for d in w.written}
         unpublished = {d for w, _ in writers for d in w.written} - published
         if unpublished:  # later waves must not take chunks from packs now discarded
-            known.chunks = {k: v for k, v in known.chunks.items()
-                            if v.pack not in unpublished}
+            known.drop_packs(unpublished)
         for w, _ in writers:
             w.abort()
         _remove_dirs([path for _, path in writers])

@@ -11,8 +11,8 @@ import logging
 import os
 import struct
 import threading
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from ..core.digests import check_digest, object_key
 from ..core.errors import DsecError
@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 _REC = struct.Struct("<16sIQIIB")  # chunk id, pack#, offset, clen, ulen, codec
 
 
-@dataclass(frozen=True)
-class KnownChunk:
+class KnownChunk(NamedTuple):
+    """Where a chunk is stored (made per lookup: a tuple is the cheapest object to make)."""
+
     pack: str
     offset: int
     clen: int
@@ -45,22 +46,117 @@ def load_index(store: Store, digest: str) -> LayerIndex:
     return LayerIndex.from_bytes(verify_sha256(data, digest, what), what)
 
 
-class KnownChunks:
-    """chunk id -> where it is stored, for one store."""
+try:
+    from . import _known  # type: ignore[attr-defined]
+except ImportError:  # not built (scripts/setup.sh builds it): a dict of tuples holds them
+    _known = None
+
+#: hold the chunks in the compiled table (tests turn it off to compare both)
+use_compiled = _known is not None
+
+
+class _DictTable:
+    """`_known.Table` in Python: the same rows, a tuple per chunk in a dict."""
 
     def __init__(self) -> None:
-        self.chunks: dict[bytes, KnownChunk] = {}
+        self.rows: dict[bytes, tuple[int, int, int, int, int]] = {}
+
+    def add(self, data: bytes | memoryview, npacks: int, base: int) -> bool:
+        if len(data) % _REC.size:
+            return False
+        rows = list(_REC.iter_unpack(data))
+        if any(r[1] >= npacks for r in rows):
+            return False
+        for cid, p, o, cl, ul, codec in rows:
+            self.rows.setdefault(cid, (p + base, o, cl, ul, codec))
+        return True
+
+    def get(self, chunk_id: bytes) -> tuple[int, int, int, int, int] | None:
+        return self.rows.get(chunk_id)
+
+    def items(self) -> list[tuple[bytes, int, int, int, int, int]]:
+        return [(k, *v) for k, v in self.rows.items()]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _table_blob(index: LayerIndex) -> bytes:
+    """An index's chunk table in its cached form: the pack count, the packs, the rows."""
+    body = b"".join(_REC.pack(c.chunk_id, c.pack, c.offset, c.clen, c.ulen, c.codec)
+                    for c in index.chunks)
+    return struct.pack("<I", len(index.packs)) + "".join(index.packs).encode() + body
+
+
+class KnownChunks:
+    """chunk id -> where it is stored, for one store: the chunk tables of the indexes its
+    refs reach, in one table (`_known.Table` where built: about 60 bytes per chunk, a
+    library's millions of chunks loaded at memory speed), and the chunks of indexes
+    written since by this process (`add_index`)."""
+
+    def __init__(self) -> None:
+        k0, k1 = struct.unpack("<QQ", os.urandom(16))  # the table's slots, keyed per table
+        self.table: Any = (_known.Table(k0, k1) if use_compiled and _known is not None
+                           else _DictTable())
+        self.packs: list[str] = []  # the table's pack numbers
+        self.added: dict[bytes, KnownChunk] = {}
+        self.dropped: set[str] = set()  # packs no chunk is taken from (`drop_packs`)
 
     def __len__(self) -> int:
         return len(self.chunks)
 
     def get(self, chunk_id: bytes) -> KnownChunk | None:
-        return self.chunks.get(chunk_id)
+        row = self.table.get(chunk_id)
+        if row is not None:
+            pack = self.packs[row[0]]
+            if pack not in self.dropped:
+                return KnownChunk(pack, row[1], row[2], row[3], row[4])
+        k = self.added.get(chunk_id)
+        return None if k is None or k.pack in self.dropped else k
 
     def add_index(self, index: LayerIndex) -> None:
+        """The chunks of an index this process wrote; a chunk known already keeps where it
+        was."""
         for c in index.chunks:
-            self.chunks.setdefault(c.chunk_id, KnownChunk(index.packs[c.pack], c.offset, c.clen,
-                                                          c.ulen, c.codec))
+            row = self.table.get(c.chunk_id)
+            if row is None or self.packs[row[0]] in self.dropped:
+                self.added.setdefault(c.chunk_id, KnownChunk(index.packs[c.pack], c.offset,
+                                                             c.clen, c.ulen, c.codec))
+
+    def add_table(self, data: bytes | memoryview) -> bool:
+        """A chunk table in its cached form (`cache_table`); False, with nothing added, when
+        it is damaged (it is written only from validated indexes, but a disk can truncate
+        it)."""
+        try:
+            npacks = struct.unpack_from("<I", data)[0]
+            off = 4 + 64 * npacks
+            if off > len(data):
+                return False
+            packs = [bytes(data[4 + 64 * i:4 + 64 * (i + 1)]).decode() for i in range(npacks)]
+        except (struct.error, UnicodeDecodeError):
+            return False
+        if not all(is_digest(p) for p in packs):
+            return False
+        if not self.table.add(memoryview(data)[off:], npacks, len(self.packs)):
+            return False
+        self.packs += packs
+        return True
+
+    def drop_packs(self, packs: set[str]) -> None:
+        """No chunk is taken from these packs any more (discarded, or being removed)."""
+        self.dropped |= packs
+
+    @property
+    def chunks(self) -> dict[bytes, KnownChunk]:
+        """Every chunk known, as a dict made on each call (to look at; `get` is the lookup)."""
+        out: dict[bytes, KnownChunk] = {}
+        for cid, p, o, cl, ul, codec in self.table.items():
+            if self.packs[p] not in self.dropped:
+                out[cid] = KnownChunk(self.packs[p], o, cl, ul, codec)
+        for cid, k in self.added.items():
+            if k.pack not in self.dropped:
+                out.setdefault(cid, k)
+        return out
 
     @classmethod
     def load(cls, store: Store, cache_dir: Path | None = None,
@@ -73,54 +169,30 @@ class KnownChunks:
             except DsecError as e:  # a broken ref must not stop other writers
                 log.warning("ignoring %s for dedup: %s", ref.ref, e)
         if exclude_packs:
-            known.chunks = {k: v for k, v in known.chunks.items() if v.pack not in exclude_packs}
+            known.drop_packs(exclude_packs)
         return known
 
 
-#: chunk tables already parsed by this process, by index digest (indexes are immutable): a
-#: process importing or building again and again reads each table from disk once. Bounded
-#: by rows held; past the bound, tables are parsed from disk again.
-_PARSED: dict[str, dict[bytes, KnownChunk]] = {}
+#: chunk tables already read by this process, by index digest (indexes are immutable): a
+#: process importing or building again and again reads each from disk once. Bounded by
+#: rows held; past the bound, tables are read from disk again.
+_PARSED: dict[str, bytes] = {}
 _PARSED_ROWS = 0
-PARSED_MAX_ROWS = 1 << 18
+PARSED_MAX_ROWS = 1 << 20
 _PARSED_LOCK = threading.Lock()
 
 
-def _add_parsed(index_digest: str, table: dict[bytes, KnownChunk], known: KnownChunks) -> None:
+def _keep_parsed(index_digest: str, data: bytes) -> None:
     global _PARSED_ROWS
+    rows = len(data) // _REC.size
     with _PARSED_LOCK:
-        if index_digest not in _PARSED and _PARSED_ROWS + len(table) <= PARSED_MAX_ROWS:
-            _PARSED[index_digest] = table
-            _PARSED_ROWS += len(table)
-    if not known.chunks:
-        known.chunks = dict(table)
-        return
-    for cid, k in table.items():
-        known.chunks.setdefault(cid, k)
+        if index_digest not in _PARSED and _PARSED_ROWS + rows <= PARSED_MAX_ROWS:
+            _PARSED[index_digest] = data
+            _PARSED_ROWS += rows
 
 
-def _add_table(data: bytes, known: KnownChunks, index_digest: str | None = None) -> bool:
-    """Add a cached chunk table; False when it is damaged (then the index is read again).
-    It is written only from validated indexes, but a disk can truncate it."""
-    try:
-        npacks = struct.unpack_from("<I", data)[0]
-        off = 4
-        packs = [data[off + 64 * i: off + 64 * (i + 1)].decode() for i in range(npacks)]
-        off += 64 * npacks
-        rows = list(_REC.iter_unpack(data[off:]))
-        if not all(is_digest(p) for p in packs) or any(r[1] >= npacks for r in rows):
-            return False
-    except (struct.error, UnicodeDecodeError):
-        return False
-    if index_digest is None:
-        for cid, p, o, cl, ul, codec in rows:
-            known.chunks.setdefault(cid, KnownChunk(packs[p], o, cl, ul, codec))
-        return True
-    table: dict[bytes, KnownChunk] = {}
-    for cid, p, o, cl, ul, codec in rows:
-        table.setdefault(cid, KnownChunk(packs[p], o, cl, ul, codec))
-    _add_parsed(index_digest, table, known)
-    return True
+def _read_table(path: Path) -> bytes:
+    return path.read_bytes()
 
 
 def _collect(store: Store, digest: str, seen: set[str], known: KnownChunks,
@@ -143,14 +215,17 @@ def _add_cached(store: Store, index_digest: str, known: KnownChunks,
                 cache_dir: Path | None) -> None:
     """Chunk tables are kept on disk in a compact binary form keyed by index digest."""
     path = cache_dir / check_digest(index_digest) if cache_dir else None
-    if path is not None and index_digest in _PARSED and path.is_file():
-        _add_parsed(index_digest, _PARSED[index_digest], known)
-        return
-    if path is not None and path.is_file() and _add_table(path.read_bytes(), known,
-                                                          index_digest):
-        return
+    if path is not None and path.is_file():
+        data = _PARSED.get(index_digest)
+        if data is not None and known.add_table(data):
+            return
+        data = _read_table(path)
+        if known.add_table(data):
+            _keep_parsed(index_digest, data)
+            return
     index = load_index(store, index_digest)
-    known.add_index(index)
+    if not known.add_table(_table_blob(index)):  # pragma: no cover - a validated index
+        known.add_index(index)
     if cache_dir is not None:
         cache_table(cache_dir, index_digest, index)
 
@@ -159,9 +234,7 @@ def cache_table(cache_dir: Path, index_digest: str, index: LayerIndex) -> None:
     """Keep the chunk table of an index read and validated here, or written here (a writer
     that just stored an index saves the next `KnownChunks.load` from reading it again)."""
     path = cache_dir / check_digest(index_digest)
-    body = b"".join(_REC.pack(c.chunk_id, c.pack, c.offset, c.clen, c.ulen, c.codec)
-                    for c in index.chunks)
-    blob = struct.pack("<I", len(index.packs)) + "".join(index.packs).encode() + body
+    blob = _table_blob(index)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(blob)

@@ -384,13 +384,13 @@ def test_chunk_tables_parsed_once_per_process_give_the_same_chunks(
     monkeypatch.setattr(dedup, "_PARSED_ROWS", 0)
     with open_store(env["DSEC_STORE"]) as st:
         first = KnownChunks.load(st, tables).chunks
-        assert len(dedup._PARSED) == 2  # both layers' tables, parsed from disk
+        assert len(dedup._PARSED) == 2  # both layers' tables, read from disk
         reads = []
-        real = dedup._add_table
-        monkeypatch.setattr(dedup, "_add_table", lambda *a: reads.append(1) or real(*a))
+        real = dedup._read_table
+        monkeypatch.setattr(dedup, "_read_table", lambda *a: reads.append(1) or real(*a))
         again = KnownChunks.load(st, tables).chunks
         assert not reads and again == first == KnownChunks.load(st, None).chunks
-        again.clear()  # a loaded set is the caller's own: the parsed tables are unchanged
+        again.clear()  # a loaded set is the caller's own: the tables read are unchanged
         assert KnownChunks.load(st, tables).chunks == first
 
 
