@@ -111,9 +111,13 @@ static int Table_init(Table *t, PyObject *args, PyObject *kw) {
     static char *names[] = {"k0", "k1", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kw, "KK", names, &k0, &k1))
         return -1;
+    if (t->slots) { /* its rows sit in slots chosen with the keys it has */
+        PyErr_SetString(PyExc_RuntimeError, "Table already initialized");
+        return -1;
+    }
     t->k0 = k0;
     t->k1 = k1;
-    if (!t->slots && grow_slots(t, 1) < 0) {
+    if (grow_slots(t, 1) < 0) {
         PyErr_NoMemory();
         return -1;
     }

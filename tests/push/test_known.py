@@ -101,6 +101,12 @@ def test_compiled_table_grows_and_keeps_first_rows(cknown: ModuleType) -> None:
     assert items[12345] == (ids[12345], 12345 % 5 + 10, 12345, 12346, 12347, 12345 % 3)
     with pytest.raises(ValueError, match="16 bytes"):
         t.get(b"short")
+    with pytest.raises(RuntimeError, match="already initialized"):
+        t.__init__(3, 4)  # new keys would lose every row's slot
+    assert t.get(ids[0]) == (10, 0, 1, 2, 0)
+    bare = cknown.Table.__new__(cknown.Table)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        bare.get(ids[0])
 
 
 def test_ids_made_to_collide_are_still_told_apart(cknown: ModuleType) -> None:
