@@ -14,6 +14,11 @@ in a fresh process per run, times the load and reads the process's peak memory f
   written out here, on the same cached tables).
 
 Then the lookups a layer's read makes: every id of one table, hits, and as many misses.
+
+With ``--s3-layers N`` (default 400), a library of N layers in an S3 bucket (moto's server)
+behind a relay that holds every request ``--rtt-ms`` (default 20 ms, a bucket in another
+zone) before passing it on: `KnownChunks.load` from it, the refs and manifests read one at a
+time against side by side (`core.reads`), taking turns in one process.
 Results go to benchmarks/results/known.json.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -90,7 +96,8 @@ print(json.dumps({"load_s": load_s, "rss_mb": (peak - base) / 1024, "chunks": n,
 """
 
 
-def _library(root: Path, layers: int, chunks: int) -> tuple[str, Path, list[str]]:
+def _library(root: Path, layers: int, chunks: int, url: str = ""
+             ) -> tuple[str, Path, list[str]]:
     """A store of ``layers`` layer refs whose indexes' chunk tables are in ``root/tables``;
     returns the store URL, the tables' directory and a probe: one table's ids and as many
     ids no table holds."""
@@ -102,7 +109,7 @@ def _library(root: Path, layers: int, chunks: int) -> tuple[str, Path, list[str]
     rnd = random.Random(layers * 7919 + chunks)
     tables = root / "tables"
     tables.mkdir(parents=True)
-    url = (root / "store").as_uri()
+    url = url or (root / "store").as_uri()
     shared = [rnd.randbytes(16) for _ in range(chunks)]  # what versions of a base share
     probe: list[str] = []
     with open_store(url) as st, st.write_batch():
@@ -130,11 +137,94 @@ def _child(url: str, tables: Path, form: str, probe: list[str]) -> dict[str, Any
     return got
 
 
+class _Distant:
+    """An HTTP relay on loopback that holds each request ``rtt`` seconds, then passes it on."""
+
+    def __init__(self, upstream: str, rtt: float) -> None:
+        import http.client
+        import threading
+        import time
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlparse
+
+        up = urlparse(upstream)
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # no delayed-ACK stall between headers and body
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _relay(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                time.sleep(rtt)
+                conn = http.client.HTTPConnection(up.hostname, up.port)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                conn.request(self.command, self.path, body=body or None, headers=headers)
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _relay
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+
+
+def _remote(layers: int, rtt_ms: float, runs: int) -> dict[str, Any]:
+    import time
+
+    from dsec_cli.core import reads
+    from dsec_cli.push import dedup, testing
+    from dsec_cli.push.stores import open_store
+
+    os.environ.update(testing.S3_ENV)
+    moto = testing.start_moto()
+    relay = _Distant(moto.url, rtt_ms / 1000)
+    root = Path(tempfile.mkdtemp(prefix="dsec-bench-known-s3-", dir="/var/tmp"))
+    try:
+        testing.create_bucket(moto.url, "lib")
+        _, tables, _ = _library(root, layers, 100, f"s3://lib/x?endpoint_url={moto.url}")
+        times: dict[str, list[float]] = {"one at a time": [], "side by side": []}
+        with open_store(f"s3://lib/x?endpoint_url={relay.url}") as st:
+            for _ in range(runs):
+                for form in times:
+                    reads.REMOTE_READS = 1 if form == "one at a time" else 16
+                    t = time.perf_counter()
+                    known = dedup.KnownChunks.load(st, tables)
+                    times[form].append(time.perf_counter() - t)
+                    assert len(known.table) > 0
+        reads.REMOTE_READS = 16
+        one, side = (statistics.median(times[k]) for k in ("one at a time", "side by side"))
+        return {"layers": layers, "rtt_ms": rtt_ms, "one_at_a_time_s": round(one, 2),
+                "side_by_side_s": round(side, 2), "speedup": round(one / side, 1)}
+    finally:
+        relay.stop()
+        moto.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks known")
     ap.add_argument("--layers", default="1000,4000")
     ap.add_argument("--chunks", type=int, default=1000)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--s3-layers", type=int, default=400)
+    ap.add_argument("--rtt-ms", type=float, default=20)
     args = ap.parse_args(argv)
     from dsec_cli.push import dedup
 
@@ -165,7 +255,9 @@ def main(argv: list[str]) -> None:
             results.append(row)
         finally:
             shutil.rmtree(root, ignore_errors=True)
-    out = {"runs": args.runs, "libraries": results,
+    remote = _remote(args.s3_layers, args.rtt_ms, args.runs) if args.s3_layers else None
+    print(json.dumps(remote), flush=True)
+    out = {"runs": args.runs, "libraries": results, "from_s3": remote,
            "note": "each figure the median of fresh processes; rss_mb is the load's growth of "
                    "the process's peak resident memory"}
     print(save("known", out))

@@ -70,20 +70,31 @@ def delete_ref(store: Any, ref: str) -> None:
 
 def list_refs(store: Any, errors: list[DsecError] | None = None) -> list[Ref]:
     """Every ref of a store. A ref that cannot be read is skipped with a warning naming it
-    (and appended to `errors` when given), so one bad ref does not hide the others."""
-    out = []
+    (and appended to `errors` when given), so one bad ref does not hide the others. From a
+    remote store the refs are read side by side (`core.reads`)."""
+    from ..core.reads import read_all
+
+    items = []
     for info in store.list("refs/"):
         parts = info.key.split("/")
-        if len(parts) != 3:
-            continue
-        try:
-            parse_ref(f"{parts[1]}@{parts[2]}")
-            data = store.get(info.key)
-            out.append(_decode(data, parts[1], parts[2]))
-        except NotFoundError:
+        if len(parts) == 3:
+            items.append((info.key, parts[1], parts[2]))
+
+    def read(item: tuple[str, str, str]) -> Ref:
+        key, name, version = item
+        parse_ref(f"{name}@{version}")
+        return _decode(store.get(key), name, version)
+
+    out = []
+    for (key, _, _), got in zip(items, read_all(store, read, items), strict=True):
+        if isinstance(got, NotFoundError):
             continue  # removed between the listing and the read
-        except DsecError as e:
-            log.warning("skipping %s: %s", info.key, e.message)
+        if isinstance(got, DsecError):
+            log.warning("skipping %s: %s", key, got.message)
             if errors is not None:
-                errors.append(e)
+                errors.append(got)
+            continue
+        if isinstance(got, Exception):
+            raise got
+        out.append(got)
     return sorted(out, key=lambda r: (r.name, r.version))

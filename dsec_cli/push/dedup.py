@@ -16,8 +16,9 @@ from typing import Any, NamedTuple
 
 from ..core.digests import check_digest, object_key
 from ..core.errors import DsecError
+from ..core.reads import read_all
 from ..format.index import LayerIndex
-from ..format.manifest import load_manifest
+from ..format.manifest import Manifest, load_manifest
 from ..format.refs import list_refs
 from ..format.validate import is_digest
 from .stores.base import Store
@@ -163,9 +164,11 @@ class KnownChunks:
              exclude_packs: set[str] | None = None) -> KnownChunks:
         known = cls()
         seen: set[str] = set()
-        for ref in list_refs(store):
+        refs = list_refs(store)
+        manifests = _read_manifests(store, [r.manifest for r in refs])
+        for ref in refs:
             try:
-                _collect(store, ref.manifest, seen, known, cache_dir)
+                _collect(store, ref.manifest, seen, known, cache_dir, manifests)
             except DsecError as e:  # a broken ref must not stop other writers
                 log.warning("ignoring %s for dedup: %s", ref.ref, e)
         if exclude_packs:
@@ -195,14 +198,33 @@ def _read_table(path: Path) -> bytes:
     return path.read_bytes()
 
 
+def _read_manifests(store: Store, digests: list[str]) -> dict[str, Manifest | Exception]:
+    """Every manifest the refs reach (images, then their layers), read side by side from a
+    remote store (`core.reads`): each read there is a round trip. A manifest that cannot
+    be read is kept as its error, raised where the walk meets it."""
+    got: dict[str, Manifest | Exception] = {}
+    level = list(dict.fromkeys(digests))
+    while level:
+        for d, m in zip(level, read_all(store, lambda d: load_manifest(store, d), level),
+                        strict=True):
+            got[d] = m
+        level = list(dict.fromkeys(x for d in level if isinstance(got[d], Manifest)
+                                   for x in got[d].layers if x not in got))  # type: ignore[union-attr]
+    return got
+
+
 def _collect(store: Store, digest: str, seen: set[str], known: KnownChunks,
-             cache_dir: Path | None) -> None:
+             cache_dir: Path | None, manifests: dict[str, Manifest | Exception]) -> None:
     if digest in seen:
         return
     seen.add(digest)
-    m = load_manifest(store, digest)
+    m = manifests.get(digest)
+    if m is None:
+        m = load_manifest(store, digest)
+    elif isinstance(m, Exception):
+        raise m
     for layer in m.layers:
-        _collect(store, layer, seen, known, cache_dir)
+        _collect(store, layer, seen, known, cache_dir, manifests)
     if m.index and m.index not in seen:
         seen.add(m.index)
         try:

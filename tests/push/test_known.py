@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -205,3 +206,55 @@ def test_a_store_loads_the_same_chunks_either_way(cknown: ModuleType, compiled: 
         assert KnownChunks.load(st, None).chunks == want
         packs = {k.pack for k in want.values()}
         assert KnownChunks.load(st, tables, exclude_packs=packs).chunks == {}
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_refs_and_manifests_of_a_remote_store_are_read_side_by_side(
+        kind: str, make_url: Callable[[str], str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """From S3 the refs and the manifests they reach are read on several threads, from a file
+    store in turn; either way the refs, the errors and the chunks are the same, in the same
+    order: a ref that does not parse is skipped and reported, a ref whose manifest is gone
+    is left out of the chunks with a warning, the others are all there."""
+    import threading
+
+    from dsec_cli.core.digests import object_key
+    from dsec_cli.format.manifest import Manifest, put_manifest
+    from dsec_cli.format.refs import list_refs, set_ref
+    from dsec_cli.push.stores.base import Store
+
+    rnd = random.Random(5)
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    want: dict[bytes, KnownChunk] = {}
+    with open_store(make_url(kind)) as st:
+        for n in range(40):
+            index, pack = rnd.randbytes(32).hex(), rnd.randbytes(32).hex()
+            rows = [(rnd.randbytes(16), 0, i, 1, 1, 0) for i in range(20)]
+            (tables / index).write_bytes(_blob([pack], rows))
+            m = Manifest(kind="layer", name=f"l{n % 4}", version=str(n),
+                         content_digest=rnd.randbytes(32).hex(), index=index, packs=[pack])
+            digest = put_manifest(st, m)
+            if n == 17:  # its manifest gone: the ref is left out
+                st.delete(object_key("manifests", digest))
+            else:
+                want.update({r[0]: KnownChunk(pack, *r[2:]) for r in rows})
+            set_ref(st, m.name, m.version, digest)
+        st.put("refs/l1/bad@name", b"{}")  # not a ref name
+        threads: set[str] = set()
+        real_get = Store.get
+
+        def get(self: Store, key: str, *a: object, **kw: object) -> bytes:
+            threads.add(threading.current_thread().name)
+            return real_get(self, key, *a, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Store, "get", get)
+        errors: list[object] = []
+        refs = list_refs(st, errors)
+        assert [r.version for r in refs] == sorted((str(n) for n in range(40)),
+                                                   key=lambda v: (f"l{int(v) % 4}", v))
+        assert len(errors) == 1 and "bad@name" in caplog.text
+        assert KnownChunks.load(st, tables).chunks == want
+        assert "ignoring l1@17 for dedup" in caplog.text
+        remote = {t for t in threads if t.startswith("store-read")}
+        assert bool(remote) == (kind == "s3")
