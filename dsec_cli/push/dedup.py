@@ -91,7 +91,7 @@ def _table_blob(index: LayerIndex) -> bytes:
 
 class KnownChunks:
     """chunk id -> where it is stored, for one store: the chunk tables of the indexes its
-    refs reach, in one table (`_known.Table` where built: about 60 bytes per chunk, a
+    refs reach, in one table (`_known.Table` where built: about 50 bytes per chunk, a
     library's millions of chunks loaded at memory speed), and the chunks of indexes
     written since by this process (`add_index`)."""
 
@@ -179,19 +179,19 @@ class KnownChunks:
 #: chunk tables already read by this process, by index digest (indexes are immutable): a
 #: process importing or building again and again reads each from disk once. Bounded by
 #: rows held; past the bound, tables are read from disk again.
-_PARSED: dict[str, bytes] = {}
-_PARSED_ROWS = 0
-PARSED_MAX_ROWS = 1 << 20
-_PARSED_LOCK = threading.Lock()
+_READ_TABLES: dict[str, bytes] = {}
+_READ_ROWS = 0
+READ_MAX_ROWS = 1 << 20
+_READ_LOCK = threading.Lock()
 
 
-def _keep_parsed(index_digest: str, data: bytes) -> None:
-    global _PARSED_ROWS
+def _keep_read(index_digest: str, data: bytes) -> None:
+    global _READ_ROWS
     rows = len(data) // _REC.size
-    with _PARSED_LOCK:
-        if index_digest not in _PARSED and _PARSED_ROWS + rows <= PARSED_MAX_ROWS:
-            _PARSED[index_digest] = data
-            _PARSED_ROWS += rows
+    with _READ_LOCK:
+        if index_digest not in _READ_TABLES and _READ_ROWS + rows <= READ_MAX_ROWS:
+            _READ_TABLES[index_digest] = data
+            _READ_ROWS += rows
 
 
 def _read_table(path: Path) -> bytes:
@@ -208,8 +208,12 @@ def _read_manifests(store: Store, digests: list[str]) -> dict[str, Manifest | Ex
         for d, m in zip(level, read_all(store, lambda d: load_manifest(store, d), level),
                         strict=True):
             got[d] = m
-        level = list(dict.fromkeys(x for d in level if isinstance(got[d], Manifest)
-                                   for x in got[d].layers if x not in got))  # type: ignore[union-attr]
+        below: list[str] = []
+        for d in level:
+            m = got[d]
+            if isinstance(m, Manifest):
+                below += [x for x in m.layers if x not in got]
+        level = list(dict.fromkeys(below))
     return got
 
 
@@ -238,12 +242,12 @@ def _add_cached(store: Store, index_digest: str, known: KnownChunks,
     """Chunk tables are kept on disk in a compact binary form keyed by index digest."""
     path = cache_dir / check_digest(index_digest) if cache_dir else None
     if path is not None and path.is_file():
-        data = _PARSED.get(index_digest)
+        data = _READ_TABLES.get(index_digest)
         if data is not None and known.add_table(data):
             return
         data = _read_table(path)
         if known.add_table(data):
-            _keep_parsed(index_digest, data)
+            _keep_read(index_digest, data)
             return
     index = load_index(store, index_digest)
     if not known.add_table(_table_blob(index)):  # pragma: no cover - a validated index

@@ -380,11 +380,11 @@ def test_chunk_tables_parsed_once_per_process_give_the_same_chunks(
     write_layout(base_image(), tmp_path / "l")
     oci.import_image(str(tmp_path / "l"), as_ref="t@1")
     tables = Path(env["DSEC_DATA_DIR"]) / "chunk-tables"
-    monkeypatch.setattr(dedup, "_PARSED", {})
-    monkeypatch.setattr(dedup, "_PARSED_ROWS", 0)
+    monkeypatch.setattr(dedup, "_READ_TABLES", {})
+    monkeypatch.setattr(dedup, "_READ_ROWS", 0)
     with open_store(env["DSEC_STORE"]) as st:
         first = KnownChunks.load(st, tables).chunks
-        assert len(dedup._PARSED) == 2  # both layers' tables, read from disk
+        assert len(dedup._READ_TABLES) == 2  # both layers' tables, read from disk
         reads = []
         real = dedup._read_table
         monkeypatch.setattr(dedup, "_read_table", lambda *a: reads.append(1) or real(*a))

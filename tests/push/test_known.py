@@ -197,8 +197,8 @@ def test_a_store_loads_the_same_chunks_either_way(cknown: ModuleType, compiled: 
                 want.setdefault(c.chunk_id, KnownChunk(ix.packs[c.pack], c.offset, c.clen,
                                                        c.ulen, c.codec))
         _use(monkeypatch, cknown if compiled else None)
-        monkeypatch.setattr(dedup, "_PARSED", {})
-        monkeypatch.setattr(dedup, "_PARSED_ROWS", 0)
+        monkeypatch.setattr(dedup, "_READ_TABLES", {})
+        monkeypatch.setattr(dedup, "_READ_ROWS", 0)
         tables = tmp_path / "tables"
         assert len(want) > 2
         assert KnownChunks.load(st, tables).chunks == want  # the tables written
