@@ -44,6 +44,7 @@ import statistics
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ def _layout(path: Path, layers: list[bytes], tag: str) -> int:
 
 
 def _more_tasks(work: Path, reg_url: str, bases: list[bytes], apps: list[Path], n: int,
-                runs: int, fresh: Any) -> dict[str, Any]:
+                runs: int, fresh: Callable[[str], str]) -> dict[str, Any]:
     """A library growing: ``n`` more task images (another application layer each) over the
     same three bases, imported into the store that holds the library (and copied by skopeo
     into the layout that holds it), both copied afresh before each timed run."""

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..core.digests import check_digest, parse_ref, ref_key
 from ..core.errors import DsecError, NotFoundError
+from ..core.reads import read_all
 from . import canonical
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,6 @@ def list_refs(store: Any, errors: list[DsecError] | None = None) -> list[Ref]:
     """Every ref of a store. A ref that cannot be read is skipped with a warning naming it
     (and appended to `errors` when given), so one bad ref does not hide the others. From a
     remote store the refs are read side by side (`core.reads`)."""
-    from ..core.reads import read_all
-
     items = []
     for info in store.list("refs/"):
         parts = info.key.split("/")

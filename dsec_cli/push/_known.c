@@ -70,6 +70,13 @@ static Py_ssize_t find(const Table *t, const uint8_t *id, uint64_t *slot) {
     }
 }
 
+/* 0, with RuntimeError set, for a Table made without __init__ (no slots yet) */
+static int ready(const Table *t) {
+    if (!t->slots)
+        PyErr_SetString(PyExc_RuntimeError, "Table not initialized");
+    return t->slots != NULL;
+}
+
 static int grow_slots(Table *t, uint64_t want) {
     uint64_t size = 1024;
     while (size < want * 2)
@@ -139,10 +146,8 @@ PyDoc_STRVAR(add_doc,
 static PyObject *Table_add(Table *t, PyObject *args) {
     Py_buffer buf;
     unsigned long npacks, base;
-    if (!t->slots) {
-        PyErr_SetString(PyExc_RuntimeError, "Table not initialized");
+    if (!ready(t))
         return NULL;
-    }
     if (!PyArg_ParseTuple(args, "y*kk", &buf, &npacks, &base))
         return NULL;
     const uint8_t *p = buf.buf;
@@ -188,10 +193,8 @@ PyDoc_STRVAR(get_doc,
 
 static PyObject *Table_get(Table *t, PyObject *arg) {
     Py_buffer buf;
-    if (!t->slots) {
-        PyErr_SetString(PyExc_RuntimeError, "Table not initialized");
+    if (!ready(t))
         return NULL;
-    }
     if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0)
         return NULL;
     PyObject *out = NULL;

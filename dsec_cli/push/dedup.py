@@ -103,9 +103,6 @@ class KnownChunks:
         self.added: dict[bytes, KnownChunk] = {}
         self.dropped: set[str] = set()  # packs no chunk is taken from (`drop_packs`)
 
-    def __len__(self) -> int:
-        return len(self.chunks)
-
     def get(self, chunk_id: bytes) -> KnownChunk | None:
         row = self.table.get(chunk_id)
         if row is not None:
@@ -250,8 +247,7 @@ def _add_cached(store: Store, index_digest: str, known: KnownChunks,
             _keep_read(index_digest, data)
             return
     index = load_index(store, index_digest)
-    if not known.add_table(_table_blob(index)):  # pragma: no cover - a validated index
-        known.add_index(index)
+    known.add_table(_table_blob(index))  # validated: its table is whole
     if cache_dir is not None:
         cache_table(cache_dir, index_digest, index)
 
