@@ -97,7 +97,8 @@ _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
 #: enough to overlap one layer's download and verification with another's chunking
 RUN_LAYER_WORKERS = max(2, min(6, 2 * (os.cpu_count() or 1)))
 #: a layer read while this many others are read is read lean (`stage_layer`): a layer read
-#: on four threads keeps about two cores busy (its inflate beside its parser)
+#: on four threads keeps about two cores busy (its inflate beside its parser). While a run
+#: of several images is still being planned, every layer is read lean: more are coming
 LEAN_BESIDE = max(1, (os.cpu_count() or 1) // 2)
 #: how imported layers are cut and stored: the build's chunking, zstd at level 1. An import
 #: is a conversion on the way to a sandbox (`from: [oci:...]` waits for it), its new bytes
@@ -892,6 +893,7 @@ class _Run:
         #: False while images are still being planned: until then a layer no image yet
         #: read wants may still be wanted by the next, so no read is stopped for that
         self.all_planned = False
+        self.several = False  # the wave has more than one image
 
     def plan(self, p: _Plan) -> None:
         """An image joins the run: its layers and bytes count in the totals."""
@@ -953,6 +955,7 @@ def _read_and_publish(store: Store, planned: list[Future[_Plan]],
     soon as it is planned, while its images are published in source order, each as soon as
     its own layers are verified."""
     r = _Run(progress)
+    r.several = len(planned) > 1
     plans: list[_Plan] = []
     pool = ThreadPoolExecutor(RUN_LAYER_WORKERS, thread_name_prefix="oci-import")
     try:
@@ -1042,12 +1045,13 @@ class _LayerReader:
 
         if not r.wanted(diff_id):
             raise _Stopped
-        # a layer read while the layers being read already fill the cores is read lean, on
-        # its own thread. Each stage on a thread of its own lets one layer use two cores;
-        # beside other layers it only adds threads waiting for the GIL and for a core
-        # (docs/oci.md, "Measured")
+        # a layer read while the layers being read already fill the cores (or while more
+        # images of the run are being planned, whose layers will) is read lean, on its own
+        # thread. Each stage on a thread of its own lets one layer use two cores; beside
+        # other layers it only adds threads waiting for the GIL and for a core (docs/oci.md,
+        # "Measured")
         with self.lock:
-            lean = self.reading >= LEAN_BESIDE
+            lean = self.reading >= LEAN_BESIDE or (r.several and not r.all_planned)
             self.reading += 1
         try:
             # a connection that breaks mid-layer reads the layer again (transient failures
