@@ -1022,6 +1022,7 @@ class _LayerReader:
     def __init__(self, store: Store, r: _Run, known: KnownChunks,
                  pool: ThreadPoolExecutor) -> None:
         self.store, self.r, self.known, self.pool = store, r, known, pool
+        self.policy = retry.RetryPolicy.from_env()  # resolved once: it reads the config files
         self.lock = threading.Lock()
         self.reading = 0  # layers being read now
 
@@ -1061,7 +1062,7 @@ class _LayerReader:
                                                   known=self.known, tick=tick_or_stop,
                                                   claims=claims, writers=r.writers,
                                                   lean=lean),
-                              f"importing layer {desc.digest or diff_id}")
+                              f"importing layer {desc.digest or diff_id}", self.policy)
         finally:
             with self.lock:
                 self.reading -= 1

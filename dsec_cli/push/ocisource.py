@@ -287,12 +287,15 @@ class RegistrySource(Source):
         self.reference = ref.reference
         # the store's HTTP client: authentication, timeouts and error mapping, written once
         self.http = OCIStore(f"oci://{ref.host}/{ref.repo}", ref.host, ref.repo, insecure)
+        from .retry import RetryPolicy
+
+        self.policy = RetryPolicy.from_env()  # resolved once: it reads the config files
 
     def _get(self, path: str, what: str, **kw: Any) -> Any:
         from .retry import call
 
         return call(lambda: self.http._request("GET", f"{self.http.base}/{path}", what, **kw),
-                    what)
+                    what, self.policy)
 
     def root(self) -> tuple[bytes, str, str | None]:
         what = f"reading the manifest of {self.ref}"
