@@ -54,6 +54,35 @@ class WriteStats:
     packs_written: list[str] = field(default_factory=list)
 
 
+class _Buffers:
+    """Buffers of a few sizes, kept once given back for the next writer or stream of the
+    process: memory already faulted in, instead of new memory taken, zeroed and faulted in
+    for every layer of an import (fresh buffers were most of an import's page faults).
+    At most ``keep`` of each size are kept."""
+
+    def __init__(self, keep: int) -> None:
+        self.lock = threading.Lock()
+        self.keep = keep
+        self.free: dict[int, list[bytearray]] = {}
+
+    def take(self, size: int) -> bytearray:
+        with self.lock:
+            kept = self.free.get(size)
+            if kept:
+                return kept.pop()
+        return bytearray(size)
+
+    def give(self, bufs: list[bytearray]) -> None:
+        with self.lock:
+            for buf in bufs:
+                kept = self.free.setdefault(len(buf), [])
+                if len(kept) < self.keep:
+                    kept.append(buf)
+
+
+_BUFFERS = _Buffers(keep=8)
+
+
 class ClaimLost(Exception):
     """A chunk this writer took from another writer of its run is not there: that writer's
     layer failed."""
@@ -170,7 +199,7 @@ class _Writer:
         buffer's room (larger than max_size)."""
         fill = self.group_fill
         if fill == 0 and need <= self.buf_size:
-            self.group_buf = self.spare.pop() if self.spare else bytearray(self.buf_size)
+            self.group_buf = self.spare.pop() if self.spare else _BUFFERS.take(self.buf_size)
             return
         grown = bytearray(max(need, self.buf_size))
         grown[:fill] = memoryview(self.group_buf)[:fill]
@@ -240,10 +269,7 @@ class _Writer:
             fp.path.unlink(missing_ok=True)
 
     def finish(self) -> list[ChunkLoc]:
-        self._submit()
-        while self.pending:
-            self._drain_one()
-        self._seal()
+        self.seal_all()
         self.pool.shutdown()
         self.publish()
         assert all(loc is not None for loc in self.locs)
@@ -255,6 +281,8 @@ class _Writer:
         while self.pending:
             self._drain_one()
         self._seal()
+        _BUFFERS.give(self.spare)  # no group is left to fill
+        self.spare = []
 
     def seal_done(self, ok: bool) -> None:
         """Tell the writers that took chunks from this one whether its packs are sound (its
@@ -401,48 +429,62 @@ class _Batcher:
         self.files.clear()
 
 
-def chunk_stream(w: _Writer, read: Callable[[int], bytes], size: int, params: ChunkParams
-                 ) -> list[tuple[int, int, int]]:
+def chunk_stream(w: _Writer, read: Callable[[int], bytes | memoryview], size: int,
+                 params: ChunkParams) -> list[tuple[int, int, int]]:
     """The chunks of one file of ``size`` bytes (at least ``params.small_file``) read from a
-    stream, cut exactly as `write_layer` cuts the same file read whole, holding at most a
-    few ``max_size`` windows: a content-defined boundary depends only on the bytes since the
-    previous one, so every chunk but the last of a window is final."""
-    def exact(n: int) -> bytes:
+    stream, cut exactly as `write_layer` cuts the same file read whole, holding one window
+    of ``16 * max_size`` bytes: a content-defined boundary depends only on the bytes since
+    the previous one, so every chunk but the last of a window is final, and that one is cut
+    again at the start of the next. ``read(n)`` may return fewer than ``n`` bytes (a view of
+    whatever piece of the stream holds them: each is copied once, into the window, a buffer
+    used again stream after stream)."""
+    def exact(n: int) -> bytes | memoryview:
         data = read(n)
         if len(data) < n:
             parts = [data]
-            while len(data) < n and (piece := read(n - len(data))):
+            got = len(data)
+            while got < n and (piece := read(n - got)):
                 parts.append(piece)
-                data = b"".join(parts)
+                got += len(piece)
+            data = b"".join(parts)
         if len(data) < n:
             raise BuildError(f"stream ended {n - len(data)} bytes before the file's end")
         return data
 
     if size <= params.max_size:
         return [(w.chunk(exact(size)), 0, size)]
-    window = 16 * params.max_size
+    win = _BUFFERS.take(16 * params.max_size)
+    window = len(win)
+    mv = memoryview(win)
     out: list[tuple[int, int, int]] = []
-    buf: bytes | memoryview = b""
+    fill = 0  # the window's bytes: the last window's uncut end, then what was read after it
     left = size
-    while left or buf:
-        take = min(left, window - len(buf))
-        if take:
-            # the stream's own bytes (often a view of its piece) when nothing is left over;
-            # each chunk is copied once, into its group (`_Writer.chunk`)
-            buf = exact(take) if not buf else b"".join((buf, exact(take)))
-            left -= take
-        view = memoryview(buf)
-        cuts = list(cut(view, params))
-        if left:
-            cuts = cuts[:-1]  # the window's last chunk may end early: cut it again
-        done = 0
-        for o, ln in cuts:
-            out.append((w.chunk(view[o:o + ln]), 0, ln))
-            done = o + ln
-        view.release()
-        buf = bytes(buf[done:])  # the remainder alone, so the window it ends is freed
-        if not left and done == 0 and buf:  # pragma: no cover - cut always covers the rest
-            raise BuildError("chunker left bytes uncut")
+    try:
+        while left or fill:
+            while left and fill < window:
+                piece = read(min(left, window - fill))
+                if not piece:
+                    raise BuildError(f"stream ended {left} bytes before the file's end")
+                mv[fill:fill + len(piece)] = piece
+                fill += len(piece)
+                left -= len(piece)
+            view = mv[:fill]
+            cuts = list(cut(view, params))
+            if left:
+                cuts = cuts[:-1]  # the window's last chunk may end early: cut it again
+            done = 0
+            for o, ln in cuts:  # each chunk is copied into its group (`_Writer.chunk`)
+                out.append((w.chunk(view[o:o + ln]), 0, ln))
+                done = o + ln
+            view.release()
+            if not left and done < fill:  # pragma: no cover - cut always covers the rest
+                raise BuildError("chunker left bytes uncut")
+            rest = fill - done  # at most one chunk: moved to the window's start
+            mv[:rest] = bytes(mv[done:fill])
+            fill = rest
+    finally:
+        mv.release()
+        _BUFFERS.give([win])
     return out
 
 

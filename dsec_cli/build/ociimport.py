@@ -329,6 +329,16 @@ class _Prefetch:
         self.pos += len(out)
         return out
 
+    def read_some(self, n: int) -> bytes | memoryview:
+        """Up to ``n`` bytes, as a read-only view of the one piece that holds them (``b""``
+        at the end): what a reader that copies them anyway takes, without joining pieces."""
+        if not self._fill():
+            return b""
+        out = self.buf[:n]
+        self.buf = self.buf[len(out):]
+        self.pos += len(out)
+        return out
+
     def tell(self) -> int:
         return self.pos
 
@@ -417,6 +427,12 @@ def _scan_layer(tf: tarfile.TarFile, ahead: _Prefetch, label: str, w: _Writer,
             raise tarfile.ReadError("unexpected end of data")
         return data
 
+    def some(n: int) -> bytes | memoryview:
+        data = ahead.read_some(n)
+        if not data:
+            raise tarfile.ReadError("unexpected end of data")
+        return data
+
     def on_file(tf: tarfile.TarFile, m: tarfile.TarInfo, e: Entry) -> None:
         if getattr(m, "sparse", None) and m.size > MAX_SPARSE_SIZE:
             raise SpecError(f"member {m.name!r} is sparse with an apparent size of {m.size} "
@@ -424,13 +440,14 @@ def _scan_layer(tf: tarfile.TarFile, ahead: _Prefetch, label: str, w: _Writer,
         if m.size == 0:
             return None
         read: Callable[[int], bytes]
+        part: Callable[[int], bytes | memoryview]
         if m.sparse:  # tarfile's reader follows the data map
             f = tf.extractfile(m)
             assert f is not None
-            read = f.read
+            read = part = f.read
         else:  # straight from the stream: one copy fewer than tarfile's file object
             ahead.seek(m.offset_data)
-            read = exact
+            read, part = exact, some
         if m.size < params.small_file:
             nonlocal end
             data = read(m.size)
@@ -439,7 +456,7 @@ def _scan_layer(tf: tarfile.TarFile, ahead: _Prefetch, label: str, w: _Writer,
             spool.write(data)
             end += len(data)
         else:
-            e.chunks = chunk_stream(w, read, m.size, params)
+            e.chunks = chunk_stream(w, part, m.size, params)
         return None
 
     scanned = scan_members(tf, Path(label), "", on_file, devices=False)

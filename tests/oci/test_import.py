@@ -214,6 +214,41 @@ def test_sparse_and_plain_members_read_in_stream_order(env: dict[str, str],
         assert (tmp_path / "t" / name).read_bytes() == (src / name).read_bytes(), name
 
 
+def test_streamed_chunking_copies_what_it_keeps(tmp_path: Path) -> None:
+    """The pieces a stream hands over are views its reader writes over afterwards (as the
+    layer reader's pieces are let go): the chunks are those of the bytes as they were read,
+    file after file through the one reused window."""
+    from dsec_cli.build.layer import _BUFFERS
+    from dsec_cli.core.digests import chunk_id
+
+    params = ChunkParams()
+    store = open_store(tmp_path.as_uri())
+    w = _Writer(store, KnownChunks(), params, tmp_path, None, False)
+    scratch = bytearray(100_000)
+    try:
+        for seed in (1, 2):
+            data = random.Random(seed).randbytes(9 << 20)
+            pos = 0
+
+            def read(n: int, data: bytes = data) -> memoryview:
+                nonlocal pos
+                n = min(n, len(scratch), len(data) - pos)
+                scratch[:n] = data[pos:pos + n]
+                pos += n
+                return memoryview(scratch)[:n]
+
+            got = chunk_stream(w, read, len(data), params)
+            scratch[:] = bytes(len(scratch))  # what was handed over is gone now
+            whole = list(cut(memoryview(data), params))
+            assert [ln for _, _, ln in got] == [ln for _, ln in whole]
+            assert [w.ids[n] for n, _, _ in got] == [chunk_id(data[o:o + ln])
+                                                     for o, ln in whole]
+        window = 16 * params.max_size
+        assert len(_BUFFERS.free.get(window, [])) >= 1  # given back, to be used again
+    finally:
+        w.abort()
+
+
 @pytest.mark.parametrize("size", [16 << 10, 200 << 10, 256 << 10, (256 << 10) + 1, 5 << 20,
                                   (4 << 20) + 12345, 12 << 20])
 def test_streamed_chunking_matches_whole_file_chunking(tmp_path: Path, size: int) -> None:
