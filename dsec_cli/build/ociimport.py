@@ -3,9 +3,9 @@ a dsec image.
 
 A layer is read as one stream: blob -> sha256 (the manifest's digest) -> gzip or zstd
 (sniffed) -> sha256 (the config's uncompressed ``diff_id``) -> tar members. Files of at
-least ``small_file`` bytes are chunked as the stream reaches them (a few chunk windows in
-memory); smaller ones wait in a spool (in memory up to `SPOOL_MEMORY`, then in a file in
-staging) until the end of the layer, because they are grouped
+least ``small_file`` bytes are chunked as the stream reaches them (one window of chunks in
+memory); smaller ones wait in a spool (in memory, a bytes object each, up to `SPOOL_MEMORY`,
+then in a file in staging) until the end of the layer, because they are grouped
 into batch chunks in path order, exactly as `dsec build` groups them, so an image imported,
 exported and imported again has the same content digests. Packs stay in staging until both
 digests match: a layer whose bytes do not match is refused, naming the digest, and the
@@ -20,6 +20,7 @@ files and opaque markers become whiteouts and opaque directories. Each layer is 
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
@@ -417,10 +418,44 @@ def _decompressed(raw: _Hashed) -> IO[bytes]:
 
 
 # -- one layer --------------------------------------------------------------------------------
-def _scan_layer(tf: tarfile.TarFile, ahead: _Prefetch, label: str, w: _Writer,
-                params: ChunkParams, spool: IO[bytes]) -> list[Entry]:
-    end = 0  # the spool's length (kept here: tell() on a buffered file is not free)
+class _Spool:
+    """A layer's small files' bytes until its end: in memory, one bytes object per file, up
+    to `SPOOL_MEMORY` bytes, then in a file in staging. `add` returns where a file's bytes
+    went: (-1, its number in memory) or (-2, its offset in the file); `get` reads them."""
 
+    def __init__(self, staging: Path) -> None:
+        self.staging = staging
+        self.mem: list[bytes] = []
+        self.held = 0
+        self.file: IO[bytes] | None = None
+        self.end = 0
+
+    def add(self, data: bytes | memoryview) -> tuple[int, int]:
+        if self.file is None and self.held + len(data) <= SPOOL_MEMORY:
+            self.mem.append(bytes(data))
+            self.held += len(data)
+            return -1, len(self.mem) - 1
+        if self.file is None:
+            self.file = tempfile.TemporaryFile(dir=self.staging)
+        self.file.write(data)
+        self.end += len(data)
+        return -2, self.end - len(data)
+
+    def get(self, where: int, at: int, length: int) -> bytes:
+        if where == -1:
+            return self.mem[at]
+        assert self.file is not None
+        self.file.seek(at)
+        return self.file.read(length)
+
+    def close(self) -> None:
+        self.mem = []
+        if self.file is not None:
+            self.file.close()
+
+
+def _scan_layer(tf: tarfile.TarFile, ahead: _Prefetch, label: str, w: _Writer,
+                params: ChunkParams, spool: _Spool) -> list[Entry]:
     def exact(n: int) -> bytes:
         data = ahead.read(n, view=True)
         if len(data) < n:
@@ -449,12 +484,9 @@ def _scan_layer(tf: tarfile.TarFile, ahead: _Prefetch, label: str, w: _Writer,
             ahead.seek(m.offset_data)
             read, part = exact, some
         if m.size < params.small_file:
-            nonlocal end
+            # spooled until path order is known: a negative chunk number marks where
             data = read(m.size)
-            # spooled until path order is known; -1 marks "offset, length in the spool"
-            e.chunks = [(-1, end, len(data))]
-            spool.write(data)
-            end += len(data)
+            e.chunks = [(*spool.add(data), len(data))]
         else:
             e.chunks = chunk_stream(w, part, m.size, params)
         return None
@@ -463,10 +495,8 @@ def _scan_layer(tf: tarfile.TarFile, ahead: _Prefetch, label: str, w: _Writer,
     entries = [s.entry for s in canonical_entries(list(scanned.values()))]
     batcher = _Batcher(w, params)
     for e in entries:
-        if e.type == "reg" and e.chunks and e.chunks[0][0] == -1:
-            _, off, ln = e.chunks[0]
-            spool.seek(off)
-            batcher.add(e, spool.read(ln))
+        if e.type == "reg" and e.chunks and e.chunks[0][0] < 0:
+            batcher.add(e, spool.get(*e.chunks[0]))
     batcher.flush()
     return entries
 
@@ -533,8 +563,8 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
     if writers is not None:
         writers.append((w, staging))
     try:
-        with source.blob(desc) as f, tempfile.SpooledTemporaryFile(
-                SPOOL_MEMORY, dir=str(staging)) as spool:
+        spool = _Spool(staging)
+        with source.blob(desc) as f, contextlib.closing(spool):
             # four threads per layer: the blob's bytes come in (a registry's are waited
             # for) and are hashed on one, inflated on a second, the inflated bytes hashed
             # on a third, parsed and chunked here; lean, all on this one

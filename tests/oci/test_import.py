@@ -443,3 +443,33 @@ def test_no_staging_left_after_an_import_or_a_refused_one(env: dict[str, str],
         with pytest.raises(IntegrityError, match="layer sha256:"):
             oci.import_image(str(tmp_path / "bad"), as_ref="bad@1")
         assert not list(staging.glob("import-*"))
+
+
+def test_small_files_past_the_spool_memory_go_to_a_file(env: dict[str, str], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small files wait in memory until the layer's end, then past `SPOOL_MEMORY` in a
+    staging file: the layer is the same, to the content digest, either way."""
+    from dsec_cli.build import ociimport
+
+    rnd = random.Random(7)
+    members = [file(f"srv/f{i:03d}", rnd.randbytes(rnd.randrange(1, 12_000))) for i in range(60)]
+    members.append(file("srv/big", rnd.randbytes(300_000)))
+    write_layout(Image([members]), tmp_path / "l")
+    first = oci.import_image(str(tmp_path / "l"), as_ref="small@1")
+    spilled: list[int] = []
+    real = ociimport._Spool.add
+
+    def add(self: ociimport._Spool, data: bytes) -> tuple[int, int]:
+        got = real(self, data)
+        spilled.append(got[0])
+        return got
+
+    monkeypatch.setattr(ociimport, "SPOOL_MEMORY", 50_000)
+    monkeypatch.setattr(ociimport._Spool, "add", add)
+    other = open_store((tmp_path / "other").as_uri())
+    second = oci.import_image(str(tmp_path / "l"), as_ref="small@1", store=other.url)
+    assert -1 in spilled and -2 in spilled  # some in memory, the rest in the file
+    assert second.layers[0].content_digest == first.layers[0].content_digest
+    images.export_image("small@1", tmp_path / "tree", store=other.url)
+    assert _tree(tmp_path / "tree") == {**{m.name: ("reg", 0o644, m.data) for m in members},
+                                        "srv": ("dir", 0o755, b"")}
