@@ -21,9 +21,10 @@ import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -52,6 +53,32 @@ class WriteStats:
     new_bytes: int = 0  # compressed bytes written to new packs
     reused_chunks: int = 0
     packs_written: list[str] = field(default_factory=list)
+
+
+#: threads that upload (or, for a file store, fsync) writers' sealed packs, for the process
+UPLOAD_THREADS = 8
+_pools: dict[str, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _shared_pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """A pool for every writer of the process, made on first use: writers come and go (an
+    import makes one per layer), the threads stay, instead of each writer starting its own
+    and each of its first tasks waiting for a thread to start."""
+    with _pools_lock:
+        pool = _pools.get(name)
+        if pool is None:
+            pool = _pools[name] = ThreadPoolExecutor(workers, thread_name_prefix=f"dsec-{name}")
+        return pool
+
+
+def _forget_pools() -> None:
+    """In a forked child the pools' threads are gone: it starts pools of its own."""
+    global _pools, _pools_lock
+    _pools, _pools_lock = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
 
 
 class _Buffers:
@@ -129,7 +156,7 @@ class _Writer:
         #: nothing (left) to do
         self.idle: Callable[[], bool] | None = None
         self.pending: deque[tuple[list[_Job], bytearray, Future[_Encoded]]] = deque()
-        self.pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1)))
+        self.pool = _shared_pool("compress", max(1, (os.cpu_count() or 1)))
         self.window = 2 * max(1, (os.cpu_count() or 1)) + 2  # groups in flight
         self.group: list[_Job] = []
         #: the open group's chunks back to back, ``group_fill`` bytes of it: each chunk is
@@ -146,7 +173,7 @@ class _Writer:
         self.reused = 0
         self.written: list[str] = []
         self.uploads: list[Future[None]] = []
-        self.upload_pool = ThreadPoolExecutor(max_workers=4)
+        self.upload_pool = _shared_pool("upload", UPLOAD_THREADS)
         self.open_chunks: list[int] = []  # chunk numbers in the pack being written
         self.sha: dict[int, bytes] = {}
 
@@ -270,7 +297,6 @@ class _Writer:
 
     def finish(self) -> list[ChunkLoc]:
         self.seal_all()
-        self.pool.shutdown()
         self.publish()
         assert all(loc is not None for loc in self.locs)
         return self.locs  # type: ignore[return-value]
@@ -317,14 +343,14 @@ class _Writer:
         self.start_publish()
         for f in self.uploads:
             f.result()  # raise the first upload error
-        self.upload_pool.shutdown()
         self.published = True
 
     def abort(self) -> None:
-        for _, _, fut in self.pending:
+        mine: list[Future[Any]] = [fut for _, _, fut in self.pending]
+        mine += self.uploads
+        for fut in mine:
             fut.cancel()
-        self.pool.shutdown(cancel_futures=True)
-        self.upload_pool.shutdown(cancel_futures=True)
+        wait(mine)  # what already runs ends before the buffers and staging it reads go
         if self.pack is not None:
             self.pack.abort()
             self.pack = None
