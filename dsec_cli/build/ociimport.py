@@ -924,7 +924,7 @@ class _Run:
     """The layers of one wave being read: who needs each, what became of it, every writer
     (a pack of one layer may be named by another's index), the progress of the whole."""
 
-    def __init__(self, progress: _Progress) -> None:
+    def __init__(self, progress: _Progress, several: bool) -> None:
         self.lock = threading.Lock()
         self.progress, self.prog = progress
         self.needed_by: dict[str, list[_Plan]] = {}
@@ -940,7 +940,7 @@ class _Run:
         #: False while images are still being planned: until then a layer no image yet
         #: read wants may still be wanted by the next, so no read is stopped for that
         self.all_planned = False
-        self.several = False  # the wave has more than one image
+        self.several = several  # the wave has more than one image
 
     def plan(self, p: _Plan) -> None:
         """An image joins the run: its layers and bytes count in the totals."""
@@ -1001,8 +1001,7 @@ def _read_and_publish(store: Store, planned: list[Future[_Plan]],
     """Read the wave's missing layers, up to `RUN_LAYER_WORKERS` at once, each image's as
     soon as it is planned, while its images are published in source order, each as soon as
     its own layers are verified."""
-    r = _Run(progress)
-    r.several = len(planned) > 1
+    r = _Run(progress, several=len(planned) > 1)
     plans: list[_Plan] = []
     pool = ThreadPoolExecutor(RUN_LAYER_WORKERS, thread_name_prefix="oci-import")
     try:

@@ -247,17 +247,19 @@ def _add_cached(store: Store, index_digest: str, known: KnownChunks,
             _keep_read(index_digest, data)
             return
     index = load_index(store, index_digest)
-    known.add_table(_table_blob(index))  # validated: its table is whole
-    if cache_dir is not None:
-        cache_table(cache_dir, index_digest, index)
+    blob = (cache_table(cache_dir, index_digest, index) if cache_dir is not None
+            else _table_blob(index))
+    known.add_table(blob)  # validated: its table is whole
 
 
-def cache_table(cache_dir: Path, index_digest: str, index: LayerIndex) -> None:
+def cache_table(cache_dir: Path, index_digest: str, index: LayerIndex) -> bytes:
     """Keep the chunk table of an index read and validated here, or written here (a writer
-    that just stored an index saves the next `KnownChunks.load` from reading it again)."""
+    that just stored an index saves the next `KnownChunks.load` from reading it again);
+    returns the table in its cached form."""
     path = cache_dir / check_digest(index_digest)
     blob = _table_blob(index)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(blob)
     os.replace(tmp, path)
+    return blob

@@ -214,13 +214,16 @@ def test_sparse_and_plain_members_read_in_stream_order(env: dict[str, str],
         assert (tmp_path / "t" / name).read_bytes() == (src / name).read_bytes(), name
 
 
-def test_streamed_chunking_copies_what_it_keeps(tmp_path: Path) -> None:
+def test_streamed_chunking_copies_what_it_keeps(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The pieces a stream hands over are views its reader writes over afterwards (as the
     layer reader's pieces are let go): the chunks are those of the bytes as they were read,
     file after file through the one reused window."""
-    from dsec_cli.build.layer import _BUFFERS
+    from dsec_cli.build import layer
     from dsec_cli.core.digests import chunk_id
 
+    buffers = layer._Buffers(keep=8)
+    monkeypatch.setattr(layer, "_BUFFERS", buffers)
     params = ChunkParams()
     store = open_store(tmp_path.as_uri())
     w = _Writer(store, KnownChunks(), params, tmp_path, None, False)
@@ -243,8 +246,8 @@ def test_streamed_chunking_copies_what_it_keeps(tmp_path: Path) -> None:
             assert [ln for _, _, ln in got] == [ln for _, ln in whole]
             assert [w.ids[n] for n, _, _ in got] == [chunk_id(data[o:o + ln])
                                                      for o, ln in whole]
-        window = 16 * params.max_size
-        assert len(_BUFFERS.free.get(window, [])) >= 1  # given back, to be used again
+        # one window, taken for the first file, given back, taken again for the second
+        assert len(buffers.free[16 * params.max_size]) == 1
     finally:
         w.abort()
 
