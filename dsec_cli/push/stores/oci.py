@@ -26,13 +26,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from http.cookiejar import DefaultCookiePolicy
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlparse
 
 import oras.auth
 import oras.container
-import oras.provider
 import requests
 import urllib3
 
@@ -140,6 +140,19 @@ def _docker_config() -> dict[str, Any]:
     return {"auths": auths, "credsStore": store, "credHelpers": helpers}
 
 
+class _Client:
+    """What requests to a registry go through: one session, and oras's authentication
+    (docker config credentials, bearer tokens) sharing it. oras's own ``Registry`` client is
+    not made: only these two parts of it are used, and importing it costs a run about 30 ms
+    of schema validation machinery it never uses here."""
+
+    def __init__(self, insecure: bool) -> None:
+        self.session = requests.Session()
+        # no cookies: some registries take one being sent back as the sign of a browser
+        self.session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
+        self.auth = oras.auth.get_auth_backend("token", self.session, insecure)
+
+
 class OCIStore(Store):
     scheme: ClassVar[str] = "oci"
     preferred_read_size: ClassVar[int] = 8 << 20
@@ -150,7 +163,7 @@ class OCIStore(Store):
         self.repo = repo
         self.insecure = insecure
         self.base = f"{'http' if insecure else 'https'}://{host}/v2/{repo}"
-        self.reg = oras.provider.Registry(hostname=host, insecure=insecure)
+        self.reg = _Client(insecure)
         self.timeouts = net_timeouts()
         self.timeout = (self.timeouts.connect, self.timeouts.read)
         for prefix in ("http://", "https://"):
