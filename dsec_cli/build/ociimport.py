@@ -76,7 +76,7 @@ from .layer import (
     layer_manifest,
 )
 from .tarball import MAX_SPARSE_SIZE, scan_members
-from .tarhdr import tarinfo_class
+from .tarhdr import StreamTarFile, tarinfo_class
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +340,17 @@ class _Prefetch:
         self.pos += len(out)
         return out
 
+    def block(self, n: int) -> memoryview | None:
+        """The next ``n`` bytes as a view of the piece holding them, not taken; None where
+        they run past the piece (or the stream). `skip` takes them."""
+        if not self._fill() or len(self.buf) < n:
+            return None
+        return self.buf[:n]
+
+    def skip(self, n: int) -> None:
+        self.buf = self.buf[n:]
+        self.pos += n
+
     def tell(self) -> int:
         return self.pos
 
@@ -577,8 +588,8 @@ def stage_layer(store: Store, source: Source, desc: Descriptor, diff_id: str, *,
             try:
                 plain.f = _decompressed(head)
                 ahead = _Prefetch(plain, thread=not lean)
-                with tarfile.open(fileobj=ahead, mode="r:",  # type: ignore[call-overload]
-                                  tarinfo=tarinfo_class()) as tf:
+                with StreamTarFile.open(fileobj=ahead, mode="r:",  # type: ignore[call-overload]
+                                        tarinfo=tarinfo_class()) as tf:
                     entries = _scan_layer(tf, ahead, label, w, params, spool)
                 ahead.drain()  # the end-of-archive padding is part of the diff_id
                 head.drain()

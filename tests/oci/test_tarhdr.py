@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from dsec_cli.api import images, oci
-from dsec_cli.build import tarhdr
+from dsec_cli.build import ociimport, tarhdr
 from tests.cext import build_and_load
 
 from .helpers import Image, base_image, device, directory, file, hardlink, symlink, write_layout
@@ -82,6 +82,13 @@ def _tarballs() -> dict[str, bytes]:
         tf.addfile(_info(tarfile.TarInfo(), "v7dir/", type=tarfile.AREGTYPE))
         tf.addfile(_info(tarfile.TarInfo(), "p" * 90 + "/" + "q" * 90))
     out["v7-prefix"] = buf.getvalue()
+    # a global pax header in force for the members after it
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT,
+                      pax_headers={"mtime": "1700000000.5", "uid": "77"}) as tf:
+        tf.addfile(_info(tarfile.TarInfo(), "g/file", size=3), io.BytesIO(b"abc"))
+        tf.addfile(_info(tarfile.TarInfo(), "g/dir", type=tarfile.DIRTYPE))
+    out["pax-global"] = buf.getvalue()
     return out
 
 
@@ -91,8 +98,29 @@ def _members(data: bytes, cls: type[tarfile.TarInfo]) -> list[Any]:
                  m.path) for m in tf]
 
 
-def _outcome(data: bytes, cls: type[tarfile.TarInfo]) -> Any:
+def _stream_members(data: bytes, piece: int, read_data: bool) -> list[Any]:
+    """Members as `StreamTarFile` reads them from a layer stream cut into ``piece``-byte
+    pieces (headers and data then straddle pieces), each member's data read or skipped."""
+    ahead = ociimport._Prefetch(io.BytesIO(data), thread=False)
+    ahead.PIECE = piece
+    out = []
+    with tarhdr.StreamTarFile.open(fileobj=ahead, mode="r:",  # type: ignore[call-overload]
+                                   tarinfo=tarhdr.tarinfo_class()) as tf:
+        for m in tf:
+            out.append((m.get_info(), m.chksum, m.offset, m.offset_data, m.pax_headers,
+                        m.sparse, m.path))
+            if read_data and m.isreg() and not m.sparse and m.size:
+                ahead.seek(m.offset_data)
+                assert len(ahead.read(m.size)) == m.size
+    return out
+
+
+def _outcome(data: bytes, cls: type[tarfile.TarInfo] | None,
+             piece: int = 1 << 20) -> Any:
+    """The members, or the error's type; ``cls`` None reads through `StreamTarFile`."""
     try:
+        if cls is None:
+            return _stream_members(data, piece, False)
         return _members(data, cls)
     except (tarfile.TarError, UnicodeError) as e:
         return type(e).__name__
@@ -107,6 +135,53 @@ def test_members_read_as_tarfile_reads_them(name: str, ctarhdr: ModuleType,
     assert tarhdr.tarinfo_class() is not tarfile.TarInfo
     assert fast == _members(data, tarfile.TarInfo)
     assert len(fast) >= 2
+
+
+@pytest.mark.parametrize("name", list(_tarballs()))
+def test_stream_reads_members_as_tarfile_reads_them(name: str, ctarhdr: ModuleType,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`StreamTarFile` (plain members in one step, the rest through tarfile) gives
+    tarfile's members and offsets, whether a header lies in one piece of the stream or
+    across two, and whether each member's data is read or skipped."""
+    data = _tarballs()[name]
+    _use(monkeypatch, ctarhdr)
+    want = _members(data, tarfile.TarInfo)
+    for piece in (1 << 20, 700, 512, 1000):
+        for read_data in (False, True):
+            assert _stream_members(data, piece, read_data) == want, (piece, read_data)
+    _use(monkeypatch, None)  # without the compiled decoder: tarfile's next for all
+    assert _stream_members(data, 700, True) == want
+
+
+def test_stream_takes_plain_members_in_one_step(ctarhdr: ModuleType,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain members do not go through tarfile's own next; a global pax header sends every
+    member after it there."""
+    _use(monkeypatch, ctarhdr)
+    calls = []
+    real = tarfile.TarFile.next
+
+    def counted(self: tarfile.TarFile) -> tarfile.TarInfo | None:
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(tarfile.TarFile, "next", counted)
+    assert len(_stream_members(_tarballs()["ustar"], 1 << 20, True)) == 14
+    assert len(calls) <= 2  # the first member (opening reads it) and the end
+    calls.clear()
+    assert len(_stream_members(_tarballs()["pax-global"], 1 << 20, True)) == 2
+    assert len(calls) >= 3
+
+
+def test_stream_cut_short_fails_as_tarfile_fails(ctarhdr: ModuleType,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An archive cut anywhere (in a header, in a member's data) gives tarfile's members,
+    or its error."""
+    _use(monkeypatch, ctarhdr)
+    data = _tarballs()["gnu"]
+    for end in range(0, len(data), 97):
+        cut = data[:end]
+        assert _outcome(cut, None, 700) == _outcome(cut, tarfile.TarInfo), end
 
 
 def test_sparse_members_read_as_tarfile_reads_them(tmp_path: Path, ctarhdr: ModuleType,
@@ -152,6 +227,7 @@ def test_damaged_headers_fail_as_tarfile_fails(ctarhdr: ModuleType,
             data[block + 148:block + 156] = b"%06o\x00 " % (sum(head) & 0o777777)
         got = _outcome(bytes(data), tarhdr.tarinfo_class())
         assert got == _outcome(bytes(data), tarfile.TarInfo), (n, block, start)
+        assert _outcome(bytes(data), None, 700) == got, (n, block, start)
 
 
 @pytest.mark.parametrize("members", [
