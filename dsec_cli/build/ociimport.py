@@ -336,8 +336,7 @@ class _Prefetch:
         if not self._fill():
             return b""
         out = self.buf[:n]
-        self.buf = self.buf[len(out):]
-        self.pos += len(out)
+        self.skip(len(out))
         return out
 
     def block(self, n: int) -> memoryview | None:
@@ -348,6 +347,7 @@ class _Prefetch:
         return self.buf[:n]
 
     def skip(self, n: int) -> None:
+        """Take ``n`` bytes the current piece holds."""
         self.buf = self.buf[n:]
         self.pos += n
 
