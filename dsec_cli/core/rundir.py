@@ -8,7 +8,8 @@ away and put their own in its place), the check OpenSSH makes of its key files' 
 directory that is missing is created 0700; one that fails the check is refused, never
 repaired: a planted directory may already hold the planter's sockets.
 
-Where runtime dirs live (`runtime_dir`): root's under ``/run/dsec``; another user's under
+Where runtime dirs live (`runtime_dir`): under ``$DSEC_RUNTIME_DIR`` when set (it must pass
+the same check); else root's under ``/run/dsec``; another user's under
 ``$XDG_RUNTIME_DIR`` when that passes the same check (under ``sudo -E`` or ``su`` it is
 another user's, and is passed over), else under ``/tmp/dsec-<uid>``.
 """
@@ -110,6 +111,11 @@ def _xdg_runtime() -> Path | None:
 
 def runtime_root() -> Path:
     """The effective user's private runtime directory (created on first use)."""
+    override = os.environ.get("DSEC_RUNTIME_DIR")
+    if override:
+        if not os.path.isabs(override):
+            raise ConfigError(f"$DSEC_RUNTIME_DIR: {override!r} must be an absolute path")
+        return private_dir(override)
     if os.geteuid() == 0:
         return private_dir(ROOT_RUNTIME)
     xdg = _xdg_runtime()
