@@ -19,7 +19,7 @@ import pytest
 
 from dsec_cli.backends import _cgroups
 from dsec_cli.backends.vm import vmpark
-from dsec_cli.backends.vm.qemu import _find_qemu, _proc_start
+from dsec_cli.backends.vm.qemu import _default_state, _find_qemu, _proc_start
 from dsec_cli.core.errors import UsageError
 from dsec_cli.run.node import CreateOptions, Node
 from dsec_cli.run.state import SandboxRecord
@@ -174,7 +174,7 @@ def test_rm_of_a_parked_vm_leaves_nothing(node: Node, vm: SandboxRecord) -> None
         node.snapshot(vm.id, "parked-snap@1")
     node.remove(vm.id)
     assert not sdir(node, vm).exists() and _find_qemu(vm.id) is None
-    assert not Path(f"/tmp/dsec-vm-{vm.id}").exists()
+    assert not Path(_default_state(vm.id, None)["run_dir"]).exists()
     assert vm.id not in _cgroups.children(node.cgroup_parent)
     assert node.db.get(vm.id) is None
 

@@ -31,14 +31,23 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ...core.config import env, load_config
-from ...core.errors import BackendError, SandboxError, UsageError
+from ...core.errors import BackendError, ConfigError, SandboxError, UsageError
+from ...core.rundir import (
+    check_private,
+    open_beneath,
+    private_dir,
+    runtime_dir,
+    socket_is_ours,
+)
 from .. import _cgroups, egress
 from ..agented import AgentBackend
 from ..base import (
     BackendContext,
     ExecRequest,
     ExecResult,
+    Limits,
     OutputCallback,
+    RootfsSpec,
     SandboxHandle,
     SandboxSpec,
 )
@@ -59,6 +68,8 @@ AGENT_RETRY = 10.0
 RESTORED_RETRY = 1.0
 BOOT_TIMEOUT = 180.0  # TCG on a loaded 2-core host boots in tens of seconds
 CONNECT_TIMEOUT = 60.0  # waiting for another process to release the agent connection
+#: the longest path a unix socket can be bound at (sun_path holds 108 bytes with its NUL)
+SOCKET_PATH_MAX = 107
 
 
 def _host_tsc_khz() -> int | None:
@@ -250,19 +261,22 @@ class QemuBackend(AgentBackend):
     def _state(self, spec: SandboxSpec) -> dict[str, Any]:
         return {**_default_state(spec.sandbox_id, str(spec.state_dir)), "machine": self.name,
                 "env": dict(spec.env), "workdir": spec.workdir, "network": spec.network,
-                "cgroup": f"{self.cgroup_parent}/{spec.sandbox_id}"}
+                "cgroup": f"{self.cgroup_parent}/{spec.sandbox_id}",
+                "guest": guest_shape(spec.limits, spec.hostname)}
 
     def _parts(self, spec: SandboxSpec) -> tuple[Kernel, Path, Path]:
         kernel = self._kernel()
+        root = vmimage.root_image(spec.rootfs.lower_dirs, spec.image_digest,
+                                  self.vm_dir / "images")
+        return kernel, self._initramfs_file(kernel), root
+
+    def _initramfs_file(self, kernel: Kernel) -> Path:
         # found once per backend (finding it walks the kernel's module tree: ~0.1 s), like
         # the kernel; made again if node gc removed it
         if self._initramfs is None or not self._initramfs.is_file():
             self._initramfs = build_initramfs(kernel, self.vm_dir / "initramfs",
                                               agent=agent_binary())
-        initramfs = self._initramfs
-        root = vmimage.root_image(spec.rootfs.lower_dirs, spec.image_digest,
-                                  self.vm_dir / "images")
-        return kernel, initramfs, root
+        return self._initramfs
 
     def _launch(self, spec: SandboxSpec, st: dict[str, Any], argv: list[str],
                 pass_fds: tuple[int, ...] = ()) -> None:
@@ -294,7 +308,7 @@ class QemuBackend(AgentBackend):
         handle = SandboxHandle(spec.sandbox_id, self.name, st)
         try:
             sdir.mkdir(parents=True, exist_ok=True)
-            Path(st["run_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_run_dir(st)
             kernel, initramfs, root = self._parts(spec)
             disk = vmimage.writable_disk(Path(st["disk"]), spec.limits.disk)
             acc = self.acceleration(kernel)
@@ -362,7 +376,7 @@ class QemuBackend(AgentBackend):
         handle = SandboxHandle(spec.sandbox_id, self.name, st)
         try:
             sdir.mkdir(parents=True, exist_ok=True)
-            Path(st["run_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_run_dir(st)
             vmsnap.copy_disk(tdir / "disk.ext4", Path(st["disk"]))
             st["root_image"] = str(self._parts(spec)[2])
             argv = self.restore_argv(spec, st)
@@ -395,10 +409,31 @@ class QemuBackend(AgentBackend):
     def restore_argv(self, spec: SandboxSpec, st: dict[str, Any]) -> list[str]:
         """QEMU's command line for restoring a template for ``spec`` (add the ``-incoming``
         argument); sets ``st["accel"]``."""
-        kernel, initramfs, root = self._parts(spec)
+        kernel, _, root = self._parts(spec)
         st["accel"] = self.acceleration(kernel)["accel"]
-        argv = self._argv(spec, st, kernel, initramfs, root, Path(st["disk"]), snap=True)
-        if self.restore_without_kernel:
+        return self._guest_argv(spec, st, root, restored=True)
+
+    def parked_argv(self, sid: str, st: dict[str, Any]) -> list[str]:
+        """QEMU's command line for a guest parked to a state file (add ``-S -incoming``):
+        the one its create ran, built again from its handle state (guest shape, network,
+        accelerator, root image, whether it was restored) with this node's QEMU, kernel and
+        paths. No command line is ever saved or taken from a state file."""
+        g = st.get("guest") or {}
+        spec = SandboxSpec(sandbox_id=sid, rootfs=RootfsSpec((), Path(), Path()),
+                           state_dir=Path(st["state_dir"]), network=st.get("network", "none"),
+                           limits=Limits(cpus=g.get("cpus"), memory=g.get("memory"),
+                                         pids=g.get("pids")),
+                           hostname=g.get("hostname") or "sandbox")
+        return self._guest_argv(spec, st, Path(st["root_image"]), bool(st.get("restored")))
+
+    def _guest_argv(self, spec: SandboxSpec, st: dict[str, Any], root: Path,
+                    restored: bool) -> list[str]:
+        """The command line of a guest restored from a saved boot (``restored``) or of one
+        booted cold; either way without ``-incoming``."""
+        kernel = self._kernel()
+        argv = self._argv(spec, st, kernel, self._initramfs_file(kernel), root,
+                          Path(st["disk"]), snap=restored)
+        if restored and self.restore_without_kernel:
             argv = _without(argv, ("-kernel", "-initrd", "-append"))
         return argv
 
@@ -454,6 +489,10 @@ class QemuBackend(AgentBackend):
         """One connection and one ping (or ``first``): the client if the agent answered
         within `wait`."""
         deadline = time.monotonic() + max(wait, 0.1)
+        if not socket_is_ours(handle.state["agent_sock"]):
+            raise SandboxError(f"the agent socket of sandbox {handle.sandbox_id} "
+                               f"({handle.state['agent_sock']}) is not one this user made in "
+                               "a private directory: not connecting to it")
         try:
             # the host end of the guest's virtio-serial port: only QEMU itself may serve it
             client = AgentClient.connect_unix(
@@ -520,10 +559,7 @@ class QemuBackend(AgentBackend):
         self._drop_client(handle.sandbox_id)
         pid = st.get("pid")
         if pid is None:  # QEMU may have started before the handle was saved
-            try:
-                pid = int(Path(st["pidfile"]).read_text().strip())
-            except (OSError, ValueError):
-                pid = _find_qemu(handle.sandbox_id)
+            pid = _read_pidfile(st) or _find_qemu(handle.sandbox_id)
         elif vmpark.saved(handle) and not self._is_our_qemu(handle, pid):
             pid = _find_qemu(handle.sandbox_id)  # a thaw killed before its row was written
         if pid and self._is_our_qemu(handle, pid):
@@ -541,7 +577,7 @@ class QemuBackend(AgentBackend):
             subprocess.run(["umount", "-l", mnt], capture_output=True)
         if st.get("cgroup"):
             _cgroups.Cgroup(st["cgroup"]).remove()
-        shutil.rmtree(st["run_dir"], ignore_errors=True)
+        remove_run_dir(st["run_dir"])
         if st.get("disk"):
             Path(st["disk"]).unlink(missing_ok=True)
         if st.get("state_dir"):
@@ -583,9 +619,9 @@ class QemuBackend(AgentBackend):
         return vmpark.thaw(self, handle, commit, cpu_class)
 
     def moved_state(self, old: dict[str, Any], sid: str, sdir: Path, root: Path,
-                    cgroup: str) -> dict[str, Any]:
+                    cgroup: str, limits: Limits) -> dict[str, Any]:
         """The handle state of a parked guest moved here from another node."""
-        return vmpark.moved_state(self, old, sid, sdir, root, cgroup)
+        return vmpark.moved_state(self, old, sid, sdir, root, cgroup, limits)
 
     def pause(self, handle: SandboxHandle) -> None:
         self._require_alive(handle)
@@ -675,11 +711,20 @@ class VMBackend(QemuBackend):
     net_dev: ClassVar[str] = "virtio-net-pci"
 
 
+def guest_shape(limits: Limits, hostname: str = "sandbox") -> dict[str, Any]:
+    """What of a guest's spec its QEMU command line holds besides paths (its CPUs, memory,
+    pids limit, hostname), kept in its handle state so a parked guest's command line is
+    built again (`QemuBackend.parked_argv`)."""
+    return {"cpus": limits.cpus, "memory": limits.memory, "pids": limits.pids,
+            "hostname": _safe_hostname(hostname)}
+
+
 def _default_state(sid: str, state_dir: str | None) -> dict[str, Any]:
     """Where a sandbox's files are, derived from its id and state dir alone: what destroy
-    needs when a crash left no saved handle."""
-    # unix socket paths are limited to 108 bytes: keep them short, in a private dir
-    run = Path("/tmp") / f"dsec-vm-{sid}"
+    needs when a crash left no saved handle. The run dir (QMP and agent sockets, pidfile)
+    is ``<runtime dir>/vm/<id>`` (core/rundir.py): private to this user, short enough for
+    unix socket paths, and the same for the id whatever process asks."""
+    run = runtime_dir("vm") / sid
     st: dict[str, Any] = {"run_dir": str(run), "pidfile": str(run / "qemu.pid"),
                           "qmp": str(run / "qmp.sock"), "agent_sock": str(run / "agent.sock")}
     if state_dir:
@@ -687,6 +732,42 @@ def _default_state(sid: str, state_dir: str | None) -> dict[str, Any]:
         st.update(state_dir=str(sdir), console=str(sdir / "console.log"),
                   disk=str(sdir / "disk.ext4"), snap_mount=str(sdir / "snap-mnt"))
     return st
+
+
+def make_run_dir(st: dict[str, Any]) -> Path:
+    """The sandbox's run dir, created private (0700, ours): one that is already there and
+    another user made or may enter is refused, never used (its sockets may be theirs, and
+    QEMU writes its pidfile as root)."""
+    for key in ("qmp", "agent_sock"):
+        if len(os.fsencode(st[key])) > SOCKET_PATH_MAX:
+            raise ConfigError(f"the socket path {st[key]} is longer than {SOCKET_PATH_MAX} "
+                              "bytes, the most a unix socket takes",
+                              hint="set DSEC_RUNTIME_DIR to a shorter directory")
+    return private_dir(st["run_dir"])
+
+
+def _read_pidfile(st: dict[str, Any]) -> int | None:
+    """The pid QEMU wrote, read only from a run dir of ours."""
+    try:
+        check_private(st["run_dir"])
+        fd = open_beneath(st["run_dir"], os.path.basename(st["pidfile"]),
+                          os.O_RDONLY | os.O_NONBLOCK)
+    except (OSError, ConfigError):
+        return None
+    with os.fdopen(fd) as f:
+        try:
+            return int(f.read(32).strip())
+        except (OSError, ValueError):
+            return None
+
+
+def remove_run_dir(run_dir: str) -> None:
+    """Remove a run dir that is ours; one another user made is left to them."""
+    try:
+        check_private(run_dir)
+    except ConfigError:
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 TEMPLATE_SUFFIX = "-tpl"

@@ -10,6 +10,7 @@ import socket
 from typing import Any
 
 from ...core.errors import SandboxError
+from ...core.rundir import socket_is_ours
 
 
 class QMPError(SandboxError):
@@ -18,7 +19,11 @@ class QMPError(SandboxError):
 
 def qmp(path: str, command: str, arguments: dict[str, Any] | None = None,
         timeout: float = 10.0) -> Any:
-    """Run `command` on the QMP socket at `path` and return its ``return`` value."""
+    """Run `command` on the QMP socket at `path` and return its ``return`` value. Only a
+    socket this user made in a private directory is connected to (core/rundir.py)."""
+    if not socket_is_ours(path):
+        raise QMPError(f"QMP {command}: {path} is not a socket this user made in a private "
+                       "directory: not connecting to it")
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)

@@ -7,10 +7,12 @@ Files in the sandbox's state dir:
 
 - ``park.state``: QEMU's migration stream of the stopped guest, complete (written as
   ``park.state.tmp``, fsynced, renamed). While it exists the sandbox is parked to it.
-- ``park.json``: the QEMU command line the guest ran under (what thaw starts again, written
-  before the state file is renamed into place).
 - ``park.lock``: held (flock) by a park or thaw in progress; `recover` skips a sandbox whose
   lock is held, so a `dsec ps` beside a thaw never interferes with it.
+
+No command line is saved: thaw builds QEMU's from the sandbox's handle state with the code
+that built it at create (`QemuBackend.parked_argv`), here and on a node the guest moved to
+(`moved_state`), so a state file is only ever data QEMU loads, never options it is given.
 
 Crash safety (what `recover`, run by node reconcile, relies on):
 
@@ -27,7 +29,6 @@ Crash safety (what `recover`, run by node reconcile, relies on):
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import subprocess
 import time
@@ -36,10 +37,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...core.errors import BackendError, SandboxError
+from ...core.errors import BackendError, SandboxError, UsageError
 from ...core.files import fsync_path
 from .. import _cgroups, egress
-from ..base import SandboxHandle
+from ..base import Limits, SandboxHandle
 from . import vmsnap
 from .qemu_qmp import QMPError, qmp
 
@@ -88,23 +89,6 @@ def rss(pid: int) -> int:
     return 0
 
 
-def _argv_of(pid: int) -> list[str]:
-    """The command line QEMU runs under, without a restore's ``-incoming`` (a sandbox made
-    by snapshot boot was started from its template's stream)."""
-    raw = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
-    argv = [a.decode() for a in raw]
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in ("-incoming", "-S"):
-            skip = a == "-incoming"
-        else:
-            out.append(a)
-    return out
-
-
 def park(b: QemuBackend, handle: SandboxHandle) -> dict[str, Any]:
     """Save the running guest to ``park.state`` and end its QEMU. Returns the figures:
     QEMU's resident bytes before, the state file's size. On failure the guest runs on."""
@@ -113,14 +97,8 @@ def park(b: QemuBackend, handle: SandboxHandle) -> dict[str, Any]:
     with _lock(handle):
         b._require_alive(handle)
         pid = int(st["pid"])
-        argv = _argv_of(pid)
         before = rss(pid)
         tmp, final = sdir / (STATE + ".tmp"), sdir / STATE
-        meta = sdir / ARGV
-        meta_tmp = sdir / (ARGV + ".tmp")
-        meta_tmp.write_text(json.dumps({"argv": argv}))
-        fsync_path(meta_tmp)  # on disk before the state file it goes with
-        os.replace(meta_tmp, meta)
         # the guest's agent port must not hold a connection when it is saved: after the
         # thaw the host end is a fresh socket (as for a snapshot boot's template)
         b._drop_client(handle.sandbox_id)
@@ -199,13 +177,15 @@ def thaw(b: QemuBackend, handle: SandboxHandle, commit: Callable[[dict[str, Any]
                                                        f"{handle.sandbox_id}`")
             qmp(st["qmp"], "cont")
             return st
-        argv = json.loads((sdir / ARGV).read_text())["argv"]
-        if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
-            raise BackendError(f"{sdir / ARGV} is not a QEMU command line")
-        new = SandboxHandle(handle.sandbox_id, handle.backend, st)
-        Path(st["run_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
+        from .qemu import _default_state, make_run_dir
+
+        # the run dir is this node's, wherever an older handle had it
+        st.update(_default_state(handle.sandbox_id, None))
+        run = make_run_dir(st)
         for name in ("qmp", "agent_sock", "pidfile"):
-            Path(st[name]).unlink(missing_ok=True)
+            (run / os.path.basename(st[name])).unlink(missing_ok=True)
+        argv = b.parked_argv(handle.sandbox_id, st)
+        new = SandboxHandle(handle.sandbox_id, handle.backend, st)
         if st.get("network") == "allowlist":  # back into its namespace, behind its filter
             argv = [*egress.netns_argv(handle.sandbox_id), *argv]
         try:
@@ -220,7 +200,7 @@ def thaw(b: QemuBackend, handle: SandboxHandle, commit: Callable[[dict[str, Any]
             raise
         final.unlink()
         fsync_path(sdir)
-        (sdir / ARGV).unlink(missing_ok=True)
+        (sdir / ARGV).unlink(missing_ok=True)  # left by an older dsec's park
         qmp(st["qmp"], "cont")
         from .qemu import RESTORED_RETRY
 
@@ -279,37 +259,79 @@ def recover(b: QemuBackend, handle: SandboxHandle) -> str | None:
         return done
 
 
-def moved_state(b: QemuBackend, old: dict[str, Any], sid: str, sdir: Path, root: Path,
-                cgroup: str) -> dict[str, Any]:
-    """A parked guest whose files were moved into ``sdir`` on this node (run/migrate.py):
-    its handle state and its saved command line pointed at this node's paths, with this
-    node's QEMU, kernel and initramfs."""
-    from ..sandbox_agent import agent_binary
-    from .qemu import _default_state
-    from .vmkernel import boot_image, build_initramfs
+#: the handle keys a moved parked guest may bring (see `moved_state`)
+MOVED_KEYS = frozenset({"run_dir", "pidfile", "qmp", "agent_sock", "state_dir", "console",
+                        "disk", "snap_mount", "machine", "env", "workdir", "network",
+                        "cgroup", "accel", "root_image", "pid", "start_time", "restored",
+                        "guest", "user"})
+#: bounds on the guest environment a moved sandbox brings
+MOVED_ENV_VARS = 4096
+MOVED_TEXT = 64 << 10
 
-    argv = json.loads((sdir / ARGV).read_text()).get("argv")
-    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
-        raise BackendError(f"{sdir / ARGV} is not a QEMU command line")
-    old_dir, old_root = str(old.get("state_dir", "")), str(old.get("root_image", ""))
-    if not old_dir or not old_root:
-        raise BackendError("the moved sandbox's state names no state dir or root image")
-    kernel = b._kernel()
-    paths = {"-kernel": str(boot_image(kernel, b.vm_dir / "kernel")),
-             "-initrd": str(build_initramfs(kernel, b.vm_dir / "initramfs",
-                                            agent=agent_binary()))}
-    out = [b._qemu_binary()]
-    for prev, a in zip(argv, argv[1:], strict=False):
-        if prev in paths:
-            out.append(paths[prev])
-        else:
-            out.append(a.replace(old_root, str(root)).replace(old_dir + "/", f"{sdir}/"))
-    (sdir / ARGV).write_text(json.dumps({"argv": out}))
-    state = {**old, **_default_state(sid, str(sdir)), "cgroup": cgroup,
-             "root_image": str(root)}
-    state.pop("pid", None)
-    state.pop("start_time", None)
+
+def moved_state(b: QemuBackend, old: dict[str, Any], sid: str, sdir: Path, root: Path,
+                cgroup: str, limits: Limits) -> dict[str, Any]:
+    """The handle state of a parked guest whose files were moved into ``sdir`` on this node
+    (run/migrate.py). Every path, the accelerator and the guest's shape are this node's own
+    (``limits`` are the moved record's, checked as a create's options are); of what the
+    source node sent only plain data is kept, checked: the guest's environment, working
+    dir and user, and whether it was restored from a saved boot (which devices it has)."""
+    from .qemu import _default_state, guest_shape
+
+    what = f"the moved sandbox {sid}'s handle"
+    unknown = sorted(str(k) for k in old if k not in MOVED_KEYS)
+    if unknown:
+        raise UsageError(f"{what} has unknown keys: {', '.join(unknown)[:200]}")
+    if old.get("machine") != b.name:
+        raise UsageError(f"{what} is of a {str(old.get('machine'))[:40]!r} guest, not "
+                         f"{b.name}")
+    network = old.get("network", "none")
+    if network not in ("none", "host"):
+        raise UsageError(f"{what}: network {str(network)[:40]!r} cannot move (none or host)")
+    state: dict[str, Any] = {
+        **_default_state(sid, str(sdir)), "machine": b.name, "cgroup": cgroup,
+        "root_image": str(root), "network": network, "accel": b.acceleration()["accel"],
+        "env": _moved_env(old.get("env", {}), what),
+        "workdir": _moved_workdir(old.get("workdir", "/"), what),
+        "guest": guest_shape(limits)}
+    restored = old.get("restored")
+    if restored:
+        if not isinstance(restored, str | bool):
+            raise UsageError(f"{what}: restored must be a template key")
+        state["restored"] = True
+    user = old.get("user")
+    if user is not None:
+        state["user"] = _moved_user(user, what)
     return state
+
+
+def _moved_env(env: Any, what: str) -> dict[str, str]:
+    if not isinstance(env, dict) or len(env) > MOVED_ENV_VARS or not all(
+            isinstance(k, str) and isinstance(v, str) and 0 < len(k) <= MOVED_TEXT
+            and len(v) <= MOVED_TEXT and "=" not in k and "\0" not in k + v
+            for k, v in env.items()):
+        raise UsageError(f"{what}: env must map at most {MOVED_ENV_VARS} names to strings "
+                         f"(each under {MOVED_TEXT} characters, no NUL)")
+    return dict(env)
+
+
+def _moved_workdir(workdir: Any, what: str) -> str:
+    if not isinstance(workdir, str) or not workdir.startswith("/") or \
+            len(workdir) > 4096 or "\0" in workdir:
+        raise UsageError(f"{what}: workdir {str(workdir)[:60]!r} is not an absolute path")
+    return workdir
+
+
+def _moved_user(user: Any, what: str) -> dict[str, Any]:
+    def uid(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 32
+
+    groups = user.get("groups") if isinstance(user, dict) else None
+    if not (isinstance(user, dict) and set(user) == {"uid", "gid", "groups"}
+            and uid(user["uid"]) and uid(user["gid"]) and isinstance(groups, list)
+            and len(groups) <= 1024 and all(uid(g) for g in groups)):
+        raise UsageError(f"{what}: user must be {{uid, gid, groups}} of numeric ids")
+    return {"uid": user["uid"], "gid": user["gid"], "groups": list(groups)}
 
 
 def remove_files(sdir: Path) -> None:
