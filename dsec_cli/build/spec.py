@@ -85,16 +85,12 @@ class _Doc:
         return SpecError(msg, path=str(self.path), line=line)
 
     def load(self) -> yaml.MappingNode:
-        try:
-            text = self.path.read_text()
-        except OSError as e:
-            raise SpecError(f"cannot read spec: {e.strerror}", path=str(self.path)) from e
-        try:
-            node = yaml.compose(text, Loader=yaml.SafeLoader)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            raise SpecError(f"not valid YAML: {getattr(e, 'problem', e)}", path=str(self.path),
-                            line=mark.line + 1 if mark else None) from e
+        from ..core import yamlfile
+
+        def fail(message: str, line: int | None) -> SpecError:
+            return SpecError(message, path=str(self.path), line=line)
+
+        node = yamlfile.compose(self.path, fail)
         if not isinstance(node, yaml.MappingNode):
             raise self.err(node, "a spec must be a mapping with `layer:` or `image:`")
         return node

@@ -81,15 +81,22 @@ def user_config_file() -> Path:
     return Path(user_config_path())
 
 
+def read_config_file(path: Path) -> Any:
+    """A config file's document (None when empty), read by the one bounded YAML loader;
+    a file that is not valid UTF-8 or YAML, or is too large or too deep, is a `ConfigError`
+    naming it (and the line where known)."""
+    from .yamlfile import load
+
+    def fail(message: str, line: int | None) -> ConfigError:
+        return ConfigError(f"{path}:{line}: {message}" if line else f"{path}: {message}")
+
+    return load(path, fail)
+
+
 def _apply_file(cfg: Config, path: Path) -> None:
     if not path.is_file():
         return
-    import yaml  # only when a config file exists: commands start without it otherwise
-
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    data = read_config_file(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     for key, value in data.items():
@@ -125,7 +132,9 @@ def save_user_config(updates: dict[str, Any]) -> Path:
     path = user_config_file()
     data: dict[str, Any] = {}
     if path.is_file():
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_config_file(path) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
     data.update(updates)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

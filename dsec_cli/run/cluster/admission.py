@@ -36,10 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ...backends import _rootfs
-from ...core.config import parse_size
+from ...core.config import parse_size, read_config_file
 from ...core.errors import ConfigError
 from ...core.sqlite import immediate, thread_connection
 from ..density import resident_total
@@ -97,10 +95,7 @@ def load_capacity(state_dir: Path) -> Capacity:
     cap = Capacity(sandboxes=max(1, mem // (10 << 20)), cpus=cpus, memory=mem)
     path = state_dir / "capacity.yaml"
     if path.is_file():
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        data = read_config_file(path) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping")
         for key, value in data.items():
