@@ -181,24 +181,26 @@ def build(paths: Sequence[str | Path] | None = None, store: str | Store | None =
     already names raises `RefConflictError` (exit 2, both digests named) unless ``replace``
     is given; an unchanged rebuild is a cache hit. ``chunk_sha256`` adds a sha256 per chunk
     to new layers, for stores shared across trust domains (docs/format.md)."""
+    from ..core import validate
     from ..push.lease import WriterLease
+    from ..push.stores import default_store_url
 
+    if not isinstance(store, Store):  # the URL checked first, then the specs, then opened
+        store = default_store_url() if store is None else validate.store_url(store)
+    # the specs before the store: a bad one stops the build before anything is opened
+    specs = [load_spec(p) for p in find_specs([Path(p) for p in paths or ["layerspecs"]])]
     st = store if isinstance(store, Store) else open_store(store)
     # a build reuses chunks of packs the store holds: the lease keeps store gc from
     # deleting them until its refs are written (docs/stores.md, "gc protocol")
     with WriterLease(st, "build"):
-        return _build([Path(p) for p in paths] if paths else None, st, force=force,
-                      progress=progress, on_log=on_log, chunk_sha256=chunk_sha256,
-                      replace=replace)
+        return _build(specs, st, force=force, progress=progress, on_log=on_log,
+                      chunk_sha256=chunk_sha256, replace=replace)
 
 
-def _build(paths: list[Path] | None = None, store: str | Store | None = None, *,
-           force: bool = False, progress: Progress | None = None,
-           on_log: Callable[[str], None] | None = None,
+def _build(specs: list[Spec], st: Store, *, force: bool = False,
+           progress: Progress | None = None, on_log: Callable[[str], None] | None = None,
            chunk_sha256: bool = False, replace: bool = False) -> BuildReport:
     cfg = load_config()
-    st = store if isinstance(store, Store) else open_store(store)
-    specs = [load_spec(p) for p in find_specs(paths or [Path("layerspecs")])]
     report = BuildReport(store=st.url)
     _import_oci_deps(specs, st, report)
     order = _order(specs, st)

@@ -145,6 +145,10 @@ def save_user_config(updates: dict[str, Any]) -> Path:
 
 def parse_size(text: str, what: str = "size") -> int:
     """'512M', '2G', '1024' -> bytes."""
+    return int(_size(text, what))
+
+
+def _size(text: str, what: str) -> float:
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
     num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
@@ -156,7 +160,7 @@ def parse_size(text: str, what: str = "size") -> int:
         raise ConfigError(f"invalid {what} {text!r}: must be a finite size of at most 1E")
     if value < 0:
         raise ConfigError(f"invalid {what} {text!r}: must not be negative")
-    return int(value)
+    return value
 
 
 def parse_duration(text: str, what: str = "duration") -> float:
@@ -244,6 +248,20 @@ _LIMIT_NAMES = tuple(f.name for f in fields(StoreLimits))
 _limits_cache: dict[tuple[str | None, ...], StoreLimits] = {}
 
 
+def _limit(text: str, what: str, where: str = "") -> int:
+    """A store limit: a whole number of at least 1 (bytes or a count; K, M, G, T suffixes),
+    at most 1E. A limit of 0 or a fraction would make every object look broken, so it is
+    refused like any malformed value, naming the key or variable and the value."""
+    try:
+        value = _size(text, what)
+    except ConfigError as e:
+        raise ConfigError(where + e.message) from None
+    if value < 1 or not value.is_integer():
+        raise ConfigError(f"{where}invalid {what} {text!r}: must be a whole number of at "
+                          "least 1")
+    return int(value)
+
+
 def store_limits() -> StoreLimits:
     """The bounds in force: defaults < config files (``limits``) < ``DSEC_MAX_*``.
 
@@ -260,10 +278,11 @@ def store_limits() -> StoreLimits:
         if name not in _LIMIT_NAMES:
             raise ConfigError(f"{cfg.sources.get('limits', 'config')}: unknown key "
                               f"limits.{name!r}", hint=f"known: {sorted(_LIMIT_NAMES)}")
-        values[name] = parse_size(str(value), f"limits.{name}")
+        where = cfg.sources.get("limits", "config")
+        values[name] = _limit(str(value), f"limits.{name}", f"{where}: ")
     for name, text in zip(_LIMIT_NAMES, env, strict=True):
         if text:
-            values[name] = parse_size(text, f"DSEC_MAX_{name.upper()}")
+            values[name] = _limit(text, f"DSEC_MAX_{name.upper()}")
     limits = StoreLimits(**values)
     _limits_cache[key] = limits
     return limits

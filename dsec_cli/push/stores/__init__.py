@@ -30,9 +30,20 @@ def register_scheme(scheme: str, module: str, cls: str, extra: str | None = None
 
 
 def default_store_url() -> str:
+    """The configured store URL, checked like one given on the command line; a bad one is a
+    `ConfigError` naming where it was set (``DSEC_STORE``, a config file)."""
+    from ...core import validate
     from ...core.config import load_config
+    from ...core.errors import ConfigError
 
-    return load_config().store
+    cfg = load_config()
+    where = cfg.sources.get("store", "")
+    what = (where[1:] if where.startswith("$") else f"store in {where}" if where
+            else f"store URL of the data directory {cfg.data_dir!r}")
+    try:
+        return validate.store_url(cfg.store, what)
+    except UsageError as e:
+        raise ConfigError(e.message) from None
 
 
 def open_store(url: str | None = None, **options: object) -> Store:
@@ -47,7 +58,9 @@ def open_store(url: str | None = None, **options: object) -> Store:
 def open_backend(url: str | None = None, **options: object) -> Store:
     """The bare store a URL names, without retries: for `dsec_cli.push.retry` only."""
     from ...core import validate
+    from ...core.config import store_limits
 
+    store_limits()  # a malformed limit stops every command here, before an object is read
     url = default_store_url() if url is None else validate.store_url(url)
     if options.get("endpoint_url") is not None:
         validate.endpoint_url(str(options["endpoint_url"]))

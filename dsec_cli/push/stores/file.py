@@ -38,17 +38,28 @@ class FileStore(Store):
         self.root = root
         self.tmp = root / "tmp"
         self._batches = threading.local()  # per thread: [(tmp, key)] waiting in a batch
-        try:
-            self.tmp.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"cannot use {root} as a store: {e.strerror}") from e
+        self._tmp_made = False  # the store's directories are made by its first write only
+
+    def _tmp_dir(self) -> Path:
+        """``<root>/tmp``, made on first use: opening a store to read it creates nothing."""
+        if not self._tmp_made:
+            try:
+                self.tmp.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UsageError(f"cannot use {self.root} as a store: {e.strerror}") from e
+            self._tmp_made = True
+        return self.tmp
 
     @classmethod
     def from_url(cls, url: str, **options: object) -> FileStore:
         parsed = urlparse(url)
         if parsed.netloc not in ("", "localhost"):
             raise UsageError(f"file:// URLs name a local path, not a host: {url!r}")
-        path = Path(unquote(parsed.path))
+        try:
+            path = Path(unquote(parsed.path, errors="strict"))
+        except UnicodeDecodeError:
+            raise UsageError(f"invalid store URL {url!r}: its path is not valid UTF-8"
+                             ) from None
         if not path.is_absolute():
             raise UsageError(f"file:// store path must be absolute: {url!r}")
         return cls(url, path)
@@ -77,7 +88,7 @@ class FileStore(Store):
             raise StoreError(f"reading {key} from {self.url}: {e.strerror}") from e
 
     def _tmp_name(self) -> Path:
-        return self.tmp / f"{uuid.uuid4().hex}.tmp"
+        return self._tmp_dir() / f"{uuid.uuid4().hex}.tmp"
 
     def _commit(self, tmp: Path, key: str) -> None:
         dest = self._path(key)
@@ -207,4 +218,4 @@ class FileStore(Store):
 
     def staging_dir(self) -> Path:
         """A directory on the store's filesystem, so packs written there link in for free."""
-        return self.tmp
+        return self._tmp_dir()
