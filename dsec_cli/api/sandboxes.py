@@ -344,8 +344,8 @@ def create_options(backend: str = "container", *, cpus: float | None = None,
                    user: str | None = None, egress: list[str] | None = None) -> CreateOptions:
     """Checked create options; errors name each option with ``prefix`` (``--`` for flags).
     ``egress``: what network ``allowlist`` lets out (``host:PORT``, ``IPV4:PORT``)."""
-    validate.positive_float(cpus, prefix + "cpus")
-    validate.positive_int(pids, prefix + "pids")
+    validate.positive_float(cpus, prefix + "cpus", validate.MAX_CPUS)
+    validate.positive_int(pids, prefix + "pids", maximum=validate.MAX_PIDS)
     rules = list(egress or [])
     if rules:
         from ..backends.egress import parse_rule

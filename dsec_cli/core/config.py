@@ -11,12 +11,13 @@ from typing import Any
 
 from .errors import ConfigError
 from .settings import ENV_SETTINGS, SYSTEM_CONFIG, config_dir, env, user_config_path
+from .validate import MAX_SECONDS
 
 __all__ = ["ENV_SETTINGS", "env"]  # declared in settings.py, read through here as ever
 
 SYSTEM_FILE = Path(SYSTEM_CONFIG)
 MAX_SIZE = 1 << 60  # 1 EiB: more than any memory or disk; runtimes take int64 bytes
-MAX_DURATION = 100 * 365 * 86400.0
+MAX_DURATION = MAX_SECONDS  # 100 years, the bound of every duration and wait
 
 
 def data_home() -> Path:

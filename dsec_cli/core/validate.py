@@ -21,6 +21,14 @@ MAX_REF = 257  # NAME@VERSION, 128 characters each
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 _LOCAL_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 _SCHEMES = ("file", "s3", "oci")
+#: the largest count accepted (what kernels and runtimes take as a 32-bit number)
+MAX_COUNT = (1 << 31) - 1
+#: the largest process limit: the kernel's own bound on pids (PID_MAX_LIMIT)
+MAX_PIDS = 1 << 22
+#: the largest CPU share: more CPUs than any machine has
+MAX_CPUS = 1 << 16
+#: the longest wait in seconds, as for durations: 100 years
+MAX_SECONDS = 100 * 365 * 86400.0
 
 
 def shown(value: object, limit: int = 60) -> str:
@@ -148,21 +156,28 @@ def duration(value: object, what: str = "duration") -> float:
     return parse_duration(text(value, what, max_len=64), what)
 
 
-def positive_int(value: int | None, what: str, minimum: int = 1) -> int | None:
+def positive_int(value: int | None, what: str, minimum: int = 1, maximum: int = MAX_COUNT
+                 ) -> int | None:
+    """A count (processes, jobs, copies, pages): a whole number from ``minimum`` to
+    ``maximum``."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UsageError(f"invalid {what} {shown(value)}: must be a whole number of at least "
-                         f"{minimum}")
+    if (isinstance(value, bool) or not isinstance(value, int)
+            or not minimum <= value <= maximum):
+        raise UsageError(f"invalid {what} {shown(value)}: must be a whole number from "
+                         f"{minimum} to {maximum}")
     return value
 
 
-def positive_float(value: float | None, what: str) -> float | None:
-    """A finite number above zero (CPU shares, timeouts in seconds)."""
+def positive_float(value: float | None, what: str, maximum: float = MAX_SECONDS
+                   ) -> float | None:
+    """A finite number above zero and at most ``maximum`` (timeouts and intervals in
+    seconds by default; CPU shares pass `MAX_CPUS`)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise UsageError(f"invalid {what} {shown(value)}: expected a number")
-    if not math.isfinite(value) or value <= 0:
-        raise UsageError(f"invalid {what} {value!r}: must be a finite number above 0")
+    if not (math.isfinite(value) and 0 < value <= maximum):
+        raise UsageError(f"invalid {what} {shown(value)}: must be a finite number above 0 "
+                         f"and at most {maximum:.12g}")
     return float(value)

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends import _rootfs
 from ..backends.base import ExecResult
+from ..core import validate
 from ..core.errors import NotFoundError, SandboxError, UsageError
 from ..core.sqlite import immediate, thread_connection
 from .options import CreateOptions
@@ -168,10 +169,7 @@ class JobSettings:
             raise UsageError(f"invalid reclaim-grace {self.reclaim_grace}: must be at least the "
                              f"park grace ({self.park_grace})")
         for name in ("max_concurrent", "snapshot_steps"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise UsageError(f"invalid {name.replace('_', '-')} {v!r}: expected a whole "
-                                 "number >= 0")
+            validate.positive_int(getattr(self, name), name.replace("_", "-"), minimum=0)
 
 
 def check_name(name: str) -> str:
