@@ -291,7 +291,7 @@ def moved_state(b: QemuBackend, old: dict[str, Any], sid: str, sdir: Path, root:
     state: dict[str, Any] = {
         **_default_state(sid, str(sdir)), "machine": b.name, "cgroup": cgroup,
         "root_image": str(root), "network": network, "accel": b.acceleration()["accel"],
-        "env": _moved_env(old.get("env", {}), what),
+        "env": check_moved_env(old.get("env", {}), what),
         "workdir": _moved_workdir(old.get("workdir", "/"), what),
         "guest": guest_shape(limits)}
     restored = old.get("restored")
@@ -305,7 +305,8 @@ def moved_state(b: QemuBackend, old: dict[str, Any], sid: str, sdir: Path, root:
     return state
 
 
-def _moved_env(env: Any, what: str) -> dict[str, str]:
+def check_moved_env(env: Any, what: str) -> dict[str, str]:
+    """A moved sandbox's environment: names to strings, bounded in count and length."""
     if not isinstance(env, dict) or len(env) > MOVED_ENV_VARS or not all(
             isinstance(k, str) and isinstance(v, str) and 0 < len(k) <= MOVED_TEXT
             and len(v) <= MOVED_TEXT and "=" not in k and "\0" not in k + v
