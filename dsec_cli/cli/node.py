@@ -184,6 +184,22 @@ def rm(name: Annotated[str, typer.Argument()], json_out: JsonOpt = False) -> Non
         typer.echo(f"removed {name}")
 
 
+@node_app.command("receive-moved", hidden=True)
+def receive_moved(
+    sandbox_id: Annotated[str, typer.Argument(help="the moving sandbox's id on this node")],
+    state_dir: Annotated[str | None, typer.Option(  # noqa: UP007
+        "--state-dir", help="node state directory (default: DSEC_STATE_DIR)")] = None,
+) -> None:
+    """The receiving end of `dsec thaw ID --to NODE`: a parked VM's files, read as a tar
+    stream on stdin, written into this node's incoming dir for it (run/migrate.py)."""
+    import sys
+
+    from ..run.migrate import receive
+    from ..run.node import local_node
+
+    receive(local_node(state_dir), sandbox_id, sys.stdin.buffer)
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(node_app, name="node")
 
