@@ -131,17 +131,40 @@ def _check_argv(argv: list[str]) -> None:
                              ) from None
 
 
+#: what a terminal would act on rather than show: C0 controls but tab and newline (ESC
+#: starts a sequence that can retitle the window, clear the screen or move the cursor), DEL,
+#: the C1 controls (U+009B is a CSI of its own) and the bidirectional overrides and isolates
+#: (they reorder what is shown)
+_CONTROL = "[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]"
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` as it may reach a terminal: each control character shown escaped (``\\x1b``,
+    ``\\u202e``), bytes that are not UTF-8 (lone surrogates) likewise. Error messages quote
+    what nodes, store objects, sandboxes and images said: it is shown, never obeyed."""
+    import re  # only when an error is shown: a command's start does not pay for it
+
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return re.sub(_CONTROL, lambda m: m.group().encode("unicode_escape").decode("ascii"),
+                  text)
+
+
 def _print_error(e: DsecError) -> None:
-    from rich.markup import escape  # messages quote URLs and input: never markup
+    """The one printer of errors, for every command: the message and hint shown as text,
+    never parsed as rich markup or emoji codes (``[bold]`` from a node prints as it is) nor
+    passed to the terminal as controls."""
+    from rich.text import Text
 
     from .render import err_console
 
-    message = e.message
+    message = str(e.message)
     if len(message) > MAX_MESSAGE:
         message = f"{message[:MAX_MESSAGE]}... (message cut at {MAX_MESSAGE} characters)"
-    err_console().print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    err_console().print(Text.assemble(("error:", "bold red"), " ", terminal_safe(message)),
+                        highlight=False)
     if e.hint:
-        err_console().print(f"[dim]hint:[/] {escape(e.hint[:MAX_MESSAGE])}", highlight=False)
+        hint = terminal_safe(str(e.hint)[:MAX_MESSAGE])
+        err_console().print(Text.assemble(("hint:", "dim"), " ", hint), highlight=False)
 
 
 def _served(argv: list[str], setting: str | None) -> int | None:

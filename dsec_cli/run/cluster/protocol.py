@@ -68,18 +68,26 @@ def error_to_wire(e: BaseException) -> dict[str, Any]:
             "hint": None, "exit_code": 1}
 
 
-def error_from_wire(err: dict[str, Any], node: str) -> core_errors.DsecError:
-    """The node service's error as the same class here, its message prefixed with the node."""
-    name = str(err.get("type", "DsecError"))
-    cls = getattr(cluster_errors, name, None) or getattr(core_errors, name, None)
+def error_from_wire(err: Any, node: str) -> core_errors.DsecError:
+    """The node service's error as the same class here, its message prefixed with the node.
+
+    The node is hostile like any input: a field of the wrong type is dropped, the exit code
+    is 1 or 2 whatever it claims (never 0), and the text is kept as it came (the CLI's error
+    printer shows its control characters escaped)."""
+    if not isinstance(err, dict):
+        err = {}
+    name, message, hint = (v if isinstance(v, str) else None
+                           for v in (err.get("type"), err.get("message"), err.get("hint")))
+    code = 2 if err.get("exit_code") == 2 else 1
+    cls = getattr(cluster_errors, name or "", None) or getattr(core_errors, name or "", None)
     if not (isinstance(cls, type) and issubclass(cls, core_errors.DsecError)):
-        cls = core_errors.UsageError if err.get("exit_code") == 2 else core_errors.DsecError
-    msg = f"{node}: {err.get('message', 'unknown error')}"
+        cls = core_errors.UsageError if code == 2 else core_errors.DsecError
+    msg = f"{node}: {message or 'unknown error'}"
     try:
-        out = cls(msg, hint=err.get("hint"))
+        out = cls(msg, hint=hint)
     except TypeError:  # a class with a different constructor: keep the message and code
-        out = core_errors.DsecError(msg, hint=err.get("hint"))
-        out.exit_code = int(err.get("exit_code", 1))
+        out = core_errors.DsecError(msg, hint=hint)
+        out.exit_code = code
     return out
 
 
