@@ -165,12 +165,13 @@ def report_failed_nodes(failed: list[dict[str, Any]]) -> int:
     results have been printed already)."""
     if not failed:
         return 0
-    from rich.markup import escape
+    from rich.text import Text
 
+    from . import terminal_safe
     from .render import err_console
 
-    for f in failed:
+    for f in failed:  # what a node said, shown as text (as the error printer does)
         what = "unreachable, skipped" if f.get("unreachable") else "failed"
-        err_console().print(f"[yellow]node {escape(f['node'])} {what}:[/] {escape(f['error'])}",
-                            highlight=False)
+        err_console().print(Text.assemble((f"node {f['node']} {what}:", "yellow"), " ",
+                                          terminal_safe(str(f["error"]))), highlight=False)
     return 1
