@@ -49,9 +49,11 @@ def register(app: typer.Typer) -> None:
         table(None, ["ref", "kind", "digest", "files", "size", "stored"],
               [(i.ref, i.kind, i.digest[:12], i.files, human_bytes(i.size),
                 human_bytes(i.stored_size)) for i in items if not i.error])
+        from . import terminal_safe
+
         for i in items:
-            if i.error:
-                typer.echo(f"broken: {i.ref}: {i.error}", err=True)
+            if i.error:  # the error quotes a store object: shown as text
+                typer.echo(terminal_safe(f"broken: {i.ref}: {i.error}"), err=True)
 
     @app.command()
     def inspect(

@@ -50,5 +50,10 @@ def build_command(specs: list[Path] | None, store: str | None = None, *, force: 
                                 f"{i.manifest[:12]}", highlight=False)
     for source, digest in report.pinned.items():
         err_console().print(f"pinned: {source} at {digest}", highlight=False, markup=False)
-    for w in report.warnings:
-        err_console().print(f"[yellow]warning:[/] {w}", highlight=False)
+    from rich.text import Text
+
+    from . import terminal_safe
+
+    for w in report.warnings:  # they name store objects and quote their errors: text only
+        err_console().print(Text.assemble(("warning:", "yellow"), " ", terminal_safe(w)),
+                            highlight=False)

@@ -62,13 +62,18 @@ def _import_table() -> None:
 
 
 def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Cells are text: never rich markup, control characters escaped (they quote names,
+    labels and what nodes said)."""
     from rich.table import Table
+    from rich.text import Text
+
+    from . import terminal_safe
 
     t = Table(title=title, show_edge=False, header_style="bold")
     for c in columns:
         t.add_column(c)
     for r in rows:
-        t.add_row(*("" if v is None else str(v) for v in r))
+        t.add_row(*(Text("" if v is None else terminal_safe(str(v))) for v in r))
     console().print(t)
 
 

@@ -298,6 +298,15 @@ def test_node_error_text_reaches_the_terminal_escaped(world: World, one_node: Ss
             assert "hint \\x1b]0;pwned" in p.stderr, p.stderr
 
 
+def test_node_error_text_in_a_table_is_escaped(world: World, one_node: SshCluster) -> None:
+    env = _liar(world, one_node, {"type": "SandboxError", "message": f"boom {HOSTILE}",
+                                  "exit_code": 1})
+    p = world.dsec("node", "ls", env=env)
+    out = p.stdout + p.stderr
+    assert "Traceback" not in out and "\x1b" not in out and "\x07" not in out, repr(out)
+    assert "liar" in p.stdout and "\\x1b]0;pwned" in out, out
+
+
 @pytest.mark.parametrize("error", [
     {"type": "RefConflictError", "message": "claims success", "exit_code": 0},
     {"type": "Nope", "message": "claims success", "exit_code": 0},
