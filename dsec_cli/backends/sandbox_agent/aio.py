@@ -5,7 +5,8 @@ One `AsyncAgentClient` owns one connection to one agent and multiplexes requests
 id: a reader task (not a thread) routes each frame to the request waiting for it, so any
 number of execs, puts and gets of any number of sandboxes wait in one event loop. Like the
 threaded client, it is opened only by `connect_unix`, which checks who listens on the other
-end (SO_PEERCRED) before a byte is sent.
+end (SO_PEERCRED) before a byte is sent; it reads frames through the same bounded
+`frames.FrameReader` and keeps an exec's deadline the same way (`client.ExecFrames`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from pathlib import Path
 from ...core.errors import UsageError
 from ..base import ExecResult, UserIds
 from .client import (
-    _HDR,
     CHUNK,
     EXEC_F_STDIN,
-    MAX_FRAME,
+    KILL_GRACE,
     PUT_F_APPEND,
     T_DATA,
     T_EXEC,
@@ -44,7 +44,10 @@ from .client import (
     _result,
     _s,
     check_peer,
+    kill_listener,
 )
+from .frames import HEADER as _HDR
+from .frames import MAX_FRAME, FrameReader
 
 #: called with ("stdout" | "stderr", bytes) as output arrives; may be a coroutine function
 AsyncOutputCallback = Callable[[str, bytes], Awaitable[None] | None]
@@ -58,8 +61,9 @@ class AsyncAgentClient:
     """A multiplexed asyncio connection to one dsec-agent. Bound to the event loop that
     opened it."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader, self._writer = reader, writer
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 what: str = "the sandbox", agent: int = -1) -> None:
+        self._reader, self._writer, self.what, self._agent = reader, writer, what, agent
         self._pending: dict[int, asyncio.Queue[tuple[int, bytes]]] = {}
         self._next = 1
         self.closed: str | None = None
@@ -89,11 +93,26 @@ class AsyncAgentClient:
         finally:
             if dir_fd >= 0:
                 os.close(dir_fd)
-        check_peer(sock, peer, what, path)
-        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_FRAME)
-        return cls(reader, writer)
+        agent = check_peer(sock, peer, what, path)
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=CHUNK)
+        return cls(reader, writer, what, agent)
+
+    def _drop_agent(self) -> int:
+        agent, self._agent = self._agent, -1
+        if agent >= 0:
+            os.close(agent)
+        return agent
+
+    def kill_agent(self, why: str) -> None:
+        """Kill the agent (it stopped answering) and drop the connection."""
+        if self._agent >= 0:
+            kill_listener(self._agent, self.what, why)
+        self._drop_agent()
+        self._task.cancel()
+        self._writer.close()
 
     async def close(self) -> None:
+        self._drop_agent()
         self._task.cancel()
         self._writer.close()
         try:
@@ -106,18 +125,17 @@ class AsyncAgentClient:
     # -- plumbing ------------------------------------------------------------------------------
     async def _read_loop(self) -> None:
         reason = "closed"
+        frames = FrameReader(self.what)
         try:
-            while True:
-                length, kind, rid = _HDR.unpack(await self._reader.readexactly(9))
-                if length < 5 or length > MAX_FRAME:
-                    raise AgentError(f"the sandbox agent sent a frame of {length} bytes")
-                payload = await self._reader.readexactly(length - 5) if length > 5 else b""
-                q = self._pending.get(rid)
-                if q is not None:
-                    q.put_nowait((kind, payload))
-        except asyncio.IncompleteReadError:
+            while data := await self._reader.read(CHUNK):
+                for kind, rid, payload in frames.feed(data):
+                    q = self._pending.get(rid)
+                    if q is not None:
+                        q.put_nowait((kind, payload))
             reason = "the agent closed the connection"
-        except (OSError, AgentError, struct.error) as e:
+        except AgentError as e:  # a frame past the bound: nothing more is read from it
+            reason = e.message
+        except OSError as e:
             reason = str(e) or type(e).__name__
         except asyncio.CancelledError:
             reason = "closed"
@@ -192,19 +210,22 @@ class AsyncAgentClient:
                 # a stream is fed alongside: the result comes when the process exits, even
                 # if the stream never ends
                 feeder = asyncio.get_running_loop().create_task(self._feed(rid, stdin))
-            result = await self._collect(q, started, on_output, capture_limit)
+            result = await self._collect(rid, q, ExecFrames(started, capture_limit, timeout),
+                                         on_output)
             finished = True
             return result
         finally:
             if feeder is not None:
                 feeder.cancel()
-            if not finished and self.closed is None:
-                try:  # abandoned (cancelled, or a callback raised): nothing may keep running
-                    await asyncio.shield(self._send(T_SIGNAL, rid,
-                                                    struct.pack(">I", signal.SIGKILL)))
-                except (AgentError, asyncio.CancelledError):
-                    pass
+            if not finished:  # abandoned (cancelled, or a callback raised): nothing may run on
+                self._kill_nowait(rid)
             self._pending.pop(rid, None)
+
+    def _kill_nowait(self, rid: int) -> None:
+        """SIGKILL an exec through the agent: queued on the transport, never awaited, so an
+        agent that reads nothing cannot hold the caller."""
+        if self.closed is None and not self._writer.is_closing():
+            self._writer.write(_HDR.pack(9, T_SIGNAL, rid) + struct.pack(">I", signal.SIGKILL))
 
     async def _feed(self, rid: int, blocks: Iterable[bytes] | AsyncIterable[bytes]) -> None:
         try:
@@ -222,13 +243,20 @@ class AsyncAgentClient:
         for i in range(0, len(data), CHUNK):
             await self._send(T_STDIN, rid, data[i:i + CHUNK])
 
-    @staticmethod
-    async def _collect(q: asyncio.Queue[tuple[int, bytes]], started: float,
-                       on_output: AsyncOutputCallback | None,
-                       capture_limit: int | None) -> ExecResult:
-        fold = ExecFrames(started, capture_limit)
+    async def _collect(self, rid: int, q: asyncio.Queue[tuple[int, bytes]], fold: ExecFrames,
+                       on_output: AsyncOutputCallback | None) -> ExecResult:
+        """The exec's result from its frames; at its deadline (on this host's clock) the
+        command is killed through the agent, or with the agent (`ExecFrames.lapse`)."""
         while True:
-            kind, payload = await q.get()
+            try:
+                kind, payload = await asyncio.wait_for(q.get(), fold.left())
+            except TimeoutError:
+                if fold.lapse():
+                    self._kill_nowait(rid)
+                    continue
+                self.kill_agent("an exec's deadline passed and the agent did not report it "
+                                f"killed within {KILL_GRACE:g}s")
+                return fold.timed_out()
             stream = ExecFrames.stream(kind)
             if stream is not None and on_output is not None:
                 r = on_output(stream, payload)

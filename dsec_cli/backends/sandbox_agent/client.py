@@ -3,7 +3,8 @@
 One `AgentClient` owns one byte stream (a unix socket to a container's agent, or the host end
 of a VM's virtio-serial port) and multiplexes requests over it: a reader thread routes each
 incoming frame to the request with the same id, so several execs, puts and gets can be in
-flight at once from different threads.
+flight at once from different threads. Frames are read through `frames.FrameReader`, so
+one bounded parse serves this client and the asyncio one.
 
 `AgentClient.connect_unix` is the only way to open a socket connection, and it checks who
 listens on the other end (SO_PEERCRED) before a byte is sent: code in a sandbox must not be
@@ -12,9 +13,12 @@ able to point the host at another sandbox's agent (docs/agent.md, "Who is on the
 
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
+import logging
 import os
 import queue
+import signal
 import socket
 import struct
 import threading
@@ -25,6 +29,10 @@ from typing import Any, BinaryIO
 
 from ...core.errors import NotFoundError, SandboxError, UsageError
 from ..base import ExecResult, OutputCallback, TreeSink, UserIds
+from .frames import HEADER as _HDR
+from .frames import MAX_FRAME, AgentError, FrameReader
+
+log = logging.getLogger(__name__)
 
 # frame types, client -> agent
 T_EXEC, T_STDIN, T_PUT, T_GET, T_PING, T_SIGNAL, T_TREE, T_IDENTITY = 1, 2, 3, 4, 5, 6, 7, 8
@@ -33,21 +41,20 @@ T_STDOUT, T_STDERR, T_EXIT, T_RESULT, T_DATA = 16, 17, 18, 19, 20
 
 EXEC_F_STDIN, EXEC_F_USER = 1, 2
 PUT_F_APPEND, PUT_F_AT, PUT_F_SIZE = 1, 2, 4
-MAX_FRAME = 16 << 20
 CHUNK = 1 << 20
 #: frames of one TREE transfer held on the host at most (each <= 1 MiB + 9): the reader
 #: waits for the writer beyond this, so a copy's memory is bounded whatever its size
 TREE_WINDOW = 8
-_HDR = struct.Struct(">IBI")
+#: after an exec's deadline, how long its agent has to report the command killed before the
+#: host kills the agent itself (a frozen or silent agent must not hold the caller)
+KILL_GRACE = 5.0
+#: an exec ended by its deadline exits with 128 + SIGKILL, as the agent reports it
+TIMED_OUT_CODE = 128 + signal.SIGKILL
 _ENTRY = struct.Struct(">cIQ")
 _PEERCRED = struct.Struct("3i")
 
 #: decides whether the process (host pid) listening on an agent socket is the sandbox's own
 PeerCheck = Callable[[int], bool]
-
-
-class AgentError(SandboxError):
-    """The agent could not be reached or broke the protocol (not a failing command)."""
 
 
 def _s(value: str | bytes) -> bytes:
@@ -88,9 +95,9 @@ class ExecHandle:
     """A running exec: feed its stdin, signal it, wait for its result."""
 
     def __init__(self, client: AgentClient, rid: int, req: _Request,
-                 on_output: OutputCallback | None) -> None:
+                 on_output: OutputCallback | None, timeout: float | None = None) -> None:
         self._client, self.rid, self._req, self._on_output = client, rid, req, on_output
-        self._started = time.monotonic()
+        self._started, self._timeout = time.monotonic(), timeout
 
     def write_stdin(self, data: bytes) -> None:
         for i in range(0, len(data), CHUNK):
@@ -105,11 +112,23 @@ class ExecHandle:
     def wait(self, capture_limit: int | None = None) -> ExecResult:
         """The result once the process exits. Output is kept in the result up to
         `capture_limit` bytes per stream (None: all of it); what is cut is flagged in
-        `stdout_truncated` / `stderr_truncated` (and was still passed to `on_output`)."""
-        fold = ExecFrames(self._started, capture_limit)
+        `stdout_truncated` / `stderr_truncated` (and was still passed to `on_output`).
+
+        With a timeout, the wait ends at the deadline on this host's clock whatever the agent
+        does: the command is killed through the agent, or with the agent when it does not
+        report it killed within KILL_GRACE (`ExecFrames.lapse`)."""
+        fold = ExecFrames(self._started, capture_limit, self._timeout)
         try:
             while True:
-                kind, payload = self._req.frames.get()
+                try:
+                    kind, payload = self._req.frames.get(timeout=fold.left())
+                except queue.Empty:
+                    if fold.lapse():
+                        self._client._kill_nowait(self.rid)
+                        continue
+                    self._client.kill_agent("an exec's deadline passed and the agent did not "
+                                            f"report it killed within {KILL_GRACE:g}s")
+                    return fold.timed_out()
                 stream = ExecFrames.stream(kind)
                 if stream is not None and self._on_output is not None:
                     self._on_output(stream, payload)
@@ -124,13 +143,44 @@ class ExecFrames:
     """One exec's frames folded into its result, for the thread and the asyncio client alike:
     output kept up to `capture_limit` bytes per stream (what is cut is flagged), the exit
     frame, and the two ways an exec ends without one (the agent's refusal, a lost link: a
-    negative kind)."""
+    negative kind). With a timeout it also holds the exec's deadline, on the host's own
+    clock: `left` is how long to wait for the next frame, `lapse` says what to do when that
+    wait runs out."""
 
-    def __init__(self, started: float, capture_limit: int | None) -> None:
+    def __init__(self, started: float, capture_limit: int | None,
+                 timeout: float | None = None) -> None:
         self._started, self._limit = started, capture_limit
+        self._deadline = started + timeout if timeout else None
+        self.expired = False  # the deadline passed: the result is a timeout
         self._kept: dict[int, list[bytes]] = {T_STDOUT: [], T_STDERR: []}
         self._size = {T_STDOUT: 0, T_STDERR: 0}
         self._cut = {T_STDOUT: False, T_STDERR: False}
+
+    def left(self) -> float | None:
+        """Seconds to wait for the next frame (None: no deadline)."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def lapse(self) -> bool:
+        """The wait `left` allowed ran out. True at the deadline: kill the command through
+        the agent, which gets KILL_GRACE more to report it; False when that grace is over
+        too: the host must kill the agent and take `timed_out`."""
+        if self.expired:
+            return False
+        self.expired = True
+        self._deadline = time.monotonic() + KILL_GRACE
+        return True
+
+    def timed_out(self) -> ExecResult:
+        """The result of an exec ended at its deadline without its agent's exit report."""
+        return self._result(TIMED_OUT_CODE, timed_out=True)
+
+    def _result(self, code: int, timed_out: bool) -> ExecResult:
+        return ExecResult(exit_code=code, stdout=b"".join(self._kept[T_STDOUT]),
+                          stderr=b"".join(self._kept[T_STDERR]),
+                          duration=time.monotonic() - self._started,
+                          timed_out=timed_out or self.expired,
+                          stdout_truncated=self._cut[T_STDOUT],
+                          stderr_truncated=self._cut[T_STDERR])
 
     @staticmethod
     def stream(kind: int) -> str | None:
@@ -148,16 +198,16 @@ class ExecFrames:
                 self._kept[kind].append(payload)
                 self._size[kind] += len(payload)
         elif kind == T_EXIT:
+            if len(payload) < 8:
+                raise AgentError("the sandbox agent sent a malformed exit report")
             code, flags = struct.unpack(">iI", payload[:8])
-            return ExecResult(exit_code=code, stdout=b"".join(self._kept[T_STDOUT]),
-                              stderr=b"".join(self._kept[T_STDERR]),
-                              duration=time.monotonic() - self._started,
-                              timed_out=bool(flags & 1), stdout_truncated=self._cut[T_STDOUT],
-                              stderr_truncated=self._cut[T_STDERR])
+            return self._result(code, timed_out=bool(flags & 1))
         elif kind == T_RESULT:
             code, msg = _result(payload)
             raise SandboxError(f"exec failed in the sandbox: {msg or os.strerror(code)}")
         elif kind < 0:
+            if self.expired:  # past the deadline: a closed connection's execs are killed
+                return self.timed_out()
             raise AgentError(f"lost the connection to the sandbox agent: {payload.decode()}")
         return None
 
@@ -172,6 +222,8 @@ def _feed(h: ExecHandle, blocks: Iterable[bytes]) -> None:
 
 
 def _result(payload: bytes) -> tuple[int, str]:
+    if len(payload) < 4:
+        raise AgentError("the sandbox agent sent a malformed result")
     (code,) = struct.unpack(">i", payload[:4])
     return code, payload[4:].decode(errors="replace")
 
@@ -188,23 +240,42 @@ def _raise_for(code: int, msg: str, path: str) -> None:
 
 
 def check_peer(sock: socket.socket, peer: Callable[[int], bool], what: str, path: object
-               ) -> None:
+               ) -> int:
     """Refuse (and close) a connected agent socket whose listener ``peer`` does not accept:
-    SO_PEERCRED names the process that bound it, which a sandbox cannot fake."""
+    SO_PEERCRED names the process that bound it, which a sandbox cannot fake. Returns a
+    pidfd of that accepted listener (the agent), by which the host can kill it when it stops
+    answering, whatever pid it leaves behind."""
     pid, _, _ = _PEERCRED.unpack(
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-    if pid <= 0 or not peer(pid):
+    pidfd = -1
+    with contextlib.suppress(OSError):
+        if pid > 0:
+            pidfd = os.pidfd_open(pid)  # before the check: the check then names this process
+    if pid <= 0 or pidfd < 0 or not peer(pid):
         sock.close()
+        if pidfd >= 0:
+            os.close(pidfd)
         raise AgentError(f"refusing the agent socket of {what} at {path}: it is served by "
                          f"process {pid}, which is not {what}'s agent (was the socket "
                          "replaced from inside a sandbox?)")
+    return pidfd
+
+
+def kill_listener(pidfd: int, what: str, why: str) -> None:
+    """SIGKILL the agent `check_peer` accepted (its sandbox's process or QEMU): the host's
+    last word to an agent that no longer answers. Its commands die with it."""
+    log.warning("%s: %s: killing its agent", what, why)
+    with contextlib.suppress(OSError):
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
 
 
 class AgentClient:
-    """A multiplexed connection to one dsec-agent."""
+    """A multiplexed connection to one dsec-agent. `what` names its sandbox in errors;
+    `agent` is a pidfd of the agent (from `check_peer`), owned by the client."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
+    def __init__(self, sock: socket.socket, what: str = "the sandbox", agent: int = -1
+                 ) -> None:
+        self._sock, self.what, self._agent = sock, what, agent
         self._wlock = threading.Lock()
         self._lock = threading.Lock()
         self._pending: dict[int, _Request] = {}
@@ -240,8 +311,7 @@ class AgentClient:
         finally:
             if dir_fd >= 0:
                 os.close(dir_fd)
-        check_peer(sock, peer, what, path)
-        return cls(sock)
+        return cls(sock, what, check_peer(sock, peer, what, path))
 
     def close(self) -> None:
         try:
@@ -249,6 +319,18 @@ class AgentClient:
         except OSError:
             pass
         self._sock.close()
+        with self._lock:
+            agent, self._agent = self._agent, -1
+        if agent >= 0:
+            os.close(agent)
+
+    def kill_agent(self, why: str) -> None:
+        """Kill the agent (it stopped answering) and drop the connection."""
+        with self._lock:
+            agent = self._agent
+        if agent >= 0:
+            kill_listener(agent, self.what, why)
+        self.close()
 
     def __enter__(self) -> AgentClient:
         return self
@@ -281,26 +363,41 @@ class AgentClient:
         except OSError as e:
             raise AgentError(f"lost the connection to the sandbox agent: {e}") from e
 
-    def _recv_exact(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self._sock.recv(min(n - len(buf), 1 << 20))
-            if not chunk:
-                raise EOFError("the agent closed the connection")
-            buf += chunk
-        return bytes(buf)
+    def _kill_nowait(self, rid: int) -> None:
+        """SIGKILL an exec through the agent without waiting on it: an agent that reads
+        nothing cannot hold the caller (a frame that does not fit now is not sent, and a
+        part of one breaks the stream: then the agent is killed)."""
+        data = _HDR.pack(9, T_SIGNAL, rid) + struct.pack(">I", signal.SIGKILL)
+        if not self._wlock.acquire(timeout=1.0):
+            return  # another sender is stuck on the agent: the grace decides
+        try:
+            sent = self._sock.send(data, socket.MSG_DONTWAIT)
+        except OSError:
+            return
+        finally:
+            self._wlock.release()
+        if 0 < sent < len(data):
+            self.kill_agent("its channel is full")
 
     def _read_loop(self) -> None:
         reason = "closed"
+        frames = FrameReader(self.what)
+        buf = memoryview(bytearray(CHUNK))
         try:
             while True:
-                length, kind, rid = _HDR.unpack(self._recv_exact(9))
-                payload = self._recv_exact(length - 5) if length > 5 else b""
-                with self._lock:
-                    req = self._pending.get(rid)
-                if req is not None:
-                    self._deliver(rid, req, (kind, payload))
-        except (OSError, EOFError, struct.error) as e:
+                n = self._sock.recv_into(buf)
+                if not n:
+                    raise EOFError("the agent closed the connection")
+                for kind, rid, payload in frames.feed(buf[:n]):
+                    with self._lock:
+                        req = self._pending.get(rid)
+                    if req is not None:
+                        self._deliver(rid, req, (kind, payload))
+        except AgentError as e:  # a frame past the bound: nothing more is read from it
+            reason = e.message
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, EOFError) as e:
             reason = str(e) or type(e).__name__
         with self._lock:
             self._closed = reason
@@ -362,7 +459,7 @@ class AgentClient:
         payload = _encode_exec(list(argv), dict(env or {}), cwd,
                                EXEC_F_STDIN if stdin else 0, timeout, user)
         rid, req = self._open()
-        handle = ExecHandle(self, rid, req, on_output)
+        handle = ExecHandle(self, rid, req, on_output, timeout)
         self._send(T_EXEC, rid, payload)
         return handle
 
