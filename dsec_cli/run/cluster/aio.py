@@ -5,7 +5,8 @@ SSH connection), so requests to any number of sandboxes wait in the loop, not in
 One `AsyncChannel` per node and event loop multiplexes every request by id; a reader task
 routes each reply and each exec output event to its waiting caller. Failures are typed as
 for `RemoteNode`: the session dying or a bounded wait running out is `NodeUnreachableError`,
-retried only for opening a channel and for read-only requests.
+retried only for opening a channel and for read-only requests; a node's lines are cut by
+`protocol.Lines` as in remote.py, and one past its bound is a `NodeCommandError`.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from ...core.errors import DsecError, NodeUnreachableError
 from ..aio import _whole, blocking
 from ..node import CreateOptions, check_exec
 from ..state import SandboxRecord
+from .errors import NodeCommandError
 from .protocol import (
-    MAX_LINE,
     PROTOCOL_VERSION,
+    Lines,
     b64,
     decode,
     encode,
@@ -36,7 +38,7 @@ from .protocol import (
     to_wire,
     unb64,
 )
-from .remote import Attempts, NodeEntry, RemoteRecord
+from .remote import READ_CHUNK, STDERR_KEPT, Attempts, NodeEntry, RemoteRecord
 from .ssh import classify
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ class AsyncChannel:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Queue[dict[str, Any]]] = {}
         self._stderr: list[bytes] = []
+        self._broken: DsecError | None = None  # the node broke the protocol (not retried)
         self.closed = False
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read()), loop.create_task(self._drain_err())]
@@ -62,7 +65,7 @@ class AsyncChannel:
         await blocking(entry.target.ensure_master, entry.name)
         proc = await asyncio.create_subprocess_exec(
             *entry.target.command_argv(entry.remote_command()), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=MAX_LINE + 1)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         ch = cls(entry, proc)
         greet = min(timeout, net_timeouts().read)
         try:
@@ -74,32 +77,40 @@ class AsyncChannel:
 
     async def _drain_err(self) -> None:
         assert self.proc.stderr is not None
-        async for line in self.proc.stderr:
-            self._stderr.append(line)
-            del self._stderr[:-20]
+        while chunk := await self.proc.stderr.read(READ_CHUNK):  # kept: the last few reads
+            self._stderr.append(chunk)
+            del self._stderr[:-STDERR_KEPT]
 
     async def _read(self) -> None:
         assert self.proc.stdout is not None
+        lines = Lines(self.name)
         try:
-            while True:
-                line = await self.proc.stdout.readline()
-                if not line:
-                    break
-                try:
-                    msg = decode(line)
-                except ValueError:
-                    log.warning("%s: not a node service message: %r", self.name, line[:200])
-                    continue
-                q = self._pending.get(msg.get("id"))  # type: ignore[arg-type]
-                if q is not None:
-                    q.put_nowait(msg)
-        except (ValueError, OSError) as e:  # a line past MAX_LINE, or the pipe broke
+            while chunk := await self.proc.stdout.read(READ_CHUNK):
+                for line in lines.feed(chunk):
+                    self._dispatch(line)
+        except NodeCommandError as e:  # a line past the bound: nothing more is read
+            self._broken = e
+            if self.proc.returncode is None:
+                self.proc.kill()
+        except OSError as e:  # the pipe broke
             log.warning("%s: node service stream failed: %s", self.name, e)
         self.closed = True
         for q in self._pending.values():
             q.put_nowait(_EOF)
 
+    def _dispatch(self, line: bytes) -> None:
+        try:
+            msg = decode(line)
+        except ValueError:
+            log.warning("%s: not a node service message: %r", self.name, line[:200])
+            return
+        q = self._pending.get(msg.get("id"))  # type: ignore[arg-type]
+        if q is not None:
+            q.put_nowait(msg)
+
     async def failure(self) -> DsecError:
+        if self._broken is not None:
+            return self._broken
         try:
             rc: int | None = await asyncio.wait_for(self.proc.wait(), 2)
         except TimeoutError:

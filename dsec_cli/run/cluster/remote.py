@@ -7,6 +7,8 @@ thread of a process. Failures are typed: the channel dying or a bounded wait run
 `NodeUnreachableError` (retried, but only where repeating cannot do a thing twice: opening a
 channel, and read-only requests); an error the node service returns is the same class as on the node
 (`NotFoundError` exits 2 here as there); a command's exit code is a result, never an error.
+Whatever a node sends is read through `protocol.Lines`: a line past its bound is a
+`NodeCommandError` (not retried) and the connection is dropped.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..state import SandboxRecord
 from .errors import NodeCommandError
 from .protocol import (
     PROTOCOL_VERSION,
+    Lines,
     b64,
     decode,
     encode,
@@ -52,6 +55,10 @@ log = logging.getLogger(__name__)
 #: read-only requests: safe to send again after a connection broke mid-request
 IDEMPOTENT = frozenset({"hello", "info", "lookup", "describe", "get", "ps"})
 RETRIES = 3
+#: bytes asked for per read from a node (lines are cut from them by `protocol.Lines`)
+READ_CHUNK = 1 << 16
+#: ssh messages of a session kept to explain its failure: the last of these many reads
+STDERR_KEPT = 20
 
 
 class Attempts:
@@ -135,29 +142,27 @@ def start_resident(entry: NodeEntry, greet: float) -> Path | None:
     command = entry.resident_command()
     with tempfile.TemporaryFile() as err:
         try:
-            p = subprocess.run(target.command_argv(command), stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=err, timeout=greet)
+            rc, out = _first_line(target.command_argv(command), err, entry.name, greet)
         except subprocess.TimeoutExpired as e:
             raise NodeUnreachableError(
                 f"{entry.name} ({target.address}): `{shlex.join(command)}` did not answer the "
                 f"protocol greeting within {greet:g}s",
                 hint="check the node with `dsec node check`; DSEC_READ_TIMEOUT sets the wait"
             ) from e
-        err.seek(0)
-        text = err.read()[-4000:].decode(errors="replace")
-    if p.returncode == 2 and "--resident" in text:
+        err.seek(max(0, err.seek(0, os.SEEK_END) - 4000))
+        text = err.read().decode(errors="replace")
+    if rc == 2 and "--resident" in text:
         log.info("%s: the node's dsec has no resident service: a session per connection",
                  entry.name)
         return None
-    if p.returncode in (127, 255):
-        raise classify(entry.name, text + ("\ncommand not found" if p.returncode == 127
-                                           else ""))
+    if rc in (127, 255):
+        raise classify(entry.name, text + ("\ncommand not found" if rc == 127 else ""))
     try:
-        remote = str(json.loads(p.stdout)["socket"])
+        remote = str(json.loads(out)["socket"])
     except (ValueError, KeyError, TypeError):
-        tail = "; ".join(text.strip().splitlines()[-3:]) or p.stdout[:200].decode(errors="replace")
+        tail = "; ".join(text.strip().splitlines()[-3:]) or out[:200].decode(errors="replace")
         raise NodeCommandError(f"{entry.name} ({target.address}): `{shlex.join(command)}` "
-                               f"failed (exit {p.returncode}): {tail}",
+                               f"failed (exit {rc}): {tail}",
                                hint="dsec node add --bootstrap installs a matching dsec") from None
     local = _local_end(entry, remote)
     target.forward(local, remote)
@@ -166,6 +171,41 @@ def start_resident(entry: NodeEntry, greet: float) -> Path | None:
     tmp.write_text(remote + "\n")
     os.replace(tmp, memo)
     return local
+
+
+def _first_line(argv: list[str], err: IO[bytes], node: str, timeout: float
+                ) -> tuple[int, bytes]:
+    """Run ``argv`` (a command on a node) with stderr to ``err``: its exit code and the first
+    line of its output, cut by `Lines` (the rest is read and dropped). TimeoutExpired when
+    it has not ended within ``timeout`` seconds (it is killed)."""
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=err)
+    late = threading.Event()
+
+    def stop() -> None:
+        late.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, stop)
+    timer.start()
+    assert proc.stdout is not None
+    try:
+        lines, first = Lines(node), None
+        while chunk := proc.stdout.read1(READ_CHUNK):
+            got = lines.feed(chunk)
+            if first is None and got:
+                first = got[0]
+                lines = Lines(node)  # what follows is only bounded, never kept
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    if late.is_set():
+        raise subprocess.TimeoutExpired(argv, timeout)
+    return rc, first if first is not None else lines.rest()
 
 
 class Channel:
@@ -186,6 +226,7 @@ class Channel:
         self._plock = threading.Lock()
         self._wlock = threading.Lock()
         self._stderr: list[bytes] = []
+        self._broken: DsecError | None = None  # the node broke the protocol (not retried)
         self.closed = False
         # the node service's first line is awaited no longer than one read timeout: a node whose
         # sshd answers but whose node service never speaks fails like a silent endpoint
@@ -279,25 +320,22 @@ class Channel:
 
     def _drain_err(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self._stderr.append(line)
-            del self._stderr[:-20]
-            log.debug("%s node service: %s", self.name, line.decode(errors="replace").rstrip())
+        while chunk := self.proc.stderr.read1(READ_CHUNK):  # kept: the last few reads
+            self._stderr.append(chunk)
+            del self._stderr[:-STDERR_KEPT]
+            log.debug("%s node service: %s", self.name, chunk.decode(errors="replace").rstrip())
 
     def _read(self) -> None:
         rfile = self._rfile
         assert rfile is not None
+        lines = Lines(self.name)
         try:
-            for line in rfile:
-                try:
-                    msg = decode(line)
-                except ValueError:
-                    log.warning("%s: not a node service message: %r", self.name, line[:200])
-                    continue
-                with self._plock:
-                    q = self._pending.get(msg.get("id"))  # type: ignore[arg-type]
-                if q is not None:
-                    q.put(msg)
+            while chunk := rfile.read1(READ_CHUNK):
+                for line in lines.feed(chunk):
+                    self._dispatch(line)
+        except NodeCommandError as e:  # a line past the bound: nothing more is read
+            self._broken = e
+            self._drop()
         except (OSError, ValueError):  # the connection was closed under the reader
             pass
         if self._rfile is not rfile:
@@ -308,8 +346,29 @@ class Channel:
         for q in waiting:
             q.put(_EOF)
 
+    def _dispatch(self, line: bytes) -> None:
+        try:
+            msg = decode(line)
+        except ValueError:
+            log.warning("%s: not a node service message: %r", self.name, line[:200])
+            return
+        with self._plock:
+            q = self._pending.get(msg.get("id"))  # type: ignore[arg-type]
+        if q is not None:
+            q.put(msg)
+
+    def _drop(self) -> None:
+        """Cut the connection at once: a node that broke the protocol is not waited for."""
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
     def failure(self) -> DsecError:
         """Why the connection ended: for a session, from ssh's exit status and messages."""
+        if self._broken is not None:
+            return self._broken
         if self.proc is None:
             return NodeUnreachableError(f"{self.name} ({self.entry.target.address}): the "
                                         "connection to the node service closed")
