@@ -18,6 +18,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..core import files
 from ..core.errors import BackendError
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -107,14 +108,15 @@ def mounts_under(prefix: Path) -> list[Path]:
 
 def remove_tree(path: Path) -> None:
     """rm -rf that first unmounts anything left below, and the path itself if it is a mount
-    (a sealed state dir), so it never follows into a mount."""
+    (a sealed state dir), so it never follows into a mount. The tree is the sandbox's
+    making: removed without recursion or following links (`core.files.remove_tree`)."""
     for mp in mounts_under(path):
         umount(mp)
     for _ in range(8):  # a dir may be mounted over more than once
         if not mounts_at(path):
             break
         umount(path)
-    shutil.rmtree(path, ignore_errors=True)
+    files.remove_tree(path)
 
 
 def mounts_at(path: Path) -> set[Path]:

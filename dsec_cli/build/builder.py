@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING
 from ..core.config import load_config
 from ..core.digests import object_key
 from ..core.errors import NotFoundError, RefConflictError, SpecError, UsageError
+from ..core.files import remove_tree
 from ..core.gcpause import gc_paused
 from ..format import canonical
 from ..format.index import CONTENT_VERSION
@@ -344,7 +344,7 @@ def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, dat
             index, stats = write_layer(st, scanned, known=known, progress=progress,
                                        crypto_digests=chunk_sha256)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_tree(staging)
     digest, m = layer_manifest(st, index, name=spec.name, version=spec.version,
                                spec_digest=spec.digest(), base=deps, env=spec.env,
                                workdir=spec.workdir)

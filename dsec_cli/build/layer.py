@@ -16,7 +16,6 @@ import logging
 import mmap
 import os
 import queue
-import shutil
 import tempfile
 import threading
 from collections import deque
@@ -30,7 +29,7 @@ import xxhash
 
 from ..core.digests import chunk_id, object_key
 from ..core.errors import BuildError
-from ..core.files import fsync_path
+from ..core.files import fsync_path, remove_tree
 from ..format.chunker import cut
 from ..format.codec import GROUP_BYTES, GROUP_CHUNKS, Piece, encode_parts
 from ..format.index import ChunkLoc, ChunkParams, Entry, EntryJson, LayerIndex, put_index
@@ -647,7 +646,7 @@ def write_layer(store: Store, scanned: list[Scanned], *, known: KnownChunks,
         raise
     finally:
         reads.close()
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_tree(staging)
     index = LayerIndex(entries=entries, chunks=locs, packs=w.packs, params=params,
                        entry_json=ij.arrays())
     return index, WriteStats(w.new_chunks, w.result_new_bytes, w.reused, w.written)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import BuildError, DsecError
+from ..core.files import remove_tree
 from ..format.index import Entry
 from ..format.tree import Scanned, TreeWriter, parent_of, scan_dir
 from .spec import Spec, Step
@@ -305,7 +305,7 @@ def clean_stale_staging(tmp_root: Path, dry_run: bool = False) -> list[str]:
             log.warning("cannot unmount everything below %s; left in place", staging)
             removed.pop()
             continue
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_tree(staging)
         log.info("removed the staging dir %s of a build that died", staging)
     return removed
 

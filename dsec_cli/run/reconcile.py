@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends import SandboxHandle, _cgroups, _rootfs
 from ..core.errors import NotFoundError
+from ..core.files import remove_tree
 from .density import recover_parked
 from .images import unmount_lazy
 from .pins import unpin
@@ -132,7 +133,7 @@ def gc(node: Node, budget: int | None = None, dry_run: bool = False) -> dict[str
                 os.rename(path, tmp)  # atomic: a concurrent create re-materializes it
             except OSError:
                 continue
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
     report["cache_bytes"] = total
     if not dry_run and not node.db.all():
         _cgroups.Cgroup(node.cgroup_parent).remove_if_empty()
