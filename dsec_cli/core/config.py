@@ -243,6 +243,14 @@ class StoreLimits:
     index_packs: int = 1_000_000
     chunk_bytes: int = 64 << 20  # uncompressed bytes of one chunk (and of chunker params)
     pack_trailer_bytes: int = 64 << 20  # decompressed table of contents of one pack
+    #: bytes a layer may put on disk per byte of chunks it stores, past `expansion_floor`:
+    #: zstd of text reaches 10-20x and files repeating a chunk more; the example layers and a
+    #: Debian /usr tree stay under 5x, so 64x leaves room while a crafted index naming a
+    #: file of one chunk repeated (thousands of times) is refused before it is written
+    expansion: int = 64
+    #: bytes any layer may materialize whatever it stores: small layers of repeated or
+    #: zero-filled files stay usable
+    expansion_floor: int = 256 << 20
 
 
 _LIMIT_NAMES = tuple(f.name for f in fields(StoreLimits))

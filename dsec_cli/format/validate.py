@@ -187,7 +187,37 @@ def check_layer(m: Manifest, digest: str, index: LayerIndex) -> str:
     if (size, files) != (m.size, m.files):
         fail(what, f"declares size {m.size} and files {m.files}, its index holds "
                    f"{size} bytes in {files} files")
+    check_expansion(index, what, size)
     return actual
+
+
+def stored_bytes(index: LayerIndex) -> int:
+    """The pack bytes the files of an index read, each byte once: the union of their
+    chunks' ranges (the chunks of a zstd group overlap, all ending where its frame ends)."""
+    used = {n for e in index.entries if e.type == "reg" for n, _, _ in e.chunks}
+    spans = sorted((c.pack, c.offset, c.offset + c.clen)
+                   for n, c in enumerate(index.chunks) if n in used)
+    total, pack, end = 0, -1, 0
+    for p, start, stop in spans:
+        if p != pack:
+            pack, end = p, 0
+        total += max(0, stop - max(start, end))
+        end = max(end, stop)
+    return total
+
+
+def check_expansion(index: LayerIndex, what: str, size: int,
+                    limits: StoreLimits | None = None) -> None:
+    """A layer may put on disk at most its stored bytes times ``limits.expansion`` (or
+    ``limits.expansion_floor``, when more): a file whose chunk list repeats one chunk, or
+    files sharing chunks, cannot make a few KiB of store fill a node's disk."""
+    lim = limits or store_limits()
+    stored = stored_bytes(index)
+    bound = max(lim.expansion_floor, stored * lim.expansion)
+    if size > bound:
+        fail(what, f"its files hold {size} bytes from {stored} stored bytes of chunks, more "
+                   f"than the limit of {bound} ({lim.expansion}x, at least "
+                   f"{lim.expansion_floor}: limits.expansion, limits.expansion_floor)")
 
 
 # -- indexes ---------------------------------------------------------------------------------

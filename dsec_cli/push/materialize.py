@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import shutil
 import tarfile
 import time
 import uuid
@@ -18,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.digests import check_digest, object_key
-from ..core.errors import CorruptObjectError, FormatError, NotFoundError, UsageError
+from ..core.errors import CorruptObjectError, DsecError, FormatError, NotFoundError, UsageError
+from ..core.files import remove_tree, tree_size
 from ..format.index import Entry, LayerIndex
 from ..format.manifest import Manifest, load_manifest
 from ..format.merge import merge
@@ -197,7 +197,7 @@ def dir_into_place(dest: Path) -> Iterator[Path]:
         os.rename(tmp, dest)
     finally:
         if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
 
 
 class _Stream(io.RawIOBase):
@@ -340,6 +340,7 @@ class LayerCache:
             if index.content_digest() != content:  # the index object itself changed
                 raise CorruptObjectError(f"index {str(m.index)[:12]} no longer has content "
                                          f"digest {content}")
+        self._charge(index, m, digest)
         tmp = self.root / f".tmp-{content[:16]}-{uuid.uuid4().hex[:8]}"
         spool = self.root / f".tmp-spool-{content[:16]}-{uuid.uuid4().hex[:8]}"
         try:
@@ -353,8 +354,20 @@ class LayerCache:
         finally:
             for d in (tmp, spool):
                 if d.exists():
-                    shutil.rmtree(d, ignore_errors=True)
+                    remove_tree(d)
         return dest
+
+    def _charge(self, index: LayerIndex, m: Manifest, digest: str) -> None:
+        """Before anything is written: the layer's files must fit the node's cache budget
+        (``cache_budget``) on their own, whatever its index claims is shared."""
+        from ..core.config import load_config, parse_size
+
+        size = sum(e.size for e in index.entries if e.type == "reg")
+        budget = parse_size(load_config().cache_budget, "cache budget")
+        if size > budget:
+            raise DsecError(f"layer {digest[:12]} ({m.ref}) holds {size} bytes of files, more "
+                            f"than the node's layer cache budget of {budget}",
+                            hint="raise cache_budget (DSEC_CACHE_BUDGET) on this node")
 
     @staticmethod
     def _write(store: Store, index: LayerIndex, tmp: Path, spool: Path) -> None:
@@ -382,9 +395,7 @@ class LayerCache:
         for p in self.root.iterdir():
             if p.name.startswith(".tmp-"):
                 continue
-            size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()
-                       and not f.is_symlink())
-            out.append((p, p.stat().st_mtime, size))
+            out.append((p, p.stat().st_mtime, tree_size(p)))
         return out
 
 
