@@ -283,15 +283,19 @@ class LayerIndex:
         return self._stored
 
     @classmethod
-    def from_bytes(cls, data: bytes, what: str = "index") -> LayerIndex:
+    def from_bytes(cls, data: bytes, what: str = "index", json_bytes: int | None = None
+                   ) -> LayerIndex:
         """Decode and validate a stored index (format/validate.py); every failure is a
-        CorruptObjectError naming `what`, and memory stays within the configured bounds."""
+        CorruptObjectError naming `what`, and memory stays within the configured bounds
+        (and within ``json_bytes`` of decoded JSON, when given)."""
         from ..core.config import store_limits
         from .validate import bounded_zstd, check_size, fail, validate_index
 
         lim = store_limits()
         check_size(what, data, lim.index_bytes, "index_bytes")
-        raw = bounded_zstd(data, lim.index_json_bytes, what, "index_json_bytes")
+        limit = lim.index_json_bytes if json_bytes is None else min(json_bytes,
+                                                                    lim.index_json_bytes)
+        raw = bounded_zstd(data, limit, what, "index_json_bytes")
         doc = canonical.loads(raw, what)
         if not isinstance(doc, dict):
             fail(what, "not a JSON object")

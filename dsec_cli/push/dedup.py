@@ -38,13 +38,23 @@ class KnownChunk(NamedTuple):
     codec: int
 
 
-def load_index(store: Store, digest: str) -> LayerIndex:
-    """A layer index, checked against its digest and validated field by field."""
+def load_index(store: Store, digest: str, json_ratio: int | None = None) -> LayerIndex:
+    """A layer index, checked against its digest and validated field by field; with
+    ``json_ratio``, refused once its JSON passes that many times its stored bytes (and
+    `INDEX_JSON_FLOOR`), before it is decoded past that."""
     from ..core.digests import verify_sha256
 
     what = f"index {check_digest(digest)[:12]}"
     data = store.get(object_key("indexes", digest))
-    return LayerIndex.from_bytes(verify_sha256(data, digest, what), what)
+    bound = None if json_ratio is None else max(INDEX_JSON_FLOOR, len(data) * json_ratio)
+    return LayerIndex.from_bytes(verify_sha256(data, digest, what), what, bound)
+
+
+#: Dedup reads the index of every layer in the store, asked for or not, so it decodes each
+#: within a tight bound: real indexes are 6-8 times their stored bytes (chunk ids do not
+#: compress), a bomb thousands of times. An index past the bound only goes unused for dedup.
+INDEX_JSON_RATIO = 32
+INDEX_JSON_FLOOR = 16 << 20
 
 
 try:
@@ -246,7 +256,7 @@ def _add_cached(store: Store, index_digest: str, known: KnownChunks,
         if known.add_table(data):
             _keep_read(index_digest, data)
             return
-    index = load_index(store, index_digest)
+    index = load_index(store, index_digest, INDEX_JSON_RATIO)
     blob = (cache_table(cache_dir, index_digest, index) if cache_dir is not None
             else _table_blob(index))
     known.add_table(blob)  # validated: its table is whole
