@@ -255,13 +255,40 @@ def make_disk(image: Path, mount_point: Path, size: int, templates: Path | None 
         os.close(img_fd)
 
 
+#: kernel interfaces no sandbox sees, as in Docker's default maskedPaths: they show the
+#: host's keyrings (every key's description), kernel memory, timers, firmware and hardware
+MASKED_PATHS = ("/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys",
+                "/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats",
+                "/proc/sched_debug", "/proc/scsi", "/sys/firmware",
+                "/sys/devices/virtual/powercap")
+
+
+def bwrap_masks() -> list[str]:
+    """bwrap arguments masking `MASKED_PATHS` over a fresh `/proc`: a file with /dev/null, a
+    dir with an empty read-only tmpfs. Only the /proc ones: no bubblewrap sandbox mounts a
+    sysfs. The sandbox's procfs is the host kernel's, so it has what the host's has; a path
+    the kernel lacks is left out (bwrap would try to create it)."""
+    args: list[str] = []
+    for path in MASKED_PATHS:
+        if not path.startswith("/proc/"):
+            continue
+        if os.path.isdir(path):
+            args += ["--tmpfs", path, "--remount-ro", path]
+        elif os.path.lexists(path):
+            # bound as a device (bwrap's --ro-bind adds nodev, and the file could not be
+            # opened): it reads as empty, and what is written to it goes nowhere
+            args += ["--dev-bind", "/dev/null", path]
+    return args
+
+
 def bwrap_walls(seccomp_fd: int) -> list[str]:
     """bwrap arguments every bubblewrap sandbox gets after its `--proc /proc`: sysctls
     read-only (a sandbox's root is the host's uid 0 in its user namespace, and the kernel
-    lets uid 0 write most of /proc/sys without any capability) and the seccomp policy."""
+    lets uid 0 write most of /proc/sys without any capability), the masked kernel interfaces
+    and the seccomp policy."""
     return ["--ro-bind", "/proc/sys", "/proc/sys",
             "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
-            "--seccomp", str(seccomp_fd)]
+            *bwrap_masks(), "--seccomp", str(seccomp_fd)]
 
 
 def readable(fd: int, timeout: float) -> bool:

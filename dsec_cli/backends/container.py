@@ -38,9 +38,7 @@ log = logging.getLogger(__name__)
 CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
         "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
         "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE"]
-MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
-          "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware",
-          "/proc/scsi"]
+MASKED = list(_rootfs.MASKED_PATHS)  # runc masks each that exists
 # /sys/fs/cgroup: runc puts the cgroup v1 hierarchies on a writable tmpfs there
 READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
             "/sys/fs/cgroup"]
