@@ -16,6 +16,7 @@ another user's, and is passed over), else under ``/tmp/dsec-<uid>``.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -165,3 +166,16 @@ def peer_uid(sock: object) -> int | None:
         return None
     _pid, uid, _gid = struct.unpack("3i", raw)
     return uid
+
+
+def open_own(dirpath: Path | str, name: str, flags: int, mode: int = 0o600) -> int:
+    """`open_beneath`, with a symlink found at ``name`` refused as an `UnsafePathError`
+    naming it: only dsec's own files belong in a private directory."""
+    try:
+        return open_beneath(dirpath, name, flags, mode)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise UnsafePathError(f"{os.path.join(dirpath, name)}: is a symlink, not a file "
+                              "dsec made", hint="remove it (another user may have put it "
+                                                "there)") from e
