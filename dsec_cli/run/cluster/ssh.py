@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ...core.config import env, net_timeouts
 from ...core.errors import ConfigError, NodeUnreachableError, UsageError
+from ...core.rundir import open_own, private_dir, runtime_dir, socket_is_ours
 from .errors import HostKeyError, NodeCommandError
 
 log = logging.getLogger(__name__)
@@ -77,11 +78,16 @@ def parse_address(text: str) -> Address:
 
 
 def control_dir() -> Path:
-    """Short path (unix socket names are limited to 107 bytes), private to the user."""
-    d = Path(env("DSEC_SSH_CONTROL_DIR") or
-             Path(tempfile.gettempdir()) / f"dsec-ssh-{os.getuid()}")
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return d
+    """Where the control sockets and their lock files live: ``DSEC_SSH_CONTROL_DIR``, else
+    the runtime dir ``ssh`` (short: unix socket names are limited to 107 bytes). Either is
+    a directory private to the user (core/rundir.py), refused otherwise: a socket another
+    user put there would be the node, a symlink there a file we write."""
+    raw = env("DSEC_SSH_CONTROL_DIR")
+    if not raw:
+        return runtime_dir("ssh")
+    if not os.path.isabs(raw):
+        raise ConfigError(f"$DSEC_SSH_CONTROL_DIR: {raw!r} must be an absolute path")
+    return private_dir(raw)
 
 
 def _timeout() -> int:
@@ -141,9 +147,11 @@ class SshTarget:
 
         The master is started with ``-f`` (it forks once authenticated) and its stderr goes
         to a file, not a pipe: a backgrounded master keeps its stderr open forever."""
-        with open(str(self.control_path) + ".lock", "w") as lock:
+        path = self.control_path
+        with os.fdopen(open_own(path.parent, f"{path.name}.lock", os.O_RDWR | os.O_CREAT),
+                       "rb") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one master per node, however many callers
-            if self.control_path.exists() and self._check():
+            if socket_is_ours(path) and self._check():
                 return
             who = f"{name} ({self.address})" if name else str(self.address)
             persist = env("DSEC_SSH_PERSIST") or "600"
