@@ -30,6 +30,7 @@ from typing import IO, Any
 from ... import __version__ as _dsec_version
 from ...core import validate
 from ...core.errors import UsageError
+from ...core.rundir import peer_uid
 from ..density import host_facts
 from ..node import CreateOptions, Node, local_node
 from .admission import Admission
@@ -300,7 +301,8 @@ def serve_stdio(state_dir: str | None = None) -> None:
 
 def serve_unix(path: str, state_dir: str | None = None, idle: float | None = None) -> None:
     """Serve on a unix socket (one thread per connection) until killed, or, with ``idle``,
-    until no client has been connected for that many seconds; then the socket goes."""
+    until no client has been connected for that many seconds; then the socket goes. Only
+    clients of this user are served (SO_PEERCRED): the socket is the node."""
     service = NodeService(local_node(state_dir))
     p = Path(path)
     if p.is_socket():
@@ -337,6 +339,11 @@ def serve_unix(path: str, state_dir: str | None = None, idle: float | None = Non
                     if idle is not None and not clients and time.monotonic() - last >= idle:
                         log.info("no client for %gs: exiting", idle)
                         return
+                continue
+            uid = peer_uid(conn)
+            if uid != os.geteuid():  # the socket is 0600, and yet: never another user
+                log.warning("refused a client running as uid %s", uid)
+                conn.close()
                 continue
             conn.settimeout(None)
             with lock:

@@ -11,8 +11,10 @@ one, detached in its own session, and waits until that one answers.
 One service serves one environment: the socket's name is a digest of the dsec version, the
 protocol version, the Python and package that run it, its state dir and the ``DSEC_*`` /
 ``XDG_*`` settings, so clients whose sessions set up the node differently (another state dir,
-another install) never share one. The files live in ``DSEC_AGENT_DIR`` (default
-``$XDG_RUNTIME_DIR/dsec-node`` or ``/tmp/dsec-node-UID``), a directory private to the user.
+another install) never share one. The files live in ``DSEC_AGENT_DIR`` (default the runtime
+dir ``node``, core/rundir.py), a directory private to the user and refused otherwise; a
+socket there is used only when this user made it and the process listening on it runs as
+this user (SO_PEERCRED), and the service answers only clients of its own user.
 A service with no client for ``DSEC_AGENT_IDLE`` seconds (900) exits and removes its socket
 and pid file; sandboxes do not depend on it (their supervisors own them), so stopping it at
 any time, ``kill -9`` included, loses nothing.
@@ -24,11 +26,11 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -39,7 +41,10 @@ from ... import __version__
 from ...backends import _rootfs
 from ...core.config import env
 from ...core.errors import ConfigError, DsecError
+from ...core.rundir import open_own, peer_uid, private_dir, runtime_dir, socket_is_ours
 from .protocol import PROTOCOL_VERSION, decode, encode
+
+log = logging.getLogger(__name__)
 
 #: how long a starting service may take to answer its first hello
 START_TIMEOUT = 60.0
@@ -50,20 +55,13 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holdin
 
 def agent_dir() -> Path:
     """The user's private directory of resident services (created 0700; refused when another
-    user owns it or others may write to it: a socket there is the node)."""
+    user made it or could swap it: a socket there is the node)."""
     raw = env("DSEC_AGENT_DIR")
-    if raw:
-        d = Path(raw)
-    elif os.environ.get("XDG_RUNTIME_DIR"):
-        d = Path(os.environ["XDG_RUNTIME_DIR"]) / "dsec-node"
-    else:
-        d = Path("/tmp") / f"dsec-node-{os.getuid()}"
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = d.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise ConfigError(f"{d}: not a directory private to this user",
-                          hint="remove it, or set DSEC_AGENT_DIR to a directory of your own")
-    return d
+    if not raw:
+        return runtime_dir("node")
+    if not os.path.isabs(raw):
+        raise ConfigError(f"$DSEC_AGENT_DIR: {raw!r} must be an absolute path")
+    return private_dir(raw)
 
 
 def idle_seconds() -> float:
@@ -88,10 +86,15 @@ def service_key(state_dir: str | None) -> str:
 
 def probe(sock: Path, timeout: float = PROBE_TIMEOUT) -> dict[str, Any] | None:
     """The service's hello answer on ``sock``, or None when nothing answers in time."""
+    if not socket_is_ours(sock):
+        return None  # none yet, or not this user's: a service started anew replaces it
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
             s.connect(str(sock))
+            if peer_uid(s) != os.geteuid():
+                log.warning("%s: the process listening runs as another user: not used", sock)
+                return None
             s.sendall(encode({"id": 1, "op": "hello", "args": {"version": PROTOCOL_VERSION}}))
             with s.makefile("rb") as r:
                 msg = decode(r.readline())
@@ -106,7 +109,12 @@ def probe(sock: Path, timeout: float = PROBE_TIMEOUT) -> dict[str, Any] | None:
 def _stop_stale(pidfile: Path) -> None:
     """Kill the service a pid file names if it still runs (hung: it did not answer)."""
     try:
-        pid_text, start_text = pidfile.read_text().split()
+        fd = open_own(pidfile.parent, pidfile.name, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        with os.fdopen(fd) as f:
+            pid_text, start_text = f.read().split()
         pid, start = int(pid_text), int(start_text)
     except (OSError, ValueError):
         return
@@ -122,7 +130,7 @@ def ensure(state_dir: str | None = None) -> dict[str, Any]:
     d = agent_dir()
     key = service_key(state_dir)
     sock, pidfile = d / f"{key}.sock", d / f"{key}.pid"
-    with open(d / f"{key}.lock", "w") as lock:
+    with os.fdopen(open_own(d, f"{key}.lock", os.O_RDWR | os.O_CREAT), "rb") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one service per key, however many starters
         info = probe(sock)
         if info is None:
@@ -135,12 +143,13 @@ def _start(sock: Path, pidfile: Path, logfile: Path, state_dir: str | None) -> d
     code = (f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
             "from dsec_cli.run.cluster.resident import serve; serve(sys.argv[1:])")
     argv = [sys.executable, "-c", code, str(sock), str(pidfile), state_dir or ""]
-    with open(logfile, "wb") as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    with os.fdopen(open_own(logfile.parent, logfile.name, flags), "wb") as log_out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_out, stderr=log_out,
                                 start_new_session=True, close_fds=True)  # outlives this session
     deadline = time.monotonic() + START_TIMEOUT
     while True:
-        info = probe(sock, timeout=1.0) if sock.is_socket() else None
+        info = probe(sock, timeout=1.0)
         if info is not None and info.get("pid") == proc.pid:
             return info
         rc = proc.poll()
@@ -166,7 +175,10 @@ def serve(args: list[str]) -> None:
     logging.basicConfig(level=level if level in logging.getLevelNamesMapping() else "WARNING",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     pid = os.getpid()
-    Path(pidfile).write_text(f"{pid} {_rootfs.proc_start_time(pid)}\n")
+    pidpath = Path(pidfile)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    with os.fdopen(open_own(pidpath.parent, pidpath.name, flags), "w") as f:
+        f.write(f"{pid} {_rootfs.proc_start_time(pid)}\n")
     try:
         serve_unix(sock, state_dir or None, idle=idle_seconds())
     finally:
