@@ -74,7 +74,7 @@ def _servers(runtime: str) -> list[int]:
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if f"{runtime}/dsec-cli-".encode() in f.read():
+                    if f"{runtime}/cli/".encode() in f.read():
                         out.append(int(d))
             except OSError:
                 continue
@@ -91,7 +91,7 @@ def cli(runs: int) -> dict[str, Any]:
     url = _build_store(root, data)
     env = {**os.environ, "PYTHONPATH": str(REPO), "DSEC_STORE": url, "XDG_DATA_HOME": str(data),
            "XDG_CONFIG_HOME": str(root / "config"), "DSEC_STATE_DIR": str(root / "state"),
-           "XDG_RUNTIME_DIR": runtime}
+           "DSEC_RUNTIME_DIR": runtime}
     env["DSEC_CLI_SERVER"] = "0"  # in-process; the served case leaves it unset (the default)
     py = sys.executable
     sid = subprocess.run([py, "-m", "dsec_cli", "run", "-d", IMAGE], env=env, check=True,
@@ -138,7 +138,7 @@ def creates(n: int, clients: int) -> dict[str, Any]:
     url = _build_store(root, data)
     env = {**os.environ, "PYTHONPATH": str(REPO), "DSEC_STORE": url, "XDG_DATA_HOME": str(data),
            "XDG_CONFIG_HOME": str(root / "config"), "DSEC_STATE_DIR": str(root / "state"),
-           "XDG_RUNTIME_DIR": runtime}
+           "DSEC_RUNTIME_DIR": runtime}
     env.pop("DSEC_CLI_SERVER", None)
     py = sys.executable
     subprocess.run([py, "-m", "dsec_cli", "rm", subprocess.run(

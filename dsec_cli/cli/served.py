@@ -8,6 +8,12 @@ joined by NUL (an argument never holds one) with its stdin, stdout and stderr as
 then shuts its side; the server answers ``code N`` (the exit code) or ``fallback`` (run it
 in-process). `PROTOCOL` is part of a server's key, so a client never talks to a server of
 another format.
+
+Another local user must never get a call's stdio, nor answer in the server's place: the
+server's directory is the runtime dir ``cli`` (core/rundir.py: never a ``$XDG_RUNTIME_DIR``
+that is not the caller's own), a socket there is connected to only when the caller made it,
+and its descriptors are sent only when the process listening runs as the caller's own uid
+(SO_PEERCRED). Anything else means the call runs in-process.
 """
 
 from __future__ import annotations
@@ -29,8 +35,83 @@ START_WAIT = 2.0
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
-def server_dir() -> str:
-    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"dsec-cli-{os.getuid()}")
+#: the runtime dirs of core/rundir.py, reckoned here with ``os`` calls only (rundir imports
+#: pathlib and the error tree, which a served call would pay for); rundir is the source of
+#: truth, and tests/security/test_local_user.py holds the two to the same answers
+ROOT_RUNTIME = "/run/dsec"
+SERVER_DIR_NAME = "cli"
+
+
+def server_dir() -> str | None:
+    """``rundir.runtime_dir("cli")``: the command servers' directory, private to this user
+    (created 0700 when missing); None when it, or a directory above it, fails rundir's
+    check."""
+    override = os.environ.get("DSEC_RUNTIME_DIR")
+    if override:
+        if not os.path.isabs(override):
+            return None  # in-process, the command itself reports the setting
+        root = os.path.abspath(override)
+    elif os.geteuid() == 0:
+        root = ROOT_RUNTIME
+    else:
+        xdg = os.environ.get("XDG_RUNTIME_DIR") or ""
+        if os.path.isabs(xdg) and _ancestors_ok(os.path.join(xdg, "x")) and _private(xdg):
+            root = os.path.join(os.path.abspath(xdg), "dsec")
+        else:  # none, or another user's (sudo -E, su): passed over
+            root = f"/tmp/dsec-{os.geteuid()}"
+    d = os.path.join(root, SERVER_DIR_NAME)
+    return d if _private_dir(root) and _private_dir(d) else None
+
+
+def _ancestors_ok(path: str) -> bool:
+    """``rundir.check_ancestors``: every directory above ``path`` is root's or ours, and
+    sticky where others may write to it."""
+    import stat
+
+    uid = os.geteuid()
+    d = os.path.dirname(os.path.abspath(path))
+    while True:
+        try:
+            st = os.lstat(d)
+        except OSError:
+            return False
+        if st.st_uid not in (0, uid):
+            return False
+        if stat.S_ISLNK(st.st_mode):
+            if not _ancestors_ok(os.path.join(os.path.realpath(d), "x")):
+                return False
+        elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return False
+        if d == "/":
+            return True
+        d = os.path.dirname(d)
+
+
+def _private_dir(d: str) -> bool:
+    """``rundir.private_dir``: ``d`` created 0700 when missing (its missing parents too),
+    whether it is a private directory of ours under checked ancestors."""
+    try:
+        os.lstat(d)
+    except FileNotFoundError:
+        parent = os.path.dirname(d)
+        if parent != d and not os.path.exists(parent) and not _private_dir(parent):
+            return False
+        if not _ancestors_ok(d):
+            return False
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass  # a racing call of ours, or planted: the check below tells
+        except OSError:
+            return False
+        else:
+            os.chmod(d, 0o700)
+    except OSError:
+        return False
+    else:
+        if not _ancestors_ok(d):
+            return False
+    return _private(d)
 
 
 def _stamp(path: str) -> list[int]:
@@ -104,12 +185,11 @@ def try_run(argv: list[str], idle: str, eager: bool = True) -> int | None:
     if not _local(argv) or any("\0" in a for a in argv):
         return None
     d = server_dir()
+    if d is None:  # a socket anyone else could have put there would get our stdio
+        _passed_over("no runtime dir private to this user")
+        return None
     key = server_key()
     sock_path = os.path.join(d, f"{key}.sock")
-    if not _private(d):  # a socket anyone else could have put there would get our stdio
-        if eager or _seen_recently(d, key, float(idle)):
-            _spawn(d, key, idle)
-        return None
     s = _connect(sock_path)
     if s is None:
         if not (eager or _seen_recently(d, key, float(idle))) or not _spawn(d, key, idle):
@@ -152,15 +232,40 @@ def try_run(argv: list[str], idle: str, eager: bool = True) -> int | None:
 
 
 def _connect(sock_path: str):  # type: ignore[no-untyped-def]  # an _socket.socket or None
+    """A connection to the server at ``sock_path`` (in a private dir of ours) when this
+    user made the socket and the process listening on it runs as this user."""
     import _socket
+    import stat
 
+    try:
+        st = os.lstat(sock_path)
+    except OSError:
+        return None  # no server yet
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        _passed_over(f"{sock_path} is not a socket this user made")
+        return None
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         s.connect(sock_path)
-        return s
+        cred = s.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
     except OSError:
         s.close()
         return None
+    uid = int.from_bytes(cred[4:8], sys.byteorder)  # struct ucred: pid, uid, gid
+    if uid != os.geteuid():
+        s.close()
+        _passed_over(f"the server at {sock_path} runs as uid {uid}")
+        return None
+    return s
+
+
+def _passed_over(why: str) -> None:
+    """A server not used: said at DSEC_LOG=DEBUG (logging is set up only after the server's
+    turn, and a served call never imports it)."""
+    from ..core.settings import env
+
+    if (env("DSEC_LOG") or "").upper() == "DEBUG":
+        os.write(2, f"DEBUG {__name__}: {why}: running in-process\n".encode(errors="replace"))
 
 
 def _seen_recently(d: str, key: str, idle: float) -> bool:
@@ -169,9 +274,6 @@ def _seen_recently(d: str, key: str, idle: float) -> bool:
     import time
 
     try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        if not _private(d):
-            return False
         seen = os.path.join(d, f"{key}.seen")
         try:
             recent = time.time() - os.stat(seen).st_mtime < idle
@@ -203,9 +305,6 @@ def _spawn(d: str, key: str, idle: str) -> bool:
     import time
 
     try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        if not _private(d):
-            return False  # not a directory private to us: never serve from it
         # many clients finding no server at once start one, not one each (the others would
         # only find its lock taken and exit)
         started = os.path.join(d, f"{key}.spawn")
@@ -219,10 +318,14 @@ def _spawn(d: str, key: str, idle: str) -> bool:
         os.utime(started)
         code = (f"import sys; sys.path.insert(0, {PACKAGE_ROOT!r}); "
                 "from dsec_cli.cli.server import serve; serve(sys.argv[1], float(sys.argv[2]))")
-        with open(os.path.join(d, f"{key}.log"), "ab") as log:
+        log = os.open(os.path.join(d, f"{key}.log"),
+                      os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
             subprocess.Popen([sys.executable, "-c", code, os.path.join(d, f"{key}.sock"), idle],
                              stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                              start_new_session=True, close_fds=True)
+        finally:
+            os.close(log)
         return True
     except (OSError, ValueError):
         return False  # no server: every call runs in-process, as with DSEC_CLI_SERVER=0

@@ -22,6 +22,10 @@ Safe to kill: no server (or a dead one) means the command runs in-process; a ser
 while running a command makes that one call fail with a clear message (it is never run
 twice), and the next call starts a new server. A server exits after the idle time, removing
 its socket.
+
+Its socket lives in the runtime dir ``cli`` (core/rundir.py), private to the user; the server
+serves only clients that run as its own user (SO_PEERCRED), the client only a server that
+does (served.py): another local user never gets a call's stdio nor answers in its place.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..core.rundir import UnsafePathError, check_ancestors, check_private, open_own, peer_uid
 from .served import decode_request
 
 
@@ -65,9 +70,15 @@ def serve(sock_path: str, idle: float) -> None:
     from .render import err_console
 
     path = Path(sock_path)
-    lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 - held for the process's life
+    try:  # the client checked the dir; checked again where the server writes and listens
+        check_ancestors(path.parent)
+        check_private(path.parent)
+        lock = open_own(path.parent, path.with_suffix(".lock").name, os.O_RDWR | os.O_CREAT)
+    except (OSError, UnsafePathError) as e:
+        print(f"not serving from {path.parent}: {e}", file=sys.stderr)
+        return
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for the process's life
     except OSError:
         return  # another server of this environment is starting or running
     import dsec_cli.api.sandboxes  # noqa: F401 - imported once here, not per call
@@ -111,6 +122,11 @@ def serve(sock_path: str, idle: float) -> None:
                         _reap()
                         if time.monotonic() - state["last"] >= idle:
                             return
+                continue
+            uid = peer_uid(conn)
+            if uid != os.geteuid():  # the socket is 0600, and yet: never another user's stdio
+                logging.getLogger(__name__).warning("refused a client running as uid %s", uid)
+                conn.close()
                 continue
             conn.settimeout(None)
             with guard:

@@ -125,7 +125,7 @@ def _server_pids(runtime: str) -> set[int]:
                     args = f.read().split(b"\0")
             except OSError:
                 continue
-            if any(a.startswith(runtime.encode() + b"/dsec-cli-") for a in args):
+            if any(a.startswith(runtime.encode() + b"/cli/") for a in args):
                 out.add(int(d))
     return out
 
@@ -147,14 +147,14 @@ def test_command_server_serves_and_killing_it_breaks_nothing(node_env: dict[str,
     import time
 
     runtime = tempfile.mkdtemp(prefix="dsec-r-", dir="/tmp")
-    env = {**node_env, "XDG_RUNTIME_DIR": runtime, "DSEC_CLI_SERVER": "60"}
+    env = {**node_env, "DSEC_RUNTIME_DIR": runtime, "DSEC_CLI_SERVER": "60"}
     rc, out, err, _ = _run(node_env, ["run", "-d", IMAGE])
     assert rc == 0, err
     sid = out.decode().strip()
     try:
         # the first call runs in-process and starts a server for the next ones
         assert _run(env, ["exec", sid, "--", "echo", "one"])[:2] == (0, b"one\n")
-        _poll("a command server's socket", lambda: list(Path(runtime).glob("dsec-cli-*/*.sock")))
+        _poll("a command server's socket", lambda: list(Path(runtime).glob("cli/*.sock")))
         rc, out, err, loaded = _run(env, ["exec", sid, "--", "sh", "-c", "cat; exit 5"],
                                     input=b"through the server\n",
                                     heavy=(*HEAVY, "dsec_cli.api.sandboxes", "dsec_cli.run.node"))
@@ -177,14 +177,14 @@ def test_command_server_serves_and_killing_it_breaks_nothing(node_env: dict[str,
         for pid in _server_pids(runtime):
             os.kill(pid, signal.SIGKILL)
         _poll("no server", lambda: not _server_pids(runtime))
-        for old in Path(runtime).glob("dsec-cli-*/*.sock"):
+        for old in Path(runtime).glob("cli/*.sock"):
             old.unlink()
         idle = {**env, "DSEC_CLI_SERVER": "5"}
         assert _run(idle, ["exec", sid, "--", "true"])[0] == 0
-        _poll("a server with 5 s idle", lambda: list(Path(runtime).glob("dsec-cli-*/*.sock")))
+        _poll("a server with 5 s idle", lambda: list(Path(runtime).glob("cli/*.sock")))
         _poll("it to exit", lambda: not _server_pids(runtime))
         time.sleep(0.2)
-        assert not list(Path(runtime).glob("dsec-cli-*/*.sock"))
+        assert not list(Path(runtime).glob("cli/*.sock"))
     finally:
         for pid in _server_pids(runtime):
             os.kill(pid, signal.SIGKILL)
@@ -212,10 +212,10 @@ def test_command_server_in_a_shared_directory_is_never_used(node_env: dict[str, 
 
     runtime = tempfile.mkdtemp(prefix="dsec-r-", dir="/tmp")
     try:
-        shared = Path(runtime, f"dsec-cli-{os.getuid()}")
+        shared = Path(runtime, "cli")
         shared.mkdir(mode=0o777)
         shared.chmod(0o777)
-        env = {**node_env, "XDG_RUNTIME_DIR": runtime, "DSEC_CLI_SERVER": "60"}
+        env = {**node_env, "DSEC_RUNTIME_DIR": runtime, "DSEC_CLI_SERVER": "60"}
         rc, out, err, loaded = _run(env, ["ps", "--json"])
         assert rc == 0 and json.loads(out) is not None, err
         assert not _server_pids(runtime)
@@ -251,7 +251,7 @@ def test_command_server_starts_on_demand_by_default(node_env: dict[str, str]) ->
 
     runtime = tempfile.mkdtemp(prefix="dsec-r-", dir="/tmp")
     state = tempfile.mkdtemp(prefix="dsec-s-", dir="/tmp")
-    env = {**node_env, "XDG_RUNTIME_DIR": runtime, "DSEC_STATE_DIR": state}
+    env = {**node_env, "DSEC_RUNTIME_DIR": runtime, "DSEC_STATE_DIR": state}
     sid = None
     try:
         off = {**env, "DSEC_CLI_SERVER": "0"}
@@ -264,14 +264,14 @@ def test_command_server_starts_on_demand_by_default(node_env: dict[str, str]) ->
             assert _run(env, ["ps", "--json"])[:2] == (0, b"[]\n")
             assert not _server_pids(runtime)  # one call: no server
             assert _run(env, ["ps", "--json"])[:2] == (0, b"[]\n")
-            _poll("a server", lambda: list(Path(runtime).glob("dsec-cli-*/*.sock")))
+            _poll("a server", lambda: list(Path(runtime).glob("cli/*.sock")))
             _poll("its pid", lambda: _server_pids(runtime))
             # a served create: the client imports none of it, its debug log reaches stderr
             debug = {**env, "DSEC_LOG": "DEBUG"}
             for _ in range(2):
                 _run(debug, ["ps"])
             _poll("the debug server", lambda: len(list(
-                Path(runtime).glob("dsec-cli-*/*.sock"))) == 2)
+                Path(runtime).glob("cli/*.sock"))) == 2)
             rc, out, err, loaded = _run(debug, ["run", "-d", IMAGE],
                                         heavy=(*HEAVY, "dsec_cli.run.node"))
             assert rc == 0 and loaded == [], (err, loaded)
