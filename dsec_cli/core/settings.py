@@ -31,7 +31,8 @@ ENV_SETTINGS: dict[str, str] = {
     "DSEC_LEASE_TTL": "seconds a writer lease lives without renewal (default 600)",
     "DSEC_GC_MARKER_TTL": "seconds a store gc's marker lives without renewal (default 60)",
     "DSEC_NODE_TIMEOUT": "seconds a fan-out waits for each cluster node (default 15)",
-    "DSEC_SSH_CONTROL_DIR": "where ssh ControlMaster sockets go (default a private temp dir)",
+    "DSEC_SSH_CONTROL_DIR": "where ssh ControlMaster sockets go (default the runtime dir "
+                            "ssh; must be private to the user)",
     "DSEC_SSH_TIMEOUT": "seconds ssh may take to connect (default: connect_timeout)",
     "DSEC_SSH_CONFIG": "an ssh config file used instead of ~/.ssh/config",
     "DSEC_SSH_PERSIST": "how long an idle ssh master connection stays (ssh syntax, 600)",
@@ -39,7 +40,7 @@ ENV_SETTINGS: dict[str, str] = {
     "DSEC_NODE_AGENT": "how the client reaches a node's service: resident (one long-lived "
                        "service per node, the default) or stdio (one per connection)",
     "DSEC_AGENT_DIR": "where a node's resident service keeps its socket, pid and log "
-                      "(default $XDG_RUNTIME_DIR/dsec-node or /tmp/dsec-node-UID)",
+                      "(default the runtime dir node; must be private to the user)",
     "DSEC_CLI_SERVER": "seconds a per-user command server that runs plain local exec, run -d "
                        "and ps stays idle (default 30; 0 or off: commands run in-process)",
     "DSEC_AGENT_IDLE": "seconds a resident node service stays without clients (default 900)",
