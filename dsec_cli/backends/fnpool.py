@@ -2,11 +2,14 @@
 sandbox in a few milliseconds.
 
 Each worker is a bwrap sandbox (new user, pid, net, ipc and uts namespaces; every capability
-dropped; no network unless asked; a read-only view of the host's Python and nothing else of
-the host but /usr, /lib*, /bin, /sbin, /etc; a private /tmp), running a fork server
-(_fnworker.py). Workers are started ahead of calls; a call forks inside a worker, so state
-never leaks from one call to the next. Limits: a cgroup per worker (memory, pids, CPU) when
-the node has cgroups, and RLIMIT_AS per call.
+dropped; no network unless asked; a private /tmp; a read-only root), running a fork server
+(_fnworker.py). Of the host it sees, read-only, what it runs on and nothing else: /usr and
+/lib*, the interpreter's own trees, the code its import path can import (not the other files
+of a dir on it), and an /etc of the few public files an interpreter reads plus generated
+users, groups and hosts (never the host's shadow, keys or configs). Workers are started
+ahead of calls; a call forks inside a worker, so state never leaks from one call to the next.
+Limits: a cgroup per worker (memory, pids, CPU) when the node has cgroups, and RLIMIT_AS per
+call.
 
 Results come back pickled from inside the sandbox; they are unpickled with a restricted
 unpickler that builds only plain data (numbers, strings, bytes, lists, tuples, dicts, sets),
@@ -15,11 +18,13 @@ so a hostile callable cannot run code on the host through its return value.
 
 from __future__ import annotations
 
+import importlib.machinery
 import io
 import os
 import pickle
 import queue
 import secrets
+import site
 import struct
 import subprocess
 import sys
@@ -59,45 +64,155 @@ def _loads(data: bytes) -> Any:
     return _PlainUnpickler(io.BytesIO(data)).load()
 
 
-def _host_python_binds() -> list[str]:
-    """Read-only binds giving the sandbox the host's Python and its import path."""
-    paths = {"/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", sys.prefix, sys.base_prefix,
-             str(_WORKER.parent)}
-    paths.update(p for p in sys.path if p and os.path.isdir(p))
-    binds: list[str] = []
-    links: list[str] = []
-    for p in sorted(paths, key=len):
-        real = os.path.realpath(p)
-        if not os.path.exists(real):
+#: the host's system dirs, which the interpreter and commands run from
+_SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin")
+#: what of the host's /etc the interpreter and common commands read, none of it secret: the
+#: loader's cache, the time zone, the links behind /usr/bin's alternatives, the public CA
+#: certificates and OpenSSL's config, the netbase tables, Debian's sitecustomize
+_HOST_ETC = ("ld.so.cache", "localtime", "alternatives", "ssl/certs", "ssl/openssl.cnf",
+             "services", "protocols", "mime.types", "python{}.{}".format(*sys.version_info))
+_MODULE_SUFFIXES = tuple(importlib.machinery.all_suffixes())
+
+
+def _etc_files() -> dict[str, bytes]:
+    """The generated rest of /etc: users and groups root and nobody (and the caller's own ids,
+    which an unprivileged bwrap maps), localhost, and name lookups through these files."""
+    uid, gid = os.getuid(), os.getgid()
+    passwd = ("root:x:0:0:root:/root:/bin/sh\n"
+              "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+    group = "root:x:0:\nnogroup:x:65534:\n"
+    if uid not in (0, 65534):
+        passwd += f"user:x:{uid}:{gid}:user:/tmp:/bin/sh\n"
+    if gid not in (0, 65534):
+        group += f"user:x:{gid}:\n"
+    return {"/etc/passwd": passwd.encode(), "/etc/group": group.encode(),
+            "/etc/hosts": b"127.0.0.1\tlocalhost fncall\n::1\tlocalhost ip6-localhost\n",
+            "/etc/nsswitch.conf": b"passwd: files\ngroup: files\nhosts: files dns\n"
+                                  b"services: files\nprotocols: files\n"}
+
+
+def _interpreter_dirs() -> set[str]:
+    """The interpreter's own trees: its prefixes (stdlib, venv) and site dirs."""
+    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+            *site.getsitepackages()}
+    if site.ENABLE_USER_SITE:
+        dirs.add(site.getusersitepackages())
+    return {os.path.realpath(d) for d in dirs if os.path.isdir(d)}
+
+
+def _importable(entry: str) -> list[str]:
+    """What Python can import from a dir of the import path that is not the interpreter's
+    own (a script's dir, a project root, a PYTHONPATH dir; maybe a home dir): its regular
+    packages and top-level modules, never its other files (keys, dotfiles, data)."""
+    out = []
+    try:
+        with os.scandir(entry) as it:
+            for e in it:
+                if not e.name.split(".", 1)[0].isidentifier():
+                    continue
+                if e.is_dir() and "." not in e.name:
+                    if os.path.isfile(os.path.join(e.path, "__init__.py")):
+                        out.append(e.path)
+                elif e.name.endswith(_MODULE_SUFFIXES) and e.is_file():
+                    out.append(e.path)
+    except OSError:  # an unreadable dir: nothing of it can be imported here either
+        return []
+    return out
+
+
+def _import_path() -> tuple[list[str], list[str]]:
+    """The host's import path as a worker sees it: (the entries for PYTHONPATH, the paths to
+    bind). An interpreter dir, or an entry below one, is bound whole; a zip on the path as it
+    is; any other dir only with what it can import. The cwd ('') is not on it."""
+    own = _interpreter_dirs()
+    entries: list[str] = []
+    paths = set(own)
+    for entry in sys.path:
+        if not entry or entry in entries or not os.path.exists(entry):
             continue
-        if os.path.islink(p) and os.path.dirname(p) == "/":  # merged /usr: /bin -> usr/bin
-            links += ["--symlink", os.readlink(p), p]
-            p = real
-        binds += ["--ro-bind", real, real]
-        if real != p:
-            binds += ["--ro-bind", real, p]
-    return binds + links
+        entries.append(entry)
+        real = os.path.realpath(entry)
+        if any(real == d or real.startswith(d + "/") for d in own):
+            if real != os.path.abspath(entry):
+                paths.add(entry)  # reached through a symlink: bound there too
+        elif os.path.isfile(real):
+            paths.add(entry)
+        elif os.path.isdir(real):
+            paths.update(_importable(entry))
+    return entries, sorted(paths)
+
+
+def _ro_binds(paths: Sequence[str]) -> list[str]:
+    """Read-only binds of host paths at the same place (and at their real path, where a
+    symlink leads elsewhere), parents before children."""
+    pairs = set()
+    for p in paths:
+        real = os.path.realpath(p)
+        pairs.update({(real, real), (real, os.path.abspath(p))})
+    args: list[str] = []
+    same: list[str] = []  # bound at their own place: what is below them is already there
+    for src, dest in sorted(pairs, key=lambda sd: (sd[1].count("/"), sd[1])):
+        if src == dest:
+            if any(dest.startswith(d + "/") for d in same):
+                continue
+            same.append(dest)
+        args += ["--ro-bind", src, dest]
+    return args
+
+
+def _host_view(network: str) -> tuple[list[str], list[str], list[int]]:
+    """What a worker sees of the host: its system dirs, the interpreter, the import path and
+    the worker, read-only, and an /etc of `_HOST_ETC` and `_etc_files` (the host's DNS
+    config too with the host's network). Returns bwrap arguments, the PYTHONPATH entries
+    and the fds the arguments name (the caller passes, then closes them)."""
+    links, system = [], []
+    for d in _SYSTEM_DIRS:
+        if os.path.islink(d) and os.path.dirname(d) == "/":  # merged /usr: /bin -> usr/bin
+            links += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            system.append(d)
+    entries, paths = _import_path()
+    args = _ro_binds([*system, *paths, str(_WORKER)])
+    etc = [f"/etc/{name}" for name in _HOST_ETC]
+    if network == "host":
+        etc.append("/etc/resolv.conf")
+    for path in etc:
+        args += ["--ro-bind-try", path, path]
+    fds = []
+    for path, data in _etc_files().items():
+        r, w = os.pipe()  # a few hundred bytes: the pipe holds them
+        os.write(w, data)
+        os.close(w)
+        fds.append(r)
+        args += ["--ro-bind-data", str(r), path]
+    return args + links, entries, fds
 
 
 class _Worker:
     def __init__(self, pool: FunctionPool) -> None:
         self.cgroup = None
+        view, entries, fds = _host_view(pool.network)
         filt = seccomp.bpf_fd()
-        argv = [bwrap_binary(), "--tmpfs", "/tmp", *_host_python_binds(), "--proc", "/proc",
-                *_rootfs.bwrap_walls(filt), "--dev", "/dev", "--unshare-all", "--die-with-parent",
+        fds.append(filt)
+        # the root tmpfs is read-only once everything is mounted: a call leaves nothing in
+        # it (an /etc/ld.so.preload, say) for the next call of this worker
+        argv = [bwrap_binary(), "--tmpfs", "/tmp", *view, "--proc", "/proc",
+                *_rootfs.bwrap_walls(filt), "--dev", "/dev", "--remount-ro", "/",
+                "--unshare-all", "--die-with-parent",
                 "--new-session", "--cap-drop", "ALL", "--hostname", "fncall", "--chdir", "/tmp",
                 "--clearenv",
                 "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
-                "--setenv", "PYTHONPATH", os.pathsep.join(p for p in sys.path if p),
+                "--setenv", "PYTHONPATH", os.pathsep.join(entries),
                 "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
         if pool.network == "host":
             argv.append("--share-net")
         argv += ["--", os.path.realpath(sys.executable), "-u", str(_WORKER)]
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, pass_fds=(filt,))
+                                         stderr=subprocess.DEVNULL, pass_fds=fds)
         finally:
-            os.close(filt)
+            for fd in fds:
+                os.close(fd)
         if pool.cgroup_parent and _cgroups.layout().mounts and os.geteuid() == 0:
             from .fncall import descendants
 
