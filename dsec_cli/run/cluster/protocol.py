@@ -53,12 +53,10 @@ def decode(line: bytes) -> dict[str, Any]:
 
 
 class Lines:
-    """A node's byte stream cut into protocol lines, as it arrives, for every reader (the
-    threaded and the asyncio client, a resident service's reply): `feed` what was read, get
-    the lines it completed. A node is hostile like a store object: a line longer than
-    MAX_LINE is refused once that many bytes came without a newline (`NodeCommandError`,
-    not retried: the caller drops the connection), so at most MAX_LINE and one read are
-    held."""
+    """A node's byte stream cut into protocol lines, as it arrives, for the threaded and
+    the asyncio client alike: `feed` what was read, get the lines it completed. A node is
+    hostile like a store object: a line longer than MAX_LINE is refused once that many bytes
+    came without a newline (`check_size`), so at most MAX_LINE and one read are held."""
 
     def __init__(self, node: str) -> None:
         self.node = node
@@ -70,22 +68,21 @@ class Lines:
         buf += data
         lines, begin = [], 0
         while (nl := buf.find(b"\n", scan)) >= 0:
-            self._check(nl + 1 - begin)
+            check_size(self.node, nl + 1 - begin)
             lines.append(bytes(buf[begin:nl + 1]))
             begin = scan = nl + 1
         del buf[:begin]
-        self._check(len(buf))
+        check_size(self.node, len(buf))
         return lines
 
-    def rest(self) -> bytes:
-        """What came after the last newline (at the end of the stream)."""
-        return bytes(self._buf)
 
-    def _check(self, size: int) -> None:
-        if size > MAX_LINE:
-            raise cluster_errors.NodeCommandError(
-                f"{self.node}: the node service sent a line of more than {MAX_LINE} bytes: "
-                "dropped the connection", hint="is the node running a dsec node service?")
+
+def check_size(node: str, size: int) -> None:
+    """The bound on one message from a node (a line, or a command's whole reply)."""
+    if size > MAX_LINE:
+        raise cluster_errors.NodeCommandError(
+            f"{node}: the node service sent a message of more than {MAX_LINE} bytes: "
+            "dropped the connection", hint="is the node running a dsec node service?")
 
 
 def b64(data: bytes) -> str:

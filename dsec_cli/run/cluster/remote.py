@@ -41,6 +41,7 @@ from .protocol import (
     PROTOCOL_VERSION,
     Lines,
     b64,
+    check_size,
     decode,
     encode,
     error_from_wire,
@@ -142,7 +143,7 @@ def start_resident(entry: NodeEntry, greet: float) -> Path | None:
     command = entry.resident_command()
     with tempfile.TemporaryFile() as err:
         try:
-            rc, out = _first_line(target.command_argv(command), err, entry.name, greet)
+            rc, out = _reply(target.command_argv(command), err, entry.name, greet)
         except subprocess.TimeoutExpired as e:
             raise NodeUnreachableError(
                 f"{entry.name} ({target.address}): `{shlex.join(command)}` did not answer the "
@@ -173,11 +174,10 @@ def start_resident(entry: NodeEntry, greet: float) -> Path | None:
     return local
 
 
-def _first_line(argv: list[str], err: IO[bytes], node: str, timeout: float
-                ) -> tuple[int, bytes]:
-    """Run ``argv`` (a command on a node) with stderr to ``err``: its exit code and the first
-    line of its output, cut by `Lines` (the rest is read and dropped). TimeoutExpired when
-    it has not ended within ``timeout`` seconds (it is killed)."""
+def _reply(argv: list[str], err: IO[bytes], node: str, timeout: float) -> tuple[int, bytes]:
+    """Run ``argv`` (a command on a node) with stderr to ``err``: its exit code and its
+    output, one message (`check_size`). TimeoutExpired when it has not ended within
+    ``timeout`` seconds (it is killed)."""
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=err)
     late = threading.Event()
@@ -189,13 +189,11 @@ def _first_line(argv: list[str], err: IO[bytes], node: str, timeout: float
     timer = threading.Timer(timeout, stop)
     timer.start()
     assert proc.stdout is not None
+    out = bytearray()
     try:
-        lines, first = Lines(node), None
         while chunk := proc.stdout.read1(READ_CHUNK):
-            got = lines.feed(chunk)
-            if first is None and got:
-                first = got[0]
-                lines = Lines(node)  # what follows is only bounded, never kept
+            out += chunk
+            check_size(node, len(out))
         rc = proc.wait()
     finally:
         timer.cancel()
@@ -205,7 +203,7 @@ def _first_line(argv: list[str], err: IO[bytes], node: str, timeout: float
         proc.stdout.close()
     if late.is_set():
         raise subprocess.TimeoutExpired(argv, timeout)
-    return rc, first if first is not None else lines.rest()
+    return rc, bytes(out)
 
 
 class Channel:
