@@ -16,7 +16,7 @@ from pathlib import Path
 from tests.run.conftest import dsec_home, node, node_env, sandbox_data, store_url
 
 __all__ = ["dsec_home", "node", "node_env", "sandbox_data", "store_url", "Ran",
-           "dsec_measured"]
+           "dsec_measured", "run_measured"]
 
 
 @dataclass
@@ -50,13 +50,18 @@ def dsec_measured(env: dict[str, str], *args: str, timeout: float = 120,
     `address_space`, the process cannot grow past that many bytes (a copy that would hold a
     whole file fails with a MemoryError instead of pressing on the machine)."""
     exe = Path(os.sys.executable).with_name("dsec")  # type: ignore[attr-defined]
+    return run_measured([str(exe), *args], env, timeout=timeout, address_space=address_space)
 
+
+def run_measured(argv: list[str], env: dict[str, str], *, timeout: float = 120,
+                 address_space: int | None = None) -> Ran:
+    """`dsec_measured` for any command (a Python snippet driving the SDK, say)."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
             tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "rss"
         t0 = time.monotonic()
         p = subprocess.Popen([os.sys.executable, "-S", "-c", _LAUNCHER,  # type: ignore[attr-defined]
-                              str(address_space or 0), str(report), str(exe), *args],
+                              str(address_space or 0), str(report), *argv],
                              stdout=out, stderr=err, env={**os.environ, **env},
                              start_new_session=True)
         killed = threading.Event()
