@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import stat
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,9 @@ def _split(rel: str) -> tuple[str, str]:
 _SYS_OPENAT2 = 437  # the same number on every architecture (added after the syscall unification)
 _RESOLVE = 0x08 | 0x04 | 0x02 | 0x01  # BENEATH | NO_SYMLINKS | NO_MAGICLINKS | NO_XDEV
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: the deepest tree a layer can hold: paths are at most 4096 bytes (format/validate.py), so
+#: one-byte names nest at most this far; a walk goes this deep and refuses a deeper tree
+MAX_DEPTH = 2048
 
 
 class _OpenHow(ctypes.Structure):
@@ -289,9 +293,20 @@ def _py_records(root: str, xattrs: bool = True) -> list[Record]:
 def walk_records(root: str, *, xattrs: bool = True) -> list[Record]:
     """Every path under root as a `Record`, in sorted pre-order, never following a symlink
     below root: from the compiled walker where it is built, else from Python."""
-    if use_compiled and _cwalk is not None:
-        return _cwalk.scan(root, xattrs)  # type: ignore[no-any-return]
-    return _py_records(root, xattrs)
+    # both walks stop at the interpreter's recursion limit: raised for the walk to the
+    # depth a layer can hold, so a tree a sandbox nested past it is an error, not a crash
+    limit = sys.getrecursionlimit()
+    if limit < 2 * MAX_DEPTH + 200:  # the Python walk takes two frames a level
+        sys.setrecursionlimit(2 * MAX_DEPTH + 200)
+    try:
+        if use_compiled and _cwalk is not None:
+            return _cwalk.scan(root, xattrs)  # type: ignore[no-any-return]
+        return _py_records(root, xattrs)
+    except RecursionError as e:
+        raise FormatError(f"{root}: the tree is nested deeper than a layer can hold "
+                          f"(paths of at most 4096 bytes, {MAX_DEPTH} levels)") from e
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def _py_stat_listing(root: str) -> bytes:

@@ -141,6 +141,51 @@ def test_gc_node_of_a_deep_sandbox_tree(node_env: dict[str, str]) -> None:  # no
     assert leaks(state) == {"mounts": [], "cgroups": [], "dirs": []}
 
 
+@root_only
+def test_snapshot_of_a_deep_sandbox_tree(node_env: dict[str, str]) -> None:  # noqa: F811
+    """1,500 levels (3 KB of path, as deep as a layer holds paths) snapshot whole; 5,000
+    levels are refused by name, exit 2, and the sandbox is left as it was."""
+    sid = dsec(node_env, "run", "-d", IMAGE, "--ttl", "1h").stdout.decode().strip()
+    try:
+        p = dsec(node_env, "exec", sid, "--", "sh", "-c", _DEEP_SH, "sh", "15", "d")
+        assert b"made" in p.stdout, p
+        p = dsec(node_env, "snapshot", sid, "--as", "deep@1", check=None)
+        assert p.returncode == 0 and b"Traceback" not in p.stderr, p
+        listing = dsec(node_env, "inspect", "deep@1", "--json", check=0)
+        assert listing.returncode == 0
+        p = dsec(node_env, "exec", sid, "--", "sh", "-c",
+                 "mv /deep /deep1 && " + _DEEP_SH, "sh", "50", "d")
+        assert b"made" in p.stdout, p
+        p = dsec(node_env, "snapshot", sid, "--as", "deep@2", check=None)
+        err = p.stderr.decode()
+        assert p.returncode == 2 and "Traceback" not in err, (p.returncode, err)
+        assert "nested deeper" in err, err
+        assert dsec(node_env, "inspect", "deep@2", check=None).returncode != 0
+        p = dsec(node_env, "exec", sid, "--", "echo", "alive", check=0)
+        assert p.stdout.strip() == b"alive"
+    finally:
+        dsec(node_env, "rm", "-f", sid, check=None)
+
+
+def test_walks_refuse_a_tree_deeper_than_a_layer_holds(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsec_cli.core.errors import FormatError
+    from dsec_cli.format import tree
+
+    ok, deep = tmp_path / "ok", tmp_path / "deep"
+    ok.mkdir()
+    deep.mkdir()
+    _deep(ok, tree.MAX_DEPTH - 1)
+    _deep(deep, 3 * tree.MAX_DEPTH)
+    limit = sys.getrecursionlimit()
+    for compiled in (True, False):
+        monkeypatch.setattr(tree, "use_compiled", compiled)
+        assert len(tree.walk_records(str(ok))) == tree.MAX_DEPTH + 1  # the dirs, root, f
+        with pytest.raises(FormatError, match="nested deeper"):
+            tree.walk_records(str(deep))
+        assert sys.getrecursionlimit() == limit
+
+
 # -- what a layer may materialize --------------------------------------------------------------
 CHUNK = 256 << 10
 REPEATS = 2048  # a 512 MiB file of one 256 KiB chunk
