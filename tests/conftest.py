@@ -58,8 +58,10 @@ def no_command_servers_left(tmp_path_factory: pytest.TempPathFactory) -> Iterato
     base = tmp_path_factory.getbasetemp()
     runtime = base / "runtime"
     runtime.mkdir(mode=0o700, exist_ok=True)
-    old = {k: os.environ.get(k) for k in ("XDG_RUNTIME_DIR", "DSEC_CLI_SERVER")}
+    old = {k: os.environ.get(k) for k in ("XDG_RUNTIME_DIR", "DSEC_RUNTIME_DIR",
+                                           "DSEC_CLI_SERVER")}
     os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+    os.environ["DSEC_RUNTIME_DIR"] = str(runtime)  # root's runtime dirs pass XDG's over
     os.environ["DSEC_CLI_SERVER"] = "0"
     try:
         yield

@@ -31,6 +31,9 @@ ENV_SETTINGS: dict[str, str] = {
     "DSEC_LEASE_TTL": "seconds a writer lease lives without renewal (default 600)",
     "DSEC_GC_MARKER_TTL": "seconds a store gc's marker lives without renewal (default 60)",
     "DSEC_NODE_TIMEOUT": "seconds a fan-out waits for each cluster node (default 15)",
+    "DSEC_RUNTIME_DIR": "the private directory of runtime sockets, locks and pidfiles "
+                        "(default /run/dsec for root, else $XDG_RUNTIME_DIR/dsec when it is "
+                        "the user's own, else /tmp/dsec-UID; must be private to the user)",
     "DSEC_SSH_CONTROL_DIR": "where ssh ControlMaster sockets go (default the runtime dir "
                             "ssh; must be private to the user)",
     "DSEC_SSH_TIMEOUT": "seconds ssh may take to connect (default: connect_timeout)",
