@@ -178,12 +178,16 @@ def test_walks_refuse_a_tree_deeper_than_a_layer_holds(tmp_path: Path,
     _deep(ok, tree.MAX_DEPTH - 1)
     _deep(deep, 3 * tree.MAX_DEPTH)
     limit = sys.getrecursionlimit()
-    for compiled in (True, False):
-        monkeypatch.setattr(tree, "use_compiled", compiled)
-        assert len(tree.walk_records(str(ok))) == tree.MAX_DEPTH + 1  # the dirs, root, f
-        with pytest.raises(FormatError, match="nested deeper"):
-            tree.walk_records(str(deep))
-        assert sys.getrecursionlimit() == limit
+    try:
+        for compiled in (True, False):
+            monkeypatch.setattr(tree, "use_compiled", compiled)
+            assert len(tree.walk_records(str(ok))) == tree.MAX_DEPTH + 1  # dirs, root, f
+            with pytest.raises(FormatError, match="nested deeper"):
+                tree.walk_records(str(deep))
+            assert sys.getrecursionlimit() == limit
+    finally:  # pytest's own clean-up of old temp dirs recurses
+        remove_tree(ok)
+        remove_tree(deep)
 
 
 # -- what a layer may materialize --------------------------------------------------------------
