@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..core.errors import SpecError
 from ..format.manifest import Manifest, load_manifest, put_manifest
 from ..format.refs import set_ref
+from ..format.validate import layer_count_problem
 from ..push.stores.base import Store
 
 
@@ -26,6 +27,9 @@ def write_image(st: Store, name: str, version: str, layers: list[str], *,
                 created_by: str = "dsec build", annotations: dict[str, str] | None = None
                 ) -> tuple[str, Manifest]:
     """Put an image manifest stacking ``layers`` (manifest digests, bottom first)."""
+    problem = layer_count_problem(len(layers))
+    if problem:
+        raise SpecError(f"image {name}@{version}: {problem}")
     ms = manifests or [load_manifest(st, d) for d in layers]
     for d, lm in zip(layers, ms, strict=True):
         if lm.kind != "layer":

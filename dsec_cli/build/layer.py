@@ -36,6 +36,7 @@ from ..format.index import ChunkLoc, ChunkParams, Entry, EntryJson, LayerIndex, 
 from ..format.manifest import Manifest, put_manifest
 from ..format.pack import FinishedPack, PackWriter
 from ..format.tree import Scanned, ScanReport, parent_of, read_many
+from ..format.validate import layer_xattrs
 from ..push.dedup import KnownChunk, KnownChunks
 from ..push.stores.base import Store
 
@@ -515,8 +516,13 @@ def chunk_stream(w: _Writer, read: Callable[[int], bytes | memoryview], size: in
 
 def canonical_entries(scanned: list[Scanned], mtime: int = 0) -> list[Scanned]:
     """Sorted, with the root and every parent directory present and each hardlink group
-    named by its first path."""
-    items = {s.entry.path: s for s in scanned}
+    named by its first path. Every path's xattrs are what a layer may hold
+    (`validate.layer_xattrs`), whichever source they came from."""
+    items: dict[str, Scanned] = {}
+    for s in scanned:
+        if s.entry.xattrs:
+            s.entry.xattrs = layer_xattrs(s.entry.xattrs, s.source or repr(s.entry.path))
+        items[s.entry.path] = s
     if "." not in items:
         items["."] = Scanned(Entry(".", "dir", 0o755, mtime=mtime), None)
     for path in list(items):

@@ -53,7 +53,7 @@ from ..core.gcpause import gc_paused
 from ..format.index import ChunkParams, Entry, LayerIndex
 from ..format.manifest import Manifest, load_manifest
 from ..format.refs import get_ref, set_ref
-from ..format.validate import MAX_TEXT
+from ..format.validate import MAX_TEXT, layer_count_problem
 from ..push import retry
 from ..push.dedup import KnownChunks, cache_table
 from ..push.ocisource import (
@@ -898,6 +898,9 @@ def _plan(store: Store, source_text: str, as_ref: str | None, want: str, insecur
                                  f"one sha256 digest per layer ({len(layers)} layers)")
         p.env, p.workdir, p.ann = image_settings(config, label)
         p.name, p.version = parse_ref(as_ref) if as_ref else default_name(source)
+        problem = layer_count_problem(len(layers))
+        if problem:
+            raise UsageError(f"{label} ({p.name}@{p.version}): {problem}")
         p.top_digest = top_digest or ""
         if as_ref != "" and not replace:
             _refuse_other_image(store, p.name, p.version, p.top_digest)

@@ -25,6 +25,7 @@ from typing import IO
 from ..core.errors import SpecError
 from ..format.index import Entry
 from ..format.tree import Scanned
+from ..format.validate import layer_xattrs
 
 #: the largest apparent size of a sparse member (its data is bounded by the archive itself)
 MAX_SPARSE_SIZE = 64 << 30
@@ -190,6 +191,8 @@ def scan_members(tf: tarfile.TarFile, src: Path, base: str, on_file: OnFile, *,
         mtime = _mtime_ns(m)
         xattrs = {k[len("SCHILY.xattr."):]: v.encode("utf-8", "surrogateescape")
                   for k, v in m.pax_headers.items() if k.startswith("SCHILY.xattr.")}
+        if xattrs:
+            xattrs = layer_xattrs(xattrs, f"{src}: member {m.name!r}")
         if name == WH_OPAQUE:
             parent = place(posixpath.dirname(rel) or ".")
             _check_parents(out, f"{parent}/{WH_OPAQUE}", base, m.name, src, clean)

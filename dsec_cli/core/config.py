@@ -251,6 +251,9 @@ class StoreLimits:
     #: bytes any layer may materialize whatever it stores: small layers of repeated or
     #: zero-filled files stay usable
     expansion_floor: int = 256 << 20
+    #: layers of one image: overlayfs stacks at most 500 lower dirs (a sandbox adds its own
+    #: skeleton on top), and Docker's images stay within 128
+    layers: int = 128
 
 
 _LIMIT_NAMES = tuple(f.name for f in fields(StoreLimits))

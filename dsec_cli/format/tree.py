@@ -614,21 +614,29 @@ class TreeWriter:
         finally:
             os.close(tfd)
 
-    def _xattrs(self, e: Entry) -> Iterable[tuple[str, bytes]]:
-        # overlayfs's own xattrs (redirects, metacopy, ...) never come from an index: the
-        # writer sets the opaque marker itself
-        return ((k, v) for k, v in e.xattrs.items() if not k.startswith(OVERLAY_XATTR_PREFIX))
+    def _set_xattrs(self, target: int | str, e: Entry) -> None:
+        """An entry's xattrs on its file (an fd, or a /proc/self/fd path not followed).
+
+        overlayfs's own xattrs (redirects, metacopy, ...) never come from an index: the
+        writer sets the opaque marker itself. A name this host does not let the writer set
+        (an unprivileged export, a filesystem without it) is skipped; a value the kernel
+        refuses is an error naming the path, never a traceback."""
+        for name, value in e.xattrs.items():
+            if name.startswith(OVERLAY_XATTR_PREFIX):
+                continue
+            try:
+                os.setxattr(target, name, value, follow_symlinks=isinstance(target, int))
+            except OSError as err:
+                if err.errno in (errno.ENOTSUP, errno.EPERM):
+                    continue
+                raise FormatError(f"cannot set xattr {name!r} on {e.path!r}: "
+                                  f"{err.strerror}") from None
 
     def _meta_fd(self, fd: int, e: Entry) -> None:
         """Metadata of a file or directory through its own open fd."""
         if self.owners:
             os.fchown(fd, e.uid, e.gid)
-        for name, value in self._xattrs(e):
-            try:
-                os.setxattr(fd, name, value)
-            except OSError as err:
-                if err.errno not in (errno.ENOTSUP, errno.EPERM):
-                    raise
+        self._set_xattrs(fd, e)
         os.fchmod(fd, e.mode & 0o7777)  # after chown, which clears setuid bits
         os.utime(fd, ns=(e.mtime, e.mtime))
 
@@ -638,13 +646,7 @@ class TreeWriter:
         if self.owners:
             os.chown(name, e.uid, e.gid, dir_fd=dfd, follow_symlinks=False)
         if e.type != "sym":  # symlinks carry no mode, and Linux allows no user xattrs on them
-            for xname, value in self._xattrs(e):
-                try:
-                    os.setxattr(f"/proc/self/fd/{dfd}/{name}", xname, value,
-                                follow_symlinks=False)
-                except OSError as err:
-                    if err.errno not in (errno.ENOTSUP, errno.EPERM):
-                        raise
+            self._set_xattrs(f"/proc/self/fd/{dfd}/{name}", e)
             os.chmod(name, e.mode & 0o7777, dir_fd=dfd, follow_symlinks=False)
         os.utime(name, ns=(e.mtime, e.mtime), dir_fd=dfd, follow_symlinks=False)
 

@@ -12,6 +12,7 @@ These checks run as separate passes over already decoded objects, so the codecs 
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -21,11 +22,13 @@ import zstandard
 from ..core.config import StoreLimits, store_limits
 from ..core.digests import parse_ref
 from ..core.errors import CorruptObjectError, FormatError, UsageError
+from .tree import OVERLAY_XATTR_PREFIX
 
 if TYPE_CHECKING:
     from .index import LayerIndex
     from .manifest import Manifest
 
+log = logging.getLogger(__name__)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 U32 = (1 << 32) - 1
 I64 = 1 << 63
@@ -34,6 +37,11 @@ MAX_XATTR_NAME = 255  # XATTR_NAME_MAX
 MAX_XATTR_VALUE = 64 << 10  # XATTR_SIZE_MAX
 MAX_XATTRS = 1024  # per entry
 MAX_TEXT = 64 << 10  # free-form manifest strings (created_by, env values, annotations)
+CAP_XATTR = "security.capability"
+#: a file capability the kernel takes from setxattr: its size names its revision
+#: (VFS_CAP_REVISION_2 or _3 in magic_etc), which may carry only the effective flag
+_CAP_REVISIONS = {20: 0x02000000, 24: 0x03000000}
+_CAP_EFFECTIVE = 0x1
 
 
 def fail(what: str, message: str) -> NoReturn:
@@ -149,6 +157,9 @@ def validate_manifest(m: Manifest, what: str) -> Manifest:
             fail(what, "an image manifest has no content_digest, index or packs")
         if not m.layers:
             fail(what, "an image manifest names at least one layer")
+        problem = layer_count_problem(len(m.layers))
+        if problem:
+            fail(what, problem)
     if m.spec_digest != "" and not is_digest(m.spec_digest):
         fail(what, f"spec_digest is not a sha256 digest: {_short(m.spec_digest)}")
     _str_map(what, "env", m.env)
@@ -373,6 +384,53 @@ def _validate_xattrs(what: str, where: str, xattrs: object) -> None:
             fail(what, f"{where}: xattr name {_short(k)} is not 1-{MAX_XATTR_NAME} bytes")
         if type(v) is not bytes or len(v) > MAX_XATTR_VALUE:
             fail(what, f"{where}: xattr {_short(k)} value is over {MAX_XATTR_VALUE} bytes")
+        problem = xattr_problem(k, v)
+        if problem:
+            fail(what, f"{where}: {problem}")
+
+
+def xattr_problem(name: str, value: bytes) -> str | None:
+    """Why an xattr cannot be part of a layer (docs/format.md, "Entry fields"), or None.
+
+    overlayfs's own names would make a layer's directory opaque, a redirect or a metacopy
+    once a node stacks it; a file capability the kernel refuses at setxattr would fail
+    every write of the layer, so only the two forms it takes are content."""
+    if name.startswith(OVERLAY_XATTR_PREFIX):
+        return f"xattr {_short(name)} is overlayfs's own, never part of a layer"
+    if name == CAP_XATTR:
+        revision = _CAP_REVISIONS.get(len(value))
+        magic = int.from_bytes(value[:4], "little")
+        if revision is None or magic & ~_CAP_EFFECTIVE != revision:
+            return (f"xattr {CAP_XATTR} is not a file capability of revision 2 (20 bytes) "
+                    f"or 3 (24 bytes): {len(value)} bytes, magic_etc {value[:4].hex()}")
+        if len(value) == 24 and value[20:] == b"\xff\xff\xff\xff":
+            return f"xattr {CAP_XATTR} names root uid 4294967295, which is no uid"
+    return None
+
+
+def layer_xattrs(xattrs: dict[str, bytes], where: str) -> dict[str, bytes]:
+    """What a layer keeps of the xattrs a source gives a path (an archive member, an image
+    layer's member, a scanned file): overlayfs's own names are dropped, as a scan of a tree
+    drops them; any other problem is a FormatError naming ``where`` and the xattr."""
+    kept = {}
+    for name, value in xattrs.items():
+        problem = xattr_problem(name, value)
+        if problem is None:
+            kept[name] = value
+        elif name.startswith(OVERLAY_XATTR_PREFIX):
+            log.warning("%s: xattr %r dropped (overlayfs's own)", where, name)
+        else:
+            raise FormatError(f"{where}: {problem}; refused")
+    return kept
+
+
+def layer_count_problem(count: int, limits: StoreLimits | None = None) -> str | None:
+    """Why an image of ``count`` layers cannot be stacked by a node, or None."""
+    lim = limits or store_limits()
+    if count > lim.layers:
+        return (f"{count} layers is more than the limit of {lim.layers} (limits.layers; "
+                "overlayfs stacks at most 500)")
+    return None
 
 
 # -- packs -----------------------------------------------------------------------------------

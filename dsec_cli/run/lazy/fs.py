@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...format.index import Entry, LayerIndex
-from ...format.tree import last_wins
+from ...format.tree import OPAQUE_XATTR, OVERLAY_XATTR_PREFIX, last_wins
 from .source import LayerSource
 
 log = logging.getLogger(__name__)
 
-OPAQUE_XATTR = "trusted.overlay.opaque"
 _KIND = {"reg": stat.S_IFREG, "dir": stat.S_IFDIR, "sym": stat.S_IFLNK, "chr": stat.S_IFCHR,
          "blk": stat.S_IFBLK, "fifo": stat.S_IFIFO, "whiteout": stat.S_IFCHR}
 
@@ -177,20 +176,13 @@ class LazyFS:
             raise _err(errno.EIO) from e
 
     def getxattr(self, path: str, name: str, position: int = 0) -> bytes:
-        e = self._node(path).entry
-        if name == OPAQUE_XATTR and e.opaque:
-            return b"y"
-        val = e.xattrs.get(name)
+        val = served_xattr(self._node(path).entry, name)
         if val is None:
             raise _err(errno.ENODATA)
         return val
 
     def listxattr(self, path: str) -> list[str]:
-        e = self._node(path).entry
-        names = list(e.xattrs)
-        if e.opaque:
-            names.append(OPAQUE_XATTR)
-        return names
+        return served_xattr_names(self._node(path).entry)
 
     def statfs(self, path: str) -> dict[str, int]:
         return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": 0, "f_bfree": 0,
@@ -209,6 +201,22 @@ class LazyFSNoXattrs(LazyFS):
 
     getxattr = None  # type: ignore[assignment]
     listxattr = None  # type: ignore[assignment]
+
+
+def served_xattr(e: Entry, name: str) -> bytes | None:
+    """An entry's xattr as a lazy mount serves it, as the eager layer cache holds it:
+    overlayfs reads its own names from its lower dirs, so of those only an opaque
+    directory's marker is served, never a redirect or metacopy an index carried."""
+    if name.startswith(OVERLAY_XATTR_PREFIX):
+        return b"y" if name == OPAQUE_XATTR and e.opaque else None
+    return e.xattrs.get(name)
+
+
+def served_xattr_names(e: Entry) -> list[str]:
+    names = [n for n in e.xattrs if not n.startswith(OVERLAY_XATTR_PREFIX)]
+    if e.opaque:
+        names.append(OPAQUE_XATTR)
+    return names
 
 
 def needs_xattrs(indexes: list[LayerIndex]) -> bool:

@@ -45,7 +45,7 @@ import xxhash
 
 from ...core.config import env
 from .cache import ChunkCache
-from .fs import OPAQUE_XATTR, LazyFS, Node
+from .fs import LazyFS, Node, served_xattr, served_xattr_names
 
 try:  # built by scripts/setup.sh; without it the Python loop below answers every request
     from . import _fuseloop  # type: ignore[attr-defined]
@@ -697,7 +697,7 @@ class PassthroughServer:
         size = struct.unpack_from("<I", body)[0]
         name = bytes(body[8:]).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
         e = self._node(nodeid)[1].entry
-        val = b"y" if name == OPAQUE_XATTR and e.opaque else e.xattrs.get(name)
+        val = served_xattr(e, name)
         if val is None:
             raise OSError(errno.ENODATA, "no such attribute")
         return _xattr_reply(val, size)
@@ -707,7 +707,7 @@ class PassthroughServer:
             raise OSError(errno.ENOSYS, "no xattrs")
         size = struct.unpack_from("<I", body)[0]
         e = self._node(nodeid)[1].entry
-        names = list(e.xattrs) + ([OPAQUE_XATTR] if e.opaque else [])
+        names = served_xattr_names(e)
         return _xattr_reply(b"".join(os.fsencode(n) + b"\0" for n in names), size)
 
     def _statfs(self, nodeid: int, body: memoryview) -> bytes:
