@@ -4,9 +4,12 @@ sandbox and build that stacks the layer)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import logging
 import os
+import stat
 import tarfile
 import time
 import uuid
@@ -24,7 +27,7 @@ from ..format.manifest import Manifest, load_manifest
 from ..format.merge import merge
 from ..format.reader import ChunkReader, Fetch
 from ..format.refs import resolve
-from ..format.tree import TreeWriter, check_rel_path, parent_of
+from ..format.tree import OVERLAY_XATTR_PREFIX, TreeWriter, check_rel_path, parent_of
 from ..format.validate import check_layer, is_digest
 from .dedup import load_index
 from .stores.base import Store
@@ -178,23 +181,90 @@ def export(store: Store, ref: str, dest: Path,
     return img
 
 
+#: filesystems that are the kernel's interfaces rather than storage: what is written there
+#: is kernel state (or fails half-way), never an export
+KERNEL_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+    "securityfs", "configfs", "bpf", "pstore", "efivarfs", "fusectl", "binfmt_misc",
+    "mqueue", "nsfs", "selinuxfs", "autofs", "hugetlbfs"})
+#: errnos that say an export's destination cannot hold it (exit 2); others, such as
+#: ENOSPC or EIO, are failures of the write itself (exit 1)
+_UNFIT_DEST = frozenset({
+    errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENOTEMPTY,
+    errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP, errno.EXDEV,
+    errno.EINVAL, errno.ENODEV, errno.ENXIO, errno.EOPNOTSUPP})
+
+
+def _fs_type(dev: int) -> str | None:
+    """The type of the mounted filesystem whose device number is ``dev``."""
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 2 and fields[2] == want and " - " in line:
+                return line.split(" - ", 1)[1].split()[0]
+    return None
+
+
+def check_export_dest(dest: Path) -> None:
+    """An export goes to a path on a filesystem that stores files: never onto a device and
+    never into a kernel interface (proc, sysfs, devtmpfs, cgroupfs, ...); UsageError naming
+    ``dest`` otherwise. Both ``dest`` and the directory its temporary twin is made in
+    (its parent) are checked, each as its nearest existing path."""
+    for start in (dest, dest.parent):
+        probe = Path(os.path.abspath(start))
+        with export_errors(dest):
+            while True:
+                try:
+                    st = os.stat(probe)
+                    break
+                except (FileNotFoundError, NotADirectoryError):
+                    if probe == probe.parent:
+                        raise
+                    probe = probe.parent
+        if probe == Path(os.path.abspath(dest)) and (stat.S_ISCHR(st.st_mode)
+                                                      or stat.S_ISBLK(st.st_mode)):
+            raise UsageError(f"export destination {dest} is a device")
+        fstype = _fs_type(st.st_dev)
+        if fstype in KERNEL_FILESYSTEMS:
+            raise UsageError(f"export destination {dest} is on {fstype}, a kernel interface "
+                             "and not a filesystem that stores files")
+
+
+@contextmanager
+def export_errors(dest: Path) -> Iterator[None]:
+    """An OSError on an export's destination as an error naming it: a `UsageError` when
+    the path cannot hold the export, a `DsecError` when writing failed."""
+    try:
+        yield
+    except OSError as e:
+        message = f"cannot export to {dest}: {e.strerror or e}"
+        if e.errno in _UNFIT_DEST:
+            raise UsageError(message) from e
+        raise DsecError(message) from e
+
+
 def check_export_dir(dest: Path) -> None:
-    """An export directory must be new or empty."""
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise UsageError(f"export destination {dest} exists and is not an empty directory")
+    """An export directory must be new or empty, on a filesystem that stores files."""
+    check_export_dest(dest)
+    with export_errors(dest):
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise UsageError(f"export destination {dest} exists and is not an empty "
+                             "directory")
 
 
 @contextmanager
 def dir_into_place(dest: Path) -> Iterator[Path]:
     """A new directory's path beside ``dest`` to write into, renamed to ``dest`` (replacing an
     empty directory there) when the block ends; if the block fails it is removed, so a
-    failed write leaves nothing behind."""
+    failed write leaves nothing behind. An OSError is an error naming ``dest``."""
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        yield tmp
-        if dest.exists():
-            dest.rmdir()
-        os.rename(tmp, dest)
+        with export_errors(dest):
+            yield tmp
+            if dest.exists():
+                dest.rmdir()
+            os.rename(tmp, dest)
     finally:
         if tmp.exists():
             remove_tree(tmp)
@@ -227,17 +297,20 @@ _TAR_TYPES = {"reg": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "sym": tarfile.SYM
 
 def _export_tar(entries: list[tuple[Entry, int]], readers: list[ChunkReader], dest: Path,
                 progress: Callable[[str, int], None] | None) -> None:
+    check_export_dest(dest)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
     kinds: dict[str, str] = {}
     try:
-        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
-            for e, n in entries:
-                _add_tar_member(tf, e, readers[n], kinds)
-                if progress:
-                    progress("files", 1)
-        os.replace(tmp, dest)
+        with export_errors(dest):
+            with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
+                for e, n in entries:
+                    _add_tar_member(tf, e, readers[n], kinds)
+                    if progress:
+                        progress("files", 1)
+            os.replace(tmp, dest)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def _add_tar_member(tf: tarfile.TarFile, e: Entry, reader: ChunkReader,
@@ -262,7 +335,7 @@ def _add_tar_member(tf: tarfile.TarFile, e: Entry, reader: ChunkReader,
     if e.rdev:
         ti.devmajor, ti.devminor = e.rdev
     pax.update({f"SCHILY.xattr.{k}": v.decode("utf-8", "surrogateescape")
-                for k, v in e.xattrs.items()})
+                for k, v in e.xattrs.items() if not k.startswith(OVERLAY_XATTR_PREFIX)})
     ti.pax_headers = pax
     if e.type == "reg":
         ti.size = e.size
