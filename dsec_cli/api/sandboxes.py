@@ -484,6 +484,14 @@ def _no_prefetch_with_to(prefetch: bool) -> None:
                          "has all its memory loaded")
 
 
+def receive_moved(sandbox_id: str, stream: Any, state_dir: str | Path | None = None) -> None:
+    """This node's receiving end of a move: a parked VM's files read as a tar stream."""
+    from ..run.migrate import receive
+    from ..run.node import local_node
+
+    receive(local_node(state_dir), sandbox_id, stream)
+
+
 def thaw_to(src: NodeAPI, sandbox_id: str, to: str, state_dir: str | Path | None = None
             ) -> dict[str, Any]:
     """Move a parked VM from node ``src`` to node ``to`` and thaw it there."""

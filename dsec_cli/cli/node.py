@@ -194,10 +194,9 @@ def receive_moved(
     stream on stdin, written into this node's incoming dir for it (run/migrate.py)."""
     import sys
 
-    from ..run.migrate import receive
-    from ..run.node import local_node
+    from ..api.sandboxes import receive_moved
 
-    receive(local_node(state_dir), sandbox_id, sys.stdin.buffer)
+    receive_moved(sandbox_id, sys.stdin.buffer, state_dir)
 
 
 def register(app: typer.Typer) -> None:

@@ -22,6 +22,7 @@ import os
 import sys
 
 from ..core.settings import SYSTEM_CONFIG, user_config_path
+from ..core.settings import env as settings_env
 
 PROTOCOL = 2
 #: environment variables that vary between calls without changing what a command does
@@ -46,7 +47,7 @@ def server_dir() -> str | None:
     """``rundir.runtime_dir("cli")``: the command servers' directory, private to this user
     (created 0700 when missing); None when it, or a directory above it, fails rundir's
     check."""
-    override = os.environ.get("DSEC_RUNTIME_DIR")
+    override = settings_env("DSEC_RUNTIME_DIR")
     if override:
         if not os.path.isabs(override):
             return None  # in-process, the command itself reports the setting

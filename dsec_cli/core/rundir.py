@@ -22,6 +22,7 @@ import stat
 from pathlib import Path
 
 from .errors import ConfigError
+from .settings import env
 
 #: root's runtime dirs: /run is root's own and cleared at boot
 ROOT_RUNTIME = "/run/dsec"
@@ -112,7 +113,7 @@ def _xdg_runtime() -> Path | None:
 
 def runtime_root() -> Path:
     """The effective user's private runtime directory (created on first use)."""
-    override = os.environ.get("DSEC_RUNTIME_DIR")
+    override = env("DSEC_RUNTIME_DIR")
     if override:
         if not os.path.isabs(override):
             raise ConfigError(f"$DSEC_RUNTIME_DIR: {override!r} must be an absolute path")

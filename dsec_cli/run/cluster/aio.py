@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import inspect
 import itertools
 import logging
@@ -110,6 +111,10 @@ class AsyncChannel:
 
     async def failure(self) -> DsecError:
         if self._broken is not None:
+            # the killed ssh is reaped here, in the loop, not by a transport left for the
+            # interpreter to close after the loop has gone
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.proc.wait(), 5)
             return self._broken
         try:
             rc: int | None = await asyncio.wait_for(self.proc.wait(), 2)
