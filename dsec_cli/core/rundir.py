@@ -180,3 +180,14 @@ def open_own(dirpath: Path | str, name: str, flags: int, mode: int = 0o600) -> i
         raise UnsafePathError(f"{os.path.join(dirpath, name)}: is a symlink, not a file "
                               "dsec made", hint="remove it (another user may have put it "
                                                 "there)") from e
+
+
+def setting_dir(setting: str, name: str) -> Path:
+    """The private directory a ``DSEC_*`` setting names (absolute, passing
+    `private_dir`'s check), else the runtime dir ``name``."""
+    raw = env(setting)
+    if not raw:
+        return runtime_dir(name)
+    if not os.path.isabs(raw):
+        raise ConfigError(f"${setting}: {raw!r} must be an absolute path")
+    return private_dir(raw)

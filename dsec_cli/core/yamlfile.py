@@ -29,22 +29,20 @@ Fail = Callable[[str, "int | None"], DsecError]
 def compose(path: Path, fail: Fail) -> yaml.Node | None:
     """The node tree of the file's one document (None for an empty file), each node with
     its line (``node.start_mark.line``)."""
-    loader = _loader(path, fail)
-    try:
-        return loader.get_single_node()
-    except _Refused as e:
-        raise fail(e.message, e.line) from None
-    except _yaml().YAMLError as e:
-        raise fail(*_described(e)) from e
-    finally:
-        loader.dispose()
+    return _read(path, fail, "get_single_node")
 
 
 def load(path: Path, fail: Fail) -> Any:
     """The file's one document as plain values (None for an empty file)."""
+    return _read(path, fail, "get_single_data")
+
+
+def _read(path: Path, fail: Fail, step: str) -> Any:
+    """The bounded loader's ``step`` (its single node or its single document), its
+    refusals and YAML's errors raised as ``fail`` names them."""
     loader = _loader(path, fail)
     try:
-        return loader.get_single_data()
+        return getattr(loader, step)()
     except _Refused as e:
         raise fail(e.message, e.line) from None
     except _yaml().YAMLError as e:

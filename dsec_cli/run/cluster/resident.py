@@ -41,7 +41,7 @@ from ... import __version__
 from ...backends import _rootfs
 from ...core.config import env
 from ...core.errors import ConfigError, DsecError
-from ...core.rundir import open_own, peer_uid, private_dir, runtime_dir, socket_is_ours
+from ...core.rundir import open_own, peer_uid, setting_dir, socket_is_ours
 from .protocol import PROTOCOL_VERSION, decode, encode
 
 log = logging.getLogger(__name__)
@@ -56,12 +56,7 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holdin
 def agent_dir() -> Path:
     """The user's private directory of resident services (created 0700; refused when another
     user made it or could swap it: a socket there is the node)."""
-    raw = env("DSEC_AGENT_DIR")
-    if not raw:
-        return runtime_dir("node")
-    if not os.path.isabs(raw):
-        raise ConfigError(f"$DSEC_AGENT_DIR: {raw!r} must be an absolute path")
-    return private_dir(raw)
+    return setting_dir("DSEC_AGENT_DIR", "node")
 
 
 def idle_seconds() -> float:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ...core.config import env, net_timeouts
 from ...core.errors import ConfigError, NodeUnreachableError, UsageError
-from ...core.rundir import open_own, private_dir, runtime_dir, socket_is_ours
+from ...core.rundir import open_own, setting_dir, socket_is_ours
 from .errors import HostKeyError, NodeCommandError
 
 log = logging.getLogger(__name__)
@@ -82,12 +82,7 @@ def control_dir() -> Path:
     the runtime dir ``ssh`` (short: unix socket names are limited to 107 bytes). Either is
     a directory private to the user (core/rundir.py), refused otherwise: a socket another
     user put there would be the node, a symlink there a file we write."""
-    raw = env("DSEC_SSH_CONTROL_DIR")
-    if not raw:
-        return runtime_dir("ssh")
-    if not os.path.isabs(raw):
-        raise ConfigError(f"$DSEC_SSH_CONTROL_DIR: {raw!r} must be an absolute path")
-    return private_dir(raw)
+    return setting_dir("DSEC_SSH_CONTROL_DIR", "ssh")
 
 
 def _timeout() -> int:
