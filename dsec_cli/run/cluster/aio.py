@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import inspect
 import itertools
 import logging
@@ -111,10 +110,7 @@ class AsyncChannel:
 
     async def failure(self) -> DsecError:
         if self._broken is not None:
-            # the killed ssh is reaped here, in the loop, not by a transport left for the
-            # interpreter to close after the loop has gone
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.proc.wait(), 5)
+            await self.close()
             return self._broken
         try:
             rc: int | None = await asyncio.wait_for(self.proc.wait(), 2)
@@ -177,6 +173,11 @@ class AsyncChannel:
                 await self.proc.wait()
         for t in self._tasks:
             t.cancel()
+        # the pipes are closed here, in the loop: a stdout left paused after a refused line
+        # would otherwise be closed by the transport's finalizer once the loop has gone
+        transport = getattr(self.proc, "_transport", None)
+        if transport is not None:
+            transport.close()
 
 
 _channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
