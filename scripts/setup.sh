@@ -45,7 +45,8 @@ fi
 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-extra=""; [ "$DEV" = 1 ] && extra="[dev]"
+# the stores' and lazy mounts' extras, which README's commands use (`--store s3://`, `oci://`)
+extra="[s3,oci,lazy]"; [ "$DEV" = 1 ] && extra="[s3,oci,lazy,dev]"
 # editable as a plain path line in a .pth file, not setuptools' import-hook finder: importing
 # the finder (and the pathlib it loads) cost every dsec call about 15 ms of start-up
 stamp=".venv/.installed$extra-path"
