@@ -3,6 +3,12 @@
 The root is already assembled (an overlay mount); the command runs as root in fresh
 namespaces with no network unless asked, a private /proc, /dev and /tmp-less root, and
 dies with its parent. Output is streamed to a callback line by line.
+
+Its user namespace maps every id (0 to 2^32-2) to the same id outside, as Docker's build
+containers see them: a package that adds a user and chowns files to it, or apt dropping
+to its `_apt` sandbox user (setgroups), works, and the owners it writes are the owners the
+layer records. bubblewrap alone maps only the caller's id, so the namespace is made here
+(`_full_userns`) and handed to bwrap with `--userns`.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +33,7 @@ def bwrap_path() -> str:
 
 
 def _spawn(cmd: list[str], filt: int, env: dict[str, str],
-           argv: list[str]) -> subprocess.Popen[bytes]:
+           argv: list[str], more_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
     """Start bwrap (``cmd``, its options) running ``argv`` with ``env``, the seccomp filter
     passed on fd ``filt`` (closed here once bwrap has it); stdout and stderr in one pipe."""
     cmd = [*cmd]
@@ -35,25 +42,68 @@ def _spawn(cmd: list[str], filt: int, env: dict[str, str],
     cmd += ["--", *argv]
     try:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, pass_fds=(filt,))
+                                stderr=subprocess.STDOUT, pass_fds=(filt, *more_fds))
     finally:
         os.close(filt)
+
+
+#: ids a build sandbox maps: all of them but (uid_t)-1
+ID_COUNT = 2**32 - 1
+
+
+def _full_userns() -> int:
+    """An fd of a new user namespace mapping every id to itself (the caller is root). A
+    child is started in it only long enough for its maps to be written: the fd keeps the
+    namespace alive for bwrap's `--userns`."""
+    holder = subprocess.Popen(["unshare", "--user", "--", "sh", "-c", "read x"],
+                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        ns = f"/proc/{holder.pid}/ns/user"
+        deadline = time.monotonic() + 10
+        own = os.stat("/proc/self/ns/user").st_ino
+        while os.stat(ns).st_ino == own:  # until unshare has made its namespace
+            if holder.poll() is not None or time.monotonic() > deadline:
+                raise BackendError("cannot make the build sandbox's user namespace",
+                                   hint="`run` steps need unshare (util-linux) and root")
+            time.sleep(0.001)
+        fd = os.open(ns, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{holder.pid}/{name}", "w") as f:
+                    f.write(f"0 0 {ID_COUNT}\n")
+        except OSError as e:
+            os.close(fd)
+            raise BackendError(f"cannot map ids in the build sandbox: {e.strerror}") from e
+        return fd
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait()
 
 
 def run_in_root(root: Path, argv: list[str], *, env: dict[str, str], cwd: str = "/",
                 network: bool = False, on_line: Callable[[str], None] | None = None,
                 timeout: float | None = None) -> int:
-    """Run argv inside root; return its exit code."""
+    """Run argv inside root as its root; return its exit code. Root maps every id (see
+    the module's docstring); anyone else gets bwrap's own one-id namespace."""
     filt = seccomp.bpf_fd()
-    cmd = [bwrap_path(), "--bind", str(root), "/", "--dev", "/dev", "--proc", "/proc",
-           *_rootfs.bwrap_walls(filt), "--unshare-all", "--die-with-parent", "--new-session",
-           "--uid", "0", "--gid", "0", "--hostname", "dsec-build", "--clearenv", "--chdir", cwd]
+    userns = _full_userns() if os.geteuid() == 0 else -1
+    ids = (["--userns", str(userns)] if userns >= 0 else ["--unshare-user"])
+    cmd = [bwrap_path(), *ids, "--bind", str(root), "/", "--dev", "/dev", "--proc", "/proc",
+           *_rootfs.bwrap_walls(filt), "--unshare-ipc", "--unshare-pid", "--unshare-net",
+           "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+           "--uid", "0", "--gid", "0", "--hostname", "dsec-build", "--clearenv",
+           "--chdir", cwd]
     if network:
-        cmd += ["--share-net"]
+        cmd.remove("--unshare-net")
         # bind only over an existing file: creating a mount point would leak into the layer
         if Path("/etc/resolv.conf").exists() and (root / "etc/resolv.conf").is_file():
             cmd += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
-    proc = _spawn(cmd, filt, env, argv)
+    try:
+        proc = _spawn(cmd, filt, env, argv, (userns,) if userns >= 0 else ())
+    finally:
+        if userns >= 0:
+            os.close(userns)
     assert proc.stdout is not None
     try:
         for raw in proc.stdout:
