@@ -29,6 +29,9 @@ DEV_PKGS+=(python3.11)
 # Benchmarks: peers measured side by side with dsec (casync: build; restic and casync:
 # library size, benchmarks/bench_library.py).
 DEV_PKGS+=(casync restic)
+# Dockerfile tests and benchmark: a Debian base made by debootstrap, buildah (rootless, vfs)
+# the peer of `dsec build Dockerfile`.
+DEV_PKGS+=(debootstrap buildah)
 
 want=("${PKGS[@]}")
 [ "$DEV" = 1 ] && want+=("${DEV_PKGS[@]}")
