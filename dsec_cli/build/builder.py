@@ -35,6 +35,7 @@ from .spec import Spec, find_specs, load_spec
 # the compiled chunker) are imported only when something is built: a no-op build skips them
 if TYPE_CHECKING:
     from ..format.index import LayerIndex
+    from .dockerfile_build import DockerfileOptions
     from .layer import Progress, WriteStats
 
 
@@ -174,19 +175,31 @@ class _BuildCache:
 def build(paths: Sequence[str | Path] | None = None, store: str | Store | None = None, *,
           force: bool = False, progress: Progress | None = None,
           on_log: Callable[[str], None] | None = None,
-          chunk_sha256: bool = False, replace: bool = False) -> BuildReport:
+          chunk_sha256: bool = False, replace: bool = False, as_ref: str = "",
+          build_args: dict[str, str] | None = None, target: str = "",
+          squash: bool = False) -> BuildReport:
     """Build the specs in ``paths`` (default ``layerspecs/``) into a store.
 
     A ``name@version`` is immutable: a build whose result differs from what the store's ref
     already names raises `RefConflictError` (exit 2, both digests named) unless ``replace``
     is given; an unchanged rebuild is a cache hit. ``chunk_sha256`` adds a sha256 per chunk
-    to new layers, for stores shared across trust domains (docs/format.md)."""
+    to new layers, for stores shared across trust domains (docs/format.md). With ``as_ref``
+    the one path is a Dockerfile (or a folder holding one), built into that image with
+    ``build_args``, ``target`` and ``squash`` (docs/dockerfile.md)."""
     from ..core import validate
     from ..push.lease import WriterLease
     from ..push.stores import default_store_url
 
     if not isinstance(store, Store):  # the URL checked first, then the specs, then opened
         store = default_store_url() if store is None else validate.store_url(store)
+    if as_ref:  # a Dockerfile (docs/dockerfile.md), built on its own
+        from .dockerfile_build import DockerfileOptions
+
+        opts = DockerfileOptions(as_ref, dict(build_args or {}), target, squash)
+        return _build_dockerfile(paths, store, opts, replace, progress, on_log)
+    if build_args or target or squash:
+        raise UsageError("build args, a target stage and squash are for a Dockerfile build "
+                         "(give it --as NAME@VERSION)")
     # the specs before the store: a bad one stops the build before anything is opened
     specs = [load_spec(p) for p in find_specs([Path(p) for p in paths or ["layerspecs"]])]
     st = store if isinstance(store, Store) else open_store(store)
@@ -195,6 +208,26 @@ def build(paths: Sequence[str | Path] | None = None, store: str | Store | None =
     with WriterLease(st, "build"):
         return _build(specs, st, force=force, progress=progress, on_log=on_log,
                       chunk_sha256=chunk_sha256, replace=replace)
+
+
+def _build_dockerfile(paths: Sequence[str | Path] | None, store: str | Store,
+                      opts: DockerfileOptions,
+                      replace: bool, progress: Progress | None,
+                      on_log: Callable[[str], None] | None) -> BuildReport:
+    from ..push.lease import WriterLease
+    from .dockerfile import load_dockerfile
+    from .dockerfile_build import build_dockerfile
+
+    if not paths or len(paths) != 1:
+        raise UsageError("a Dockerfile build takes one Dockerfile")
+    path = Path(paths[0])
+    if path.is_dir():
+        path = path / "Dockerfile"
+    load_dockerfile(path)  # checked before the store is opened
+    st = store if isinstance(store, Store) else open_store(store)
+    with WriterLease(st, "build"):
+        return build_dockerfile(path, st, opts, replace=replace, progress=progress,
+                                on_log=on_log)
 
 
 def _build(specs: list[Spec], st: Store, *, force: bool = False,

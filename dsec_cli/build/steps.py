@@ -168,25 +168,65 @@ class StagedTree:
                 w.write(s.entry, read(s) if s.entry.type == "reg" else None)
             w.finish()
 
+    def is_dir(self, rel: str) -> bool:
+        """Whether the stacked tree holds a directory at ``rel`` (upper dir first)."""
+        for top in (self.upper, *reversed(self.lowers)):
+            p = top / rel
+            if p.is_symlink() or (p.exists() and not p.is_dir()):
+                return False
+            if p.is_dir():
+                return True
+        return False
+
+    def read_file(self, rel: str, limit: int = 1 << 20) -> bytes | None:
+        """A regular file of the stacked tree (upper dir first), never through a symlink;
+        None where no layer has one."""
+        for top in (self.upper, *reversed(self.lowers)):
+            p = top / rel
+            parts = [top / Path(*Path(rel).parts[:i + 1]) for i in range(len(Path(rel).parts))]
+            if any(x.is_symlink() for x in parts):
+                return None
+            if p.is_file():
+                with open(p, "rb") as f:
+                    return f.read(limit)
+            if os.path.lexists(p):
+                return None
+        return None
+
+    def run_argv(self, argv: list[str], *, env: dict[str, str], cwd: str = "/",
+                 network: bool = False, on_line: Callable[[str], None] | None = None,
+                 check: Callable[[Path], None] | None = None) -> int:
+        """Run ``argv`` in a build sandbox over the stacked tree (``check`` called with the
+        mounted root first); its changes go to the upper dir. Returns the exit code."""
+        if os.geteuid() != 0:
+            raise BuildError("commands in a build need root (overlayfs, namespaces)")
+        self.touched_after.append(_fs_tick(self.upper.parent))
+        _mount_overlay(self.lowers, self.upper, self.work, self.merged)
+        try:
+            if check is not None:
+                check(self.merged)
+            from ..backends.oneshot import run_in_root  # only `run` steps start a sandbox
+
+            return run_in_root(self.merged, argv, env=env, cwd=cwd, network=network,
+                               on_line=on_line)
+        finally:
+            _umount(self.merged)
+
     def run(self, spec: Spec, step: Step, env: dict[str, str],
             on_line: Callable[[str], None] | None) -> None:
         if os.geteuid() != 0:
             raise BuildError(f"{spec.path}:{step.line}: `run` steps need root (overlayfs, "
                              "namespaces)")
-        self.touched_after.append(_fs_tick(self.upper.parent))
-        _mount_overlay(self.lowers, self.upper, self.work, self.merged)
-        try:
-            if not (self.merged / "bin/sh").exists() and not (self.merged / "bin/sh").is_symlink():
+
+        def has_sh(merged: Path) -> None:
+            if not (merged / "bin/sh").exists() and not (merged / "bin/sh").is_symlink():
                 bases = ", ".join(r for r, _ in spec.deps) or "none"
                 raise BuildError(f"{spec.path}:{step.line}: `run` needs /bin/sh in the layers "
                                  f"this spec builds `from` ({bases})")
-            from ..backends.oneshot import run_in_root  # only `run` steps start a sandbox
 
-            code = run_in_root(self.merged, ["/bin/sh", "-c", step.args["cmd"]],
-                               env={**env, **step.args["env"]}, network=step.args["network"],
-                               on_line=on_line)
-        finally:
-            _umount(self.merged)
+        code = self.run_argv(["/bin/sh", "-c", step.args["cmd"]],
+                             env={**env, **step.args["env"]}, network=step.args["network"],
+                             on_line=on_line, check=has_sh)
         if code != 0:
             raise BuildError(f"{spec.path}:{step.line}: run step exited with code {code}: "
                              f"{step.args['cmd']!r}")

@@ -25,13 +25,23 @@ def register(app: typer.Typer) -> None:
         chunk_sha256: Annotated[bool, typer.Option(
             "--chunk-sha256", help="also store a sha256 per chunk (stores shared across trust "
             "domains)")] = False,
+        as_ref: Annotated[str | None, typer.Option(  # noqa: UP007
+            "--as", help="build a Dockerfile into this NAME@VERSION image")] = None,
+        build_arg: Annotated[list[str] | None, typer.Option(  # noqa: UP007
+            "--build-arg", help="a Dockerfile ARG, KEY=VALUE (repeatable)")] = None,
+        target: Annotated[str, typer.Option("--target", help="the Dockerfile stage to build")
+                          ] = "",
+        squash: Annotated[bool, typer.Option(
+            "--squash", help="one layer for all of the Dockerfile stage's changes")] = False,
         json_: JsonOpt = False,
     ) -> None:
-        """Build layer and image specs (default: layerspecs/) into a store."""
-        from .build_io import build_command
+        """Build layer and image specs (default: layerspecs/), or a Dockerfile with --as,
+        into a store."""
+        from .build_io import build_command, dockerfile_options
 
         build_command(specs or None, store, force=force, replace=replace,
-                      chunk_sha256=chunk_sha256, json_out=json_)
+                      chunk_sha256=chunk_sha256, json_out=json_,
+                      dockerfile=dockerfile_options(specs, as_ref, build_arg, target, squash))
 
     @app.command("ls")
     def ls(

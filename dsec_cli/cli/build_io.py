@@ -5,13 +5,34 @@ start-up, and typer's is the larger part of it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .render import err_console, human_bytes, prepare_table, print_json, progress, table
 
 
+def dockerfile_options(specs: list[Path] | None, as_ref: str | None,
+                       build_args: list[str] | None, target: str, squash: bool
+                       ) -> dict[str, Any]:
+    """`images.build`'s options of a Dockerfile build (none for a build of specs)."""
+    from ..core.errors import UsageError
+
+    if as_ref is None:
+        if any(p.name == "Dockerfile" or p.name.startswith("Dockerfile.")
+               or p.name.lower().endswith(".dockerfile") for p in specs or []):
+            raise UsageError("a Dockerfile build needs --as NAME@VERSION")
+        return {"build_args": None, "target": target, "squash": squash}
+    args = {}
+    for item in build_args or []:
+        k, eq, v = item.partition("=")
+        if not eq or not k:
+            raise UsageError(f"--build-arg {item!r}: expected KEY=VALUE")
+        args[k] = v
+    return {"as_ref": as_ref, "build_args": args, "target": target, "squash": squash}
+
+
 def build_command(specs: list[Path] | None, store: str | None = None, *, force: bool = False,
                   replace: bool = False, chunk_sha256: bool = False,
-                  json_out: bool = False) -> None:
+                  json_out: bool = False, dockerfile: dict[str, Any] | None = None) -> None:
     from ..api import images
 
     with progress(not json_out) as p:
@@ -33,7 +54,8 @@ def build_command(specs: list[Path] | None, store: str | None = None, *, force: 
                 err_console().print(f"  | {line}", style="dim", highlight=False, markup=False)
 
         report = images.build(specs or None, store, force=force, progress=tick,
-                              on_log=log_line, chunk_sha256=chunk_sha256, replace=replace)
+                              on_log=log_line, chunk_sha256=chunk_sha256, replace=replace,
+                              **(dockerfile or {}))
     if json_out:
         print_json({"store": report.store, "items": [i.__dict__ for i in report.items],
                     "warnings": report.warnings, "pinned": report.pinned})
