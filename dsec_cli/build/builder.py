@@ -247,7 +247,19 @@ def _build(specs: list[Spec], st: Store, *, force: bool = False,
     def dep_digest(ref: str) -> str:
         return digests[ref] if ref in digests else get_ref(st, ref).manifest
 
+    # images of Dockerfiles last: their FROM may name what the other specs build
+    order = [s for s in order if s.dockerfile is None] + [s for s in order if s.dockerfile]
     for spec in order:
+        if spec.dockerfile is not None:
+            from .dockerfile_build import DockerfileOptions, build_dockerfile
+
+            opts = DockerfileOptions(spec.ref, spec.build_args, spec.target, spec.squash)
+            sub = build_dockerfile(spec.dockerfile, st, opts, replace=replace,
+                                   progress=progress, on_log=on_log)
+            report.items += sub.items
+            report.pinned.update(sub.pinned)
+            digests[spec.ref] = sub.items[-1].manifest
+            continue
         started = time.monotonic()
         deps = [dep_digest(r) for r, _ in spec.deps]
         ident = {"format": CONTENT_VERSION, "rules": BUILD_RULES, "spec": spec.doc,

@@ -16,7 +16,10 @@ from ..format import canonical
 
 OCI_PREFIX = "oci:"
 LAYER_KEYS = {"layer", "version", "from", "steps", "env", "workdir", "description"}
-IMAGE_KEYS = {"image", "version", "layers", "env", "workdir", "description", "task", "grade"}
+IMAGE_KEYS = {"image", "version", "layers", "env", "workdir", "description", "task", "grade",
+              "dockerfile", "build_args", "target", "squash"}
+#: an image built from a Dockerfile (docs/dockerfile.md) takes these instead of `layers:`
+DOCKERFILE_KEYS = {"dockerfile", "build_args", "target", "squash"}
 #: an image's `task:` (the agent's image) and `grade:` (the grader's image) sections,
 #: kept in the image manifest's annotations (docs/grader.md)
 TASK_KEYS = {"patch", "protected"}
@@ -52,6 +55,11 @@ class Spec:
     doc: dict[str, Any] = field(default_factory=dict)  # the validated document
     task: dict[str, Any] = field(default_factory=dict)  # image: patch surface, protected paths
     grade: dict[str, Any] = field(default_factory=dict)  # image: how a grader scores
+    #: image: a Dockerfile it is built from (`dockerfile:`), with its options
+    dockerfile: Path | None = None
+    build_args: dict[str, str] = field(default_factory=dict)
+    target: str = ""
+    squash: bool = False
 
     def annotations(self) -> dict[str, str]:
         """What an image manifest keeps of `task:` and `grade:`."""
@@ -338,6 +346,36 @@ def _grade(d: _Doc, node: yaml.Node) -> dict[str, Any]:
     return out
 
 
+def _dockerfile_keys(d: _Doc, keys: dict[str, tuple[yaml.Node, yaml.Node]], spec: Spec,
+                     doc: dict[str, Any]) -> None:
+    """`dockerfile: PATH` (relative to the spec's folder, which it may not leave) with
+    `build_args:`, `target:` and `squash:`; env and workdir come from the Dockerfile."""
+    for key in ("env", "workdir", "task", "grade"):
+        if key in keys:
+            raise d.err(keys[key][0], f"`{key}:` does not go with `dockerfile:` (the "
+                        "Dockerfile says it)" if key in ("env", "workdir") else
+                        f"`{key}:` does not go with `dockerfile:`")
+    node = keys["dockerfile"][1]
+    text = d.string(node, "dockerfile")
+    path = _inside(d, node, spec.path.parent, text)
+    if path.is_dir():
+        path = path / "Dockerfile"
+    if not path.is_file():
+        raise d.err(node, f"dockerfile {text!r} is not a file")
+    from .dockerfile import load_dockerfile
+
+    load_dockerfile(path)  # checked with the specs, before anything is built
+    spec.dockerfile = path
+    if "build_args" in keys:
+        spec.build_args = d.env(keys["build_args"][1])
+    if "target" in keys:
+        spec.target = d.string(keys["target"][1], "target")
+    if "squash" in keys:
+        spec.squash = d.boolean(keys["squash"][1], "squash")
+    doc.update(dockerfile=text, build_args=spec.build_args, target=spec.target,
+               squash=spec.squash)
+
+
 def load_spec(path: Path) -> Spec:
     d = _Doc(path)
     top = d.load()
@@ -349,6 +387,12 @@ def load_spec(path: Path) -> Spec:
     name, version = _name_version(d, keys, kind, top)
     spec = Spec(path=path, kind=kind, name=name, version=version, line=top.start_mark.line + 1)
     doc: dict[str, Any] = {kind: name, "version": version}
+    if kind == "image" and "layers" in keys and "dockerfile" in keys:
+        raise d.err(keys["dockerfile"][0], "an image spec has `layers:` or `dockerfile:`, "
+                    "not both")
+    for key in DOCKERFILE_KEYS - {"dockerfile"}:
+        if key in keys and "dockerfile" not in keys:
+            raise d.err(keys[key][0], f"`{key}:` goes with `dockerfile:`")
     dep_key = "from" if kind == "layer" else "layers"
     if dep_key in keys:
         for ref, n in d.strings(keys[dep_key][1], dep_key):
@@ -362,8 +406,10 @@ def load_spec(path: Path) -> Spec:
             except UsageError as e:
                 raise d.err(n, e.message) from None
             spec.deps.append((ref, n.start_mark.line + 1))
+    elif kind == "image" and "dockerfile" in keys:
+        _dockerfile_keys(d, keys, spec, doc)
     elif kind == "image":
-        raise d.err(top, "image spec needs `layers:`")
+        raise d.err(top, "image spec needs `layers:` (or `dockerfile:`)")
     doc[dep_key] = [r for r, _ in spec.deps]
     if "env" in keys:
         spec.env = d.env(keys["env"][1])

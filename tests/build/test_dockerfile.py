@@ -229,7 +229,7 @@ RUN adduser --disabled-password --gecos '' --uid 2000 dev \\
 USER dev
 RUN /opt/venv/bin/pip install -q --disable-pip-version-check six==1.16.0
 WORKDIR /home/dev
-CMD ["/opt/venv/bin/python", "-c", "import os, six; print(six.__version__, os.getuid(), os.getcwd())"]
+CMD ["/opt/venv/bin/python", "-c", "import os,six;print(six.__version__,os.getuid(),os.getcwd())"]
 """)
     built = build(run_dsec, store, path, "deb@1")
     assert built["items"][-1]["ref"] == "deb@1"
@@ -239,3 +239,27 @@ CMD ["/opt/venv/bin/python", "-c", "import os, six; print(six.__version__, os.ge
                     "/var/cache/apt/archives/partial").split("\n")
     assert owners[0].startswith("2000:2000") and owners[1].startswith("2000:2000")
     assert owners[2].startswith(("42:", "100:"))  # _apt's id, as apt set it
+
+
+@needs_root
+def test_dockerfile_key_in_an_image_spec_builds_with_the_other_specs(
+        tmp_path: Path, run_dsec, busybox_tar: Path) -> None:
+    specs = tmp_path / "specs"
+    base_specs(specs / "bb", busybox_tar, "bb")
+    dockerfile(specs / "task", "FROM bb@1\nARG WHO=x\nRUN echo $WHO > /hi\nENV X=1\n"
+               'CMD ["cat", "/hi"]\n')
+    (specs / "task/task.yaml").write_text("image: task\nversion: '1'\n"
+                                          "dockerfile: Dockerfile\nbuild_args: {WHO: me}\n")
+    store = str(tmp_path / "store")
+    out = json.loads(run_dsec("build", str(specs), "--store", store, "--json").stdout)
+    assert out["items"][-1]["ref"] == "task@1"
+    assert run_in(run_dsec, store, "task@1").strip() == "me"
+
+    # a bad Dockerfile stops the whole build before anything is written
+    (specs / "task/Dockerfile").write_text("FROM bb@1\nHEALTHCHECK CMD true\n")
+    (specs / "bb/image.yaml").write_text((specs / "bb/image.yaml").read_text()
+                                         .replace("version: '1'", "version: '2'"))
+    before = store_snapshot(Path(store))
+    bad = run_dsec("build", str(specs), "--store", store, check=2)
+    assert "Dockerfile:2" in bad.stderr and "HEALTHCHECK" in bad.stderr
+    assert store_snapshot(Path(store)) == before
