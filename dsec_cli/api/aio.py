@@ -173,8 +173,9 @@ class AsyncSandbox:
     async def resume(self) -> None:
         self._rec = await self.node.resume(self.id)
 
-    async def snapshot(self, ref: str, push: str | None = None) -> dict[str, Any]:
-        return dict(await self.node.snapshot(self.id, ref, push))
+    async def snapshot(self, ref: str, push: str | None = None, *, replace: bool = False
+                       ) -> dict[str, Any]:
+        return dict(await self.node.snapshot(self.id, ref, push, replace=replace))
 
     async def fork(self, n: int) -> list[AsyncSandbox]:
         """As `Sandbox.fork`: ``n`` copies of this sandbox's files, on its node."""

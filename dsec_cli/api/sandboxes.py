@@ -160,8 +160,9 @@ class Sandbox:
     def resume(self) -> None:
         self._rec = self.node.resume(self.id)
 
-    def snapshot(self, ref: str, push: str | None = None) -> dict[str, Any]:
-        return self.node.snapshot(self.id, ref, push)
+    def snapshot(self, ref: str, push: str | None = None, *, replace: bool = False
+                 ) -> dict[str, Any]:
+        return self.node.snapshot(self.id, ref, push, replace=replace)
 
     def park(self) -> dict[str, Any]:
         """Stop the sandbox and give its memory back (to swap where the node has swap);
@@ -406,19 +407,23 @@ def copy(src: str, dst: str, node: str | None = None,
 def ps(state_dir: str | Path | None = None, node: str | None = None, *,
        all_nodes: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Sandboxes (with lazy-fetch statistics where the node keeps them), and the nodes of
-    an ``all_nodes`` fan-out that did not answer."""
-    if all_nodes:
-        from ..run.cluster.api import ps_all
+    an ``all_nodes`` fan-out that did not answer. ``all_nodes`` is this machine's sandboxes
+    and every configured node's."""
+    if not all_nodes:
+        return _listing(target(None, node, state_dir)), []
+    from ..run.cluster.api import ps_all
 
-        recs: list[dict[str, Any]] = []
-        failed: list[dict[str, Any]] = []
-        for r in ps_all():
-            if r.ok:
-                recs.extend(r.value)
-            else:
-                failed.append(r.to_dict())
-        return recs, failed
-    node_api = target(None, node, state_dir)
+    recs = _listing(target(None, None, state_dir))
+    failed: list[dict[str, Any]] = []
+    for r in ps_all():
+        if r.ok:
+            recs.extend(r.value)
+        else:
+            failed.append(r.to_dict())
+    return recs, failed
+
+
+def _listing(node_api: NodeAPI) -> list[dict[str, Any]]:
     out = []
     records = node_api.sandboxes()
     # actual use beside the declared limits: resident, reclaimed and swapped bytes, class
@@ -433,7 +438,7 @@ def ps(state_dir: str | Path | None = None, node: str | None = None, *,
             doc["usage"] = {k: u[k] for k in ("class", "resident", "reclaimed", "swapped",
                                               "idle_seconds") if k in u}
         out.append(doc)
-    return out, []
+    return out
 
 
 def remove(sandbox_ids: list[str], node: str | None = None,
@@ -454,9 +459,9 @@ def resume(sandbox_id: str, node: str | None = None,
 
 
 def snapshot(sandbox_id: str, ref: str, push: str | None = None, node: str | None = None,
-             state_dir: str | Path | None = None) -> dict[str, Any]:
+             state_dir: str | Path | None = None, *, replace: bool = False) -> dict[str, Any]:
     """Turn a sandbox's changes into a new layer and an image ``ref`` stacking it."""
-    return target(sandbox_id, node, state_dir).snapshot(sandbox_id, ref, push)
+    return target(sandbox_id, node, state_dir).snapshot(sandbox_id, ref, push, replace=replace)
 
 
 def park(sandbox_id: str, node: str | None = None,

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 from ..core.config import load_config
 from ..core.digests import object_key
-from ..core.errors import NotFoundError, RefConflictError, SpecError, UsageError
+from ..core.errors import NotFoundError, SpecError, UsageError
 from ..core.files import remove_tree
 from ..core.gcpause import gc_paused
 from ..format import canonical
 from ..format.index import CONTENT_VERSION
 from ..format.manifest import Manifest, load_manifest
-from ..format.refs import get_ref, set_ref
+from ..format.refs import commit_ref, get_ref
 from ..push.dedup import KnownChunks
 from ..push.stores import open_store
 from ..push.stores.base import Store
@@ -344,19 +344,9 @@ def _import_oci_deps(specs: list[Spec], st: Store, report: BuildReport) -> None:
 
 
 def _point_ref(st: Store, spec: Spec, digest: str, replace: bool) -> str:
-    """Commit the spec's ref; returns the manifest it named before, if ``replace`` moved it.
-    A ref that names other content is never moved silently (versions are immutable)."""
-    try:
-        current = get_ref(st, spec.ref).manifest
-    except NotFoundError:
-        current = None
-    if current == digest:
-        return ""
-    if current is not None and not replace:
-        raise RefConflictError(spec.ref, st.url, current, digest,
-                               verb=f"this build of {spec.path} made")
-    set_ref(st, spec.name, spec.version, digest)
-    return current or ""
+    """Commit the spec's ref; returns the manifest it named before, if ``replace`` moved it."""
+    return commit_ref(st, spec.name, spec.version, digest, replace=replace,
+                      verb=f"this build of {spec.path} made")
 
 
 def _build_layer(st: Store, spec: Spec, deps: list[str], known: KnownChunks, data_dir: Path,

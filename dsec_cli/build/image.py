@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..core.errors import SpecError
 from ..format.manifest import Manifest, load_manifest, put_manifest
-from ..format.refs import set_ref
+from ..format.refs import commit_ref
 from ..format.validate import layer_count_problem
 from ..push.stores.base import Store
 
@@ -23,10 +23,12 @@ def base_warnings(layers: list[str], manifests: list[Manifest]) -> list[str]:
 
 def write_image(st: Store, name: str, version: str, layers: list[str], *,
                 env: dict[str, str] | None = None, workdir: str = "", spec_digest: str = "",
-                manifests: list[Manifest] | None = None, set_ref_too: bool = False,
-                created_by: str = "dsec build", annotations: dict[str, str] | None = None
+                manifests: list[Manifest] | None = None, commit: bool = False,
+                replace: bool = False, created_by: str = "dsec build",
+                annotations: dict[str, str] | None = None
                 ) -> tuple[str, Manifest]:
-    """Put an image manifest stacking ``layers`` (manifest digests, bottom first)."""
+    """Put an image manifest stacking ``layers`` (manifest digests, bottom first); with
+    ``commit``, point ``name@version`` at it under `refs.commit_ref`'s rule."""
     problem = layer_count_problem(len(layers))
     if problem:
         raise SpecError(f"image {name}@{version}: {problem}")
@@ -40,6 +42,6 @@ def write_image(st: Store, name: str, version: str, layers: list[str], *,
                  files=sum(x.files for x in ms), created_by=created_by,
                  annotations=dict(annotations or {}))
     digest = put_manifest(st, m)
-    if set_ref_too:
-        set_ref(st, name, version, digest)
+    if commit:
+        commit_ref(st, name, version, digest, replace=replace, verb=f"this {created_by} made")
     return digest, m

@@ -680,7 +680,8 @@ def build_layer_from_dir(store: Store, upper_dir: Path, name: str, version: str,
                          base: list[str] | None = None, env: dict[str, str] | None = None,
                          workdir: str = "", created_by: str = "dsec snapshot",
                          known: KnownChunks | None = None,
-                         snapshot: ScanReport | None = None) -> tuple[str, Manifest]:
+                         snapshot: ScanReport | None = None, replace: bool = False
+                         ) -> tuple[str, Manifest]:
     """Turn a directory in overlayfs upper form into a layer and point ``name@version`` at
     it. The directory is scanned without following a link.
 
@@ -688,7 +689,7 @@ def build_layer_from_dir(store: Store, upper_dir: Path, name: str, version: str,
     the sandbox: `SNAPSHOT_POLICY` applies, and what it dropped or changed is logged and
     recorded in the report."""
     from ..core.config import load_config
-    from ..format.refs import set_ref
+    from ..format.refs import commit_ref
     from ..format.tree import scan_dir
 
     if known is None:
@@ -699,5 +700,5 @@ def build_layer_from_dir(store: Store, upper_dir: Path, name: str, version: str,
     index, _ = write_layer(store, scanned, known=known)
     digest, m = layer_manifest(store, index, name=name, version=version, base=base, env=env,
                                workdir=workdir, created_by=created_by)
-    set_ref(store, name, version, digest)
+    commit_ref(store, name, version, digest, replace=replace, verb=f"this {created_by} made")
     return digest, m

@@ -52,7 +52,7 @@ from ..core.errors import (
 from ..core.gcpause import gc_paused
 from ..format.index import ChunkParams, Entry, LayerIndex
 from ..format.manifest import Manifest, load_manifest
-from ..format.refs import get_ref, set_ref
+from ..format.refs import commit_ref, get_ref, set_ref
 from ..format.validate import MAX_TEXT, layer_count_problem
 from ..push import retry
 from ..push.dedup import KnownChunks, cache_table
@@ -1265,15 +1265,6 @@ def _refuse_other_image(store: Store, name: str, version: str, source_digest: st
 
 def _set_image_ref(store: Store, name: str, version: str, digest: str, replace: bool
                    ) -> None:
-    """Versions are immutable: an import does not move a ref that names another image
-    unless asked (the same import again makes the same manifest, and is a no-op)."""
-    try:
-        current = get_ref(store, f"{name}@{version}").manifest
-    except NotFoundError:
-        current = None
-    if current == digest:
-        return
-    if current is not None and not replace:
-        raise RefConflictError(f"{name}@{version}", store.url, current, digest,
-                               verb="this import made")
-    set_ref(store, name, version, digest)
+    """Versions are immutable (`refs.commit_ref`): the same import again makes the same
+    manifest, and is a no-op."""
+    commit_ref(store, name, version, digest, replace=replace, verb="this import made")

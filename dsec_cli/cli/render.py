@@ -63,18 +63,43 @@ def _import_table() -> None:
 
 def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """Cells are text: never rich markup, control characters escaped (they quote names,
-    labels and what nodes said)."""
+    labels and what nodes said). No cell is ever cut: on a terminal a long cell folds onto
+    more lines; piped, the table is plain padded columns, one row a line (`grep ID` finds
+    the whole id)."""
+    from . import terminal_safe
+
+    cells = [[("" if v is None else terminal_safe(str(v))) for v in r] for r in rows]
+    if not _stdout_is_terminal():
+        _plain_table(title, list(columns), cells)
+        return
     from rich.table import Table
     from rich.text import Text
 
-    from . import terminal_safe
-
     t = Table(title=title, show_edge=False, header_style="bold")
     for c in columns:
-        t.add_column(c)
-    for r in rows:
-        t.add_row(*(Text("" if v is None else terminal_safe(str(v))) for v in r))
+        t.add_column(c, overflow="fold")
+    for r in cells:
+        t.add_row(*(Text(v) for v in r))
     console().print(t)
+
+
+def _stdout_is_terminal() -> bool:
+    if any(v in os.environ for v in ("TTY_COMPATIBLE", "FORCE_TERMINAL")):
+        return True
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _plain_table(title: str | None, columns: list[str], rows: list[list[str]]) -> None:
+    """As `docker ps` prints to a pipe: a header, columns padded to their widest cell and
+    three spaces apart, trailing blanks dropped."""
+    widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
+    out = [title] if title else []
+    for r in [columns, *rows]:
+        out.append("   ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    sys.stdout.write("\n".join(out) + "\n")
 
 
 def human_bytes(n: float) -> str:

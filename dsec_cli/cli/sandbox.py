@@ -229,15 +229,19 @@ def register(app: typer.Typer) -> None:
         push: Annotated[str | None,  # noqa: UP007
                         typer.Option("--push", help="also push the image to this store URL")
                         ] = None,
+        replace: Annotated[bool, typer.Option(
+            "--replace", help="move a NAME@VERSION the store (or --push's) already holds")
+        ] = False,
         json_out: JsonOpt = False,
         state_dir: StateOpt = None,
         node: NodeOpt = None,
     ) -> None:
-        """Turn a sandbox's changes into a new layer and an image stacking it."""
+        """Turn a sandbox's changes into a new layer and an image stacking it (versions are
+        immutable: a NAME@VERSION the store holds is refused without --replace)."""
         from ..api.sandboxes import snapshot as snapshot_sandbox
         from .render import print_json
 
-        out = snapshot_sandbox(sandbox, as_, push, node, state_dir)
+        out = snapshot_sandbox(sandbox, as_, push, node, state_dir, replace=replace)
         if json_out:
             print_json(out)
         else:

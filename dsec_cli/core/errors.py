@@ -55,8 +55,9 @@ class RefConflictError(UsageError):
     immutable, so writing it again is refused unless the caller asks to replace it."""
 
     def __init__(self, ref: str, store: str, current: str, new: str, *, verb: str) -> None:
+        made = f"; {verb} {new}" if new else f"; {verb}"
         super().__init__(
-            f"{ref} in {store} already names {current}; {verb} {new}",
+            f"{ref} in {store} already names {current}{made}",
             hint="versions are immutable: bump the version, or pass --replace to move "
                  f"{ref} to the new content")
         self.ref = ref

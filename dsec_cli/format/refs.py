@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.digests import check_digest, parse_ref, ref_key
-from ..core.errors import DsecError, NotFoundError
+from ..core.errors import DsecError, NotFoundError, RefConflictError
 from ..core.reads import read_all
 from . import canonical
 
@@ -61,6 +61,38 @@ def set_ref(store: Any, name: str, version: str, manifest_digest: str) -> Ref:
     store.put(ref_key(name, version), canonical.dumps({"manifest": r.manifest,
                                                         "updated": r.updated}))
     return r
+
+
+def current_ref(store: Any, ref: str) -> str:
+    """The manifest digest ``name@version`` names in the store, or "" where there is none."""
+    try:
+        return get_ref(store, ref).manifest
+    except NotFoundError:
+        return ""
+
+
+def check_ref(store: Any, ref: str, digest: str, *, replace: bool, verb: str) -> str:
+    """The one rule for every writer of a ref (build, snapshot, import, push, pull):
+    versions are immutable. Returns the digest ``ref`` names now ("" for none); raises
+    `RefConflictError` where that is other content than ``digest`` and not ``replace``. A
+    writer that cannot know its digest before its work (a snapshot) passes "" to be refused
+    any existing ref."""
+    current = current_ref(store, ref)
+    if current and current != digest and not replace:
+        raise RefConflictError(ref, store.url, current, digest, verb=verb)
+    return current
+
+
+def commit_ref(store: Any, name: str, version: str, digest: str, *, replace: bool,
+               verb: str) -> str:
+    """Point ``name@version`` at ``digest`` under `check_ref`'s rule: the manifest it
+    already names is a no-op. Returns the digest the ref named before when ``replace``
+    moved it, else ""."""
+    current = check_ref(store, f"{name}@{version}", digest, replace=replace, verb=verb)
+    if current == digest:
+        return ""
+    set_ref(store, name, version, digest)
+    return current
 
 
 def delete_ref(store: Any, ref: str) -> None:

@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..core.digests import parse_object_key, parse_ref, verify_sha256
-from ..core.errors import NotFoundError, RefConflictError, StoreError
+from ..core.errors import StoreError
 from ..format.closure import closure
-from ..format.refs import get_ref, set_ref
+from ..format.refs import check_ref, commit_ref, get_ref
 from .lease import WriterLease
 from .retry import RetryingStore
 from .stores.base import Store
@@ -100,13 +100,6 @@ def _parallel(jobs: int, fn: Callable[[str], Any], items: Sequence[str]) -> list
         return [f.result() for f in futures]
 
 
-def _existing(dst: Store, ref: str) -> str:
-    try:
-        return get_ref(dst, ref).manifest
-    except NotFoundError:
-        return ""
-
-
 def copy_refs(src: Store, dst: Store, refs: Sequence[str], *, jobs: int = DEFAULT_JOBS,
               progress: ProgressFn | None = None, lease: bool = True,
               replace: bool = False) -> TransferReport:
@@ -118,12 +111,8 @@ def copy_refs(src: Store, dst: Store, refs: Sequence[str], *, jobs: int = DEFAUL
     # one layer of retries: a retrying store is unwrapped, never wrapped twice
     src, dst = RetryingStore(src), RetryingStore(dst)
     wanted = [(parse_ref(r), get_ref(src, r).manifest) for r in dict.fromkeys(refs)]
-    before = {f"{n}@{v}": _existing(dst, f"{n}@{v}") for (n, v), _ in wanted}
-    for (name, version), digest in wanted:
-        current = before[f"{name}@{version}"]
-        if current and current != digest and not replace:
-            raise RefConflictError(f"{name}@{version}", dst.url, current, digest,
-                                   verb=f"{src.url} holds")
+    before = {f"{n}@{v}": check_ref(dst, f"{n}@{v}", digest, replace=replace,
+                                    verb=f"{src.url} holds") for (n, v), digest in wanted}
     report = TransferReport(src.url, dst.url)
     closures = [closure(src, digest) for _, digest in wanted]
     keys = list(dict.fromkeys(k for c in closures for k in c))
@@ -160,7 +149,8 @@ def copy_refs(src: Store, dst: Store, refs: Sequence[str], *, jobs: int = DEFAUL
                                  hint="run the same command again")
         for ((name, version), digest), keys_of in zip(wanted, closures, strict=True):
             ref = f"{name}@{version}"
-            set_ref(dst, name, version, digest)  # the commit point, last
+            # the commit point, last; checked again: a writer may have taken it meanwhile
+            commit_ref(dst, name, version, digest, replace=replace, verb=f"{src.url} holds")
             sent = len(set(keys_of) & set(missing))
             moved = before[ref] if before[ref] and before[ref] != digest else ""
             report.refs.append(RefResult(ref, digest, len(keys_of), sent, moved))

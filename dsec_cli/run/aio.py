@@ -116,8 +116,9 @@ class AsyncNode:
     async def resume(self, sid: str) -> SandboxRecord:
         return await blocking(self.node.resume, sid)
 
-    async def snapshot(self, sid: str, ref: str, push: str | None = None) -> dict[str, Any]:
-        return await blocking(self.node.snapshot, sid, ref, push)
+    async def snapshot(self, sid: str, ref: str, push: str | None = None, *,
+                       replace: bool = False) -> dict[str, Any]:
+        return await blocking(self.node.snapshot, sid, ref, push, replace=replace)
 
     async def fork(self, sid: str, n: int) -> dict[str, Any]:
         return await blocking(self.node.fork, sid, n)

@@ -72,7 +72,8 @@ class NodeAPI(Protocol):
     def resume(self, sid: str) -> Any:
         ...
 
-    def snapshot(self, sid: str, ref: str, push: str | None = None) -> dict[str, Any]:
+    def snapshot(self, sid: str, ref: str, push: str | None = None, *,
+                 replace: bool = False) -> dict[str, Any]:
         ...
 
     # -- density (run/density.py) ----------------------------------------------------------

@@ -438,12 +438,13 @@ class Node:
         """Per sandbox: CPU, resident, reclaimed and swapped memory, class, idle time."""
         return density.top(self, interval)
 
-    def snapshot(self, sid: str, ref: str, push: str | None = None) -> dict[str, Any]:
+    def snapshot(self, sid: str, ref: str, push: str | None = None, *,
+                 replace: bool = False) -> dict[str, Any]:
         """The sandbox's writable diff becomes layer ``NAME-layer@VERSION`` and image
         ``NAME@VERSION`` (the original's layers plus the new one); see snapshot.py."""
         from .snapshot import snapshot
 
-        return snapshot(self, sid, ref, push)
+        return snapshot(self, sid, ref, push, replace=replace)
 
     def fork(self, sid: str, n: int) -> dict[str, Any]:
         """``n`` new sandboxes starting from this one's files (see fork.py): ``copies``

@@ -269,9 +269,10 @@ class AsyncRemoteNode:
     async def remove(self, sid: str) -> RemoteRecord:
         return self._rec(await self.call("remove", {"id": self.local_id(sid)}))
 
-    async def snapshot(self, sid: str, ref: str, push: str | None = None) -> dict[str, Any]:
+    async def snapshot(self, sid: str, ref: str, push: str | None = None, *,
+                       replace: bool = False) -> dict[str, Any]:
         out = dict(await self.call("snapshot", {"id": self.local_id(sid), "ref": ref,
-                                                "push": push}))
+                                                "push": push, "replace": replace}))
         out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
         return out
 

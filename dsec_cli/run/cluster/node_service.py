@@ -131,7 +131,8 @@ class NodeService:
         return self.node.describe(str(args["id"]))
 
     def snapshot(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
-        return self.node.snapshot(str(args["id"]), str(args["ref"]), args.get("push"))
+        return self.node.snapshot(str(args["id"]), str(args["ref"]), args.get("push"),
+                                  replace=bool(args.get("replace", False)))
 
     def park(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         return self.node.park(str(args["id"]))

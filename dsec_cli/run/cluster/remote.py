@@ -609,8 +609,10 @@ class RemoteNode:
         return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}",
                 "node": self.name}
 
-    def snapshot(self, sid: str, ref: str, push: str | None = None) -> dict[str, Any]:
-        out = dict(self.call("snapshot", {"id": self.local_id(sid), "ref": ref, "push": push}))
+    def snapshot(self, sid: str, ref: str, push: str | None = None, *,
+                 replace: bool = False) -> dict[str, Any]:
+        out = dict(self.call("snapshot", {"id": self.local_id(sid), "ref": ref, "push": push,
+                                             "replace": replace}))
         out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
         return out
 

@@ -21,7 +21,7 @@ from ...core.digests import object_key, parse_ref, sha256_hex
 from ...core.errors import UsageError
 from ...format.index import LayerIndex
 from ...format.manifest import Manifest, put_manifest
-from ...format.refs import set_ref
+from ...format.refs import commit_ref
 from ...push.dedup import load_index
 from ...push.materialize import resolve_image
 from ...push.stores.base import Store
@@ -114,7 +114,8 @@ def optimize(store: Store, ref: str, node_root: Path, as_ref: str | None = None
                          "annotations": {**m.annotations, "dsec.prefetch.files": str(len(files)),
                                          "dsec.optimized.from": digest}})
         ld = put_manifest(store, lm)
-        set_ref(store, lm.name, lm.version, ld)
+        # a layer's optimized version is derived from its own: each run rewrites it
+        commit_ref(store, lm.name, lm.version, ld, replace=True, verb="")
         new_layers.append(ld)
         new_manifests.append(lm)
         result.layers.append({"layer": lm.ref, "digest": ld, "prefetch": len(files)})
@@ -125,7 +126,8 @@ def optimize(store: Store, ref: str, node_root: Path, as_ref: str | None = None
 
     result.image_digest, _ = write_image(
         store, name, version, new_layers, env=img.manifest.env, workdir=img.manifest.workdir,
-        spec_digest=img.manifest.spec_digest, manifests=new_manifests, set_ref_too=True,
+        spec_digest=img.manifest.spec_digest, manifests=new_manifests, commit=True,
+        replace=as_ref is None,  # the derived VERSION-opt is rewritten by each run
         created_by=f"dsec optimize {ref}")
     return result
 
