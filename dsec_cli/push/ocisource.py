@@ -269,6 +269,22 @@ def parse_image_ref(text: str) -> ImageRef:
     return ImageRef(host, repo, tag, digest)
 
 
+_client_import = threading.Lock()
+
+
+def _registry_client() -> Any:
+    """The OCI store's class, imported by one thread at a time: a run reads several
+    registry images side by side, and a second thread must not see the module half made
+    (where the import fails, each thread then meets the same clear error)."""
+    with _client_import:
+        try:
+            from .stores.oci import OCIStore
+        except ImportError as e:  # oras is the optional extra `oci`
+            raise UsageError(f"reading images from registries needs the oci extra: {e}",
+                             hint="pip install 'dsec[oci]'") from None
+    return OCIStore
+
+
 class RegistrySource(Source):
     """A registry over the distribution API, authenticated as the OCI store is (credentials
     from ``~/.docker/config.json`` or ``$DOCKER_CONFIG``, bearer tokens)."""
@@ -276,11 +292,7 @@ class RegistrySource(Source):
     ACCEPT = ", ".join((*MANIFEST_TYPES, *INDEX_TYPES))
 
     def __init__(self, ref: ImageRef, insecure: bool) -> None:
-        try:
-            from .stores.oci import OCIStore
-        except ImportError as e:  # oras is the optional extra `oci`
-            raise UsageError(f"reading images from registries needs oras: {e}",
-                             hint="pip install 'dsec[oci]'") from e
+        OCIStore = _registry_client()
 
         self.ref = ref
         self.label = f"registry image {ref}"

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from dsec_cli.push.stores import open_store
 from dsec_cli.push.verify import verify
 
 from .conftest import store_files
-from .helpers import Image, base_image, file, write_layout
+from .helpers import Image, base_image, file, skopeo, write_layout
 
 BIG = random.Random(11).randbytes(3 << 20)  # incompressible: stored once is 3 MiB, twice 6
 
@@ -483,3 +485,27 @@ def test_an_image_whose_objects_fail_to_commit_leaves_its_layers_to_the_next(
     assert verify(open_store(env["DSEC_STORE"]), deep=True).ok
     images.export_image("b@1", tmp_path / "tree")
     assert (tmp_path / "tree/opt/big.bin").read_bytes() == BIG
+
+
+def test_several_registry_images_at_once(env: dict[str, str], registry: str, tmp_path: Path,
+                                         run_dsec) -> None:  # type: ignore[no-untyped-def]
+    """`dsec import A B` from a registry, as README shows it; and without the `oci` extra,
+    each source reports the missing extra (never a module half imported by another
+    thread)."""
+    refs = []
+    for n in "pq":
+        write_layout(Image([[file(n, n.encode() * 64)]]), tmp_path / n, tag="1")
+        skopeo("copy", "--dest-tls-verify=false", f"oci:{tmp_path / n}:1",
+               f"docker://{registry}/many/{n}:1")
+        refs.append(f"{registry}/many/{n}:1")
+    hidden = ("import sys; sys.modules['oras'] = None; "
+              "from dsec_cli.cli import main; main()")
+    p = subprocess.run([sys.executable, "-c", hidden, "import", *refs], capture_output=True,
+                       text=True, env={**os.environ, "COLUMNS": "200"}, timeout=120)
+    assert p.returncode == 2, p
+    assert p.stderr.count("needs the oci extra") == 2, p.stderr
+    assert "cannot import name" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not any(k.startswith("refs/") for k in store_files(env))
+
+    out = run_dsec("import", *refs, "--json")
+    assert sorted(r["ref"] for r in json.loads(out.stdout)["images"]) == ["p@1", "q@1"]
