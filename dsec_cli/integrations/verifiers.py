@@ -64,7 +64,11 @@ class _Process(RuntimeProcess):
         self.stdout, self.stderr = self._drain("stdout"), self._drain("stderr")
         self._task = asyncio.ensure_future(sandbox.exec(
             argv, env=env, stdin=self._feed(), on_output=lambda s, d: self._out[s].put_nowait(d)))
-        self._task.add_done_callback(lambda _: [q.put_nowait(None) for q in self._out.values()])
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, _task: asyncio.Task[Any]) -> None:
+        for q in self._out.values():
+            q.put_nowait(None)  # end of both streams
 
     async def _feed(self) -> AsyncIterator[bytes]:
         while (data := await self._stdin.get()) is not None:
@@ -111,8 +115,8 @@ class DsecRuntime(Runtime):
 
     async def start(self) -> None:
         c = self.config
-        opts = dict(cpus=c.cpus, memory=c.memory, pids=c.pids, network=c.network, ttl=c.ttl,
-                    workdir=c.workdir)
+        opts: dict[str, Any] = dict(cpus=c.cpus, memory=c.memory, pids=c.pids,
+                                    network=c.network, ttl=c.ttl, workdir=c.workdir)
         if self.job is not None:
             self.rollout = await self.job.sandbox(c.image, c.backend, **opts)
             sid = str(self.rollout.sandbox_id)
