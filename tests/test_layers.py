@@ -13,6 +13,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dsec_cli"
 
 #: stage -> the stages it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
+    # framework adapters: the public API only, as a framework's user would (DESIGN.md §9b)
+    "integrations": {"api", "core"},
     "cli": {"api", "core"},
     "api": {"run", "build", "backends", "push", "format", "core"},
     "run": {"backends", "build", "push", "format", "core"},
