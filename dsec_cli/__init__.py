@@ -44,7 +44,9 @@ _SOURCES: dict[str, dict[str, str]] = {
                              "start_task": "start_task", "git_scrub_layer": "git_scrub_layer",
                              "git_check": "git_check"},
     "dsec_cli.api.aio_jobs": {"AsyncJob": "AsyncJob"},
-    "dsec_cli.core.errors": {"DsecError": "DsecError", "UsageError": "UsageError"},
+    "dsec_cli.core.errors": {"DsecError": "DsecError", "UsageError": "UsageError",
+                             "NotFoundError": "NotFoundError",
+                             "SandboxError": "SandboxError"},
 }
 _EXPORTS = {name: (mod, attr) for mod, names in _SOURCES.items() for name, attr in names.items()}
 

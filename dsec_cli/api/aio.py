@@ -20,6 +20,7 @@ number of threads (`dsec_cli.run.aio.EXECUTOR_THREADS`). Routing is `Sandbox`'s:
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ from ..core.errors import UsageError
 from ..run.aio import AsyncNode, async_node, blocking
 from ..run.contract import NodeAPI
 from ..run.node import local_node
-from .sandboxes import Sandbox, create_options, target
+from .sandboxes import Sandbox, create_options, removal_at_exit, target
 from .sandboxes import create as create_sync
 
 __all__ = ["AsyncSandbox", "ExecResult", "close_sessions"]
@@ -58,6 +59,7 @@ class AsyncSandbox:
     def __init__(self, record: Any, node: Any) -> None:
         self._rec, self.node = record, node
         self._job: bool | None = None  # whether it is a job's sandbox (None: not known yet)
+        self._finalizer: weakref.finalize | None = None
 
     @property
     def id(self) -> str:
@@ -87,9 +89,27 @@ class AsyncSandbox:
                      state_dir: str | Path | None = None, store: str | None = None,
                      node: str | None = None, disk: int | str | None = None,
                      cpu_class: str | None = None, egress: list[str] | None = None,
-                     user: str | None = None) -> AsyncSandbox:
+                     user: str | None = None, remove_at_exit: bool = False) -> AsyncSandbox:
         """As ``Sandbox(image, backend, ...)``: every option is checked before anything is
-        made. ``node``: a cluster node's name, ``"auto"``, or None/``"local"``."""
+        made. ``node``: a cluster node's name, ``"auto"``, or None/``"local"``.
+        ``remove_at_exit``: removed when the object is collected or the interpreter exits
+        (whichever is first), from any thread, without the event loop."""
+        sb = await cls._create(image, backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
+                               network=network, env=env, workdir=workdir,
+                               state_dir=state_dir, store=store, node=node, disk=disk,
+                               cpu_class=cpu_class, egress=egress, user=user)
+        if remove_at_exit:
+            sb._finalizer = removal_at_exit(sb, sb._sync().node, sb.id)
+        return sb
+
+    @classmethod
+    async def _create(cls, image: str | Path, backend: str, *, cpus: float | None,
+                      memory: int | str | None, pids: int | None, ttl: float | str | None,
+                      network: Literal["none", "host", "allowlist"],
+                      env: dict[str, str] | None, workdir: str | None,
+                      state_dir: str | Path | None, store: str | None, node: str | None,
+                      disk: int | str | None, cpu_class: str | None,
+                      egress: list[str] | None, user: str | None) -> AsyncSandbox:
         if isinstance(image, str):
             validate.image(image, "image")
         validate.node_option(node, "node")
@@ -114,11 +134,14 @@ class AsyncSandbox:
     async def exec(self, cmd: str | list[str], *, stdin: AsyncStdin = None,
                    env: dict[str, str] | None = None, cwd: str | None = None,
                    timeout: float | None = None, on_output: AsyncOutputCallback | None = None,
-                   capture_limit: int | None = None, key: str | None = None) -> ExecResult:
+                   capture_limit: int | None = None, user: str | None = None,
+                   key: str | None = None) -> ExecResult:
         """Run a command (a list, or a string for `sh -c`). ``stdin``: bytes, str, or an
         (async) iterable of bytes; ``on_output(stream, data)`` (a function or a coroutine
         function) gets output as it arrives. A failing command is a result, not an
-        exception; cancelling the awaiting task kills the command.
+        exception; cancelling the awaiting task kills the command. ``user`` (NAME, UID,
+        NAME:GROUP, UID:GID) overrides the sandbox's user for this command (on this
+        node's sandboxes).
 
         In a job's sandbox on this node the exec is a journaled step, as with `Sandbox`
         (its output comes once the step is committed); ``key`` then makes it run at most
@@ -128,15 +151,22 @@ class AsyncSandbox:
                 (self._job is not False or key is not None):
             res = await self._journaled(argv, key, stdin=stdin, env=env, cwd=cwd,
                                         timeout=timeout, on_output=on_output,
-                                        capture_limit=capture_limit)
+                                        capture_limit=capture_limit, user=user)
             if res is not None:
                 return res
         if key is not None:
             raise UsageError("exec key= needs a sandbox owned by a job on this node",
                              hint="make it with `AsyncJob.sandbox` or `dsec run --job`")
+        if user is None:
+            return await self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=stdin,
+                                        timeout=timeout, on_output=on_output,
+                                        capture_limit=capture_limit)
+        if not isinstance(self.node, AsyncNode):
+            raise UsageError("an exec's user can be given only on this node's sandboxes",
+                             hint="create the sandbox with the user instead")
         return await self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=stdin,
                                     timeout=timeout, on_output=on_output,
-                                    capture_limit=capture_limit)
+                                    capture_limit=capture_limit, user=user)
 
     async def _journaled(self, argv: list[str], key: str | None,
                          **kw: Any) -> ExecResult | None:
@@ -221,6 +251,8 @@ class AsyncSandbox:
         return await blocking(lambda: self._sync().grade(grader, **options))
 
     async def remove(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
         await self.node.remove(self.id)
 
     close = remove

@@ -203,6 +203,8 @@ async def journaled_exec(node: Node, sandbox_id: str, argv: list[str], *,
     rid = await blocking(owned)
     if rid is None:
         return None
+    if kw.get("user") is not None:
+        raise UsageError("a job's steps run as its sandbox's user: user= is not taken here")
     from ..run.aio import _whole
 
     # the journal keeps the stdin to replay it, and the whole output (a result served

@@ -11,14 +11,16 @@ here and nowhere else: a ``NODE/ID`` sandbox id or ``node=NAME`` goes to that cl
 
 from __future__ import annotations
 
+import logging
 import shlex
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..backends.base import ExecResult, OutputCallback
 from ..core import validate
-from ..core.errors import UsageError
+from ..core.errors import NotFoundError, UsageError
 from ..run import runconfig
 from ..run.contract import NodeAPI
 from ..run.node import CreateOptions, Node, local_node
@@ -30,6 +32,8 @@ __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "Create
            "list_sandboxes", "gc_node", "create_many", "create", "create_options", "target",
            "exec_in", "command_for", "copy", "ps", "remove", "pause", "resume", "snapshot",
            "fork", "park", "thaw", "top", "CPU_CLASSES", "drop_connections"]
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ..backends.fnpool import FunctionCallError, FunctionPool
@@ -70,7 +74,8 @@ class Sandbox:
                  workdir: str | None = None, state_dir: str | Path | None = None,
                  store: str | None = None, node: str | None = None,
                  disk: int | str | None = None, cpu_class: str | None = None,
-                 egress: list[str] | None = None, user: str | None = None) -> None:
+                 egress: list[str] | None = None, user: str | None = None,
+                 remove_at_exit: bool = False) -> None:
         """``node``: a configured cluster node's name, ``"auto"`` (placed by free capacity
         and cached image bytes) or ``None``/``"local"`` for this machine. ``disk``: bytes
         (or "1G") the sandbox may write; past it writes fail with ENOSPC inside.
@@ -78,7 +83,9 @@ class Sandbox:
         ``idle`` (runs only when nothing else wants the CPU).
         ``network="allowlist"`` with ``egress=["host:8080", ...]``: only those leave, enforced
         on the host's side; change it later with `set_egress`. ``user``: who commands run as
-        (NAME, UID, NAME:GROUP, UID:GID; default: the image's user)."""
+        (NAME, UID, NAME:GROUP, UID:GID; default: the image's user). ``remove_at_exit``:
+        the sandbox is removed when this object is garbage collected or the interpreter
+        exits, whichever comes first (otherwise it lives until removed or its ttl)."""
         if isinstance(image, str):
             validate.image(image, "image")
         validate.node_option(node, "node")
@@ -87,11 +94,12 @@ class Sandbox:
                               cpu_class=cpu_class, user=user)
         opts.egress = list(egress or [])
         self.node, self._rec = create(image, opts, node, state_dir, store)
+        self._finalizer = removal_at_exit(self, self.node, self.id) if remove_at_exit else None
 
     @classmethod
     def _wrap(cls, record: SandboxRecord | Any, node: NodeAPI) -> Sandbox:
         sb = cls.__new__(cls)
-        sb._rec, sb.node = record, node
+        sb._rec, sb.node, sb._finalizer = record, node, None
         return sb
 
     @property
@@ -223,6 +231,8 @@ class Sandbox:
         return grade(self.id, grader, **options)
 
     def remove(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
         self.node.remove(self.id)
 
     close = remove
@@ -232,6 +242,22 @@ class Sandbox:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+
+def removal_at_exit(owner: object, node: NodeAPI, sandbox_id: str) -> weakref.finalize:
+    """Remove ``sandbox_id`` when ``owner`` is collected or, at the latest, when the
+    interpreter exits: a finalizer runs at exit before modules are torn down, where a
+    ``__del__`` would find builtins such as ``open`` already gone."""
+    return weakref.finalize(owner, _remove_quietly, node, sandbox_id)
+
+
+def _remove_quietly(node: NodeAPI, sandbox_id: str) -> None:
+    try:
+        node.remove(sandbox_id)
+    except NotFoundError:
+        pass  # removed by other means
+    except Exception as e:  # a finalizer has no caller to raise to
+        log.warning("could not remove sandbox %s: %s", sandbox_id, e)
 
 
 def _user_kw(node: NodeAPI, user: str | None) -> dict[str, str]:

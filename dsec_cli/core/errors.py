@@ -13,6 +13,10 @@ class DsecError(Exception):
     """Base of every expected dsec failure."""
 
     exit_code = 1
+    #: where the failure is an OS error (a file read or written in a sandbox): its number
+    #: (``errno.ENOENT``, ``EACCES``, ``EISDIR``...) and the file, as `OSError` has them
+    errno: int | None = None
+    filename: str | None = None
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)

@@ -163,7 +163,9 @@ class AsyncNode:
     async def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
                    cwd: str | None = None, stdin: AsyncStdin = None,
                    timeout: float | None = None, on_output: AsyncOutputCallback | None = None,
-                   capture_limit: int | None = None) -> ExecResult:
+                   capture_limit: int | None = None, user: str | None = None) -> ExecResult:
+        """As `Node.exec`: ``user`` (NAME, UID, NAME:GROUP, UID:GID) overrides the
+        sandbox's user."""
         check_exec(argv, timeout)
         rec, _, h, client = await self._agent(sid)
         if client is None:
@@ -171,9 +173,11 @@ class AsyncNode:
             return await blocking(self.node.exec, rec.id, list(argv), env=env, cwd=cwd,
                                   stdin=data, timeout=timeout,
                                   on_output=_threadsafe(on_output),
-                                  capture_limit=capture_limit)
+                                  capture_limit=capture_limit, user=user)
+        ids = self.node.exec_user(rec, user) if user is None else \
+            await blocking(self.node.exec_user, rec, user)  # reads the sandbox's passwd
         req = ExecRequest(list(argv), dict(env or {}), cwd, stdin,  # type: ignore[arg-type]
-                          timeout, capture_limit, self.node.exec_user(rec, None))
+                          timeout, capture_limit, ids)
         try:
             return await exec_async(client, h, req, on_output)
         except AgentError:

@@ -114,7 +114,9 @@ class NodeAPI(Protocol):
     def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
              cwd: str | None = None, stdin: bytes | Iterable[bytes] | None = None,
              timeout: float | None = None, on_output: OutputCallback | None = None,
-             capture_limit: int | None = None) -> ExecResult:
+             capture_limit: int | None = None, user: str | None = None) -> ExecResult:
+        """``user``: who the command runs as instead of the sandbox's user (where the node
+        takes it: this machine's)."""
         ...
 
     def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:

@@ -76,7 +76,8 @@ class SandboxRecord:
         return {"id": self.id, "backend": self.backend, "image": self.image,
                 "image_digest": self.image_digest, "status": self.status,
                 "created": self.created, "expires": self.expires,
-                "limits": self.spec.get("limits", {}), "network": self.spec.get("network")}
+                "limits": self.spec.get("limits", {}), "network": self.spec.get("network"),
+                "workdir": self.spec.get("workdir", "/")}
 
 
 class NodeDB:

@@ -229,14 +229,19 @@ def _result(payload: bytes) -> tuple[int, str]:
 
 
 def _raise_for(code: int, msg: str, path: str) -> None:
+    """The error of a failed file request; it carries the agent's errno and the path."""
     if code == 0:
         return
+    err: SandboxError | UsageError
     if code in (_errno.ENOENT, _errno.ENOTDIR):
-        raise NotFoundError(f"no such file in the sandbox: {path}")
-    if code in (_errno.EISDIR, _errno.EINVAL, _errno.EACCES, _errno.EPERM, _errno.EROFS,
-                _errno.ENXIO, _errno.ELOOP, _errno.ENAMETOOLONG):
-        raise UsageError(f"cannot access {path} in the sandbox: {msg}")
-    raise SandboxError(f"file transfer failed in the sandbox: {msg}")
+        err = NotFoundError(f"no such file in the sandbox: {path}")
+    elif code in (_errno.EISDIR, _errno.EINVAL, _errno.EACCES, _errno.EPERM, _errno.EROFS,
+                  _errno.ENXIO, _errno.ELOOP, _errno.ENAMETOOLONG):
+        err = UsageError(f"cannot access {path} in the sandbox: {msg}")
+    else:
+        err = SandboxError(f"file transfer failed in the sandbox: {msg}")
+    err.errno, err.filename = code, path
+    raise err
 
 
 def check_peer(sock: socket.socket, peer: Callable[[int], bool], what: str, path: object

@@ -38,7 +38,14 @@ from .protocol import (
     to_wire,
     unb64,
 )
-from .remote import READ_CHUNK, STDERR_KEPT, Attempts, NodeEntry, RemoteRecord
+from .remote import (
+    READ_CHUNK,
+    STDERR_KEPT,
+    Attempts,
+    NodeEntry,
+    RemoteRecord,
+    refuse_user,
+)
 from .ssh import classify
 
 log = logging.getLogger(__name__)
@@ -285,7 +292,8 @@ class AsyncRemoteNode:
     async def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
                    cwd: str | None = None, stdin: AsyncStdin = None,
                    timeout: float | None = None, on_output: AsyncOutputCallback | None = None,
-                   capture_limit: int | None = None) -> ExecResult:
+                   capture_limit: int | None = None, user: str | None = None) -> ExecResult:
+        refuse_user(user)
         check_exec(argv, timeout)
         data = await _whole(stdin)  # the protocol sends stdin whole
         r = await self.call("exec", {

@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from ...backends.base import ExecResult, OutputCallback
 from ...core.config import env, net_timeouts
-from ...core.errors import ConfigError, DsecError, NodeUnreachableError
+from ...core.errors import ConfigError, DsecError, NodeUnreachableError, UsageError
 from ..node import CreateOptions
 from ..state import SandboxRecord
 from .errors import NodeCommandError
@@ -61,6 +61,13 @@ READ_CHUNK = 1 << 16
 #: ssh messages of a session kept to explain its failure: the last of these many reads
 STDERR_KEPT = 20
 
+
+
+def refuse_user(user: str | None) -> None:
+    """A cluster node runs commands as its sandbox's user: an exec's ``user=`` is refused."""
+    if user is not None:
+        raise UsageError("an exec's user can be given only on this node's sandboxes",
+                         hint="create the sandbox with the user instead")
 
 class Attempts:
     """When a request to a node is tried again, for the thread and the asyncio client alike.
@@ -550,7 +557,8 @@ class RemoteNode:
     def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
              cwd: str | None = None, stdin: bytes | Iterable[bytes] | None = None,
              timeout: float | None = None, on_output: OutputCallback | None = None,
-             capture_limit: int | None = None) -> ExecResult:
+             capture_limit: int | None = None, user: str | None = None) -> ExecResult:
+        refuse_user(user)
         if stdin is not None and not isinstance(stdin, bytes | bytearray):
             stdin = b"".join(stdin)  # a chunk iterator (piped CLI stdin): sent whole
         r = self.call("exec", {"id": self.local_id(sid), "argv": list(argv), "env": env or {},
