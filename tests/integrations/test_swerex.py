@@ -121,3 +121,46 @@ def test_sessions_commands_and_files(node_env: dict[str, str], tmp_path: Path) -
 
     sid = run(body())
     assert sid not in sandbox_ids(node_env)
+
+
+ACTIONS = [
+    "export A=1; cd /tmp",
+    "echo $A; pwd",
+    "echo out; echo err >&2",
+    "printf 'a\\nb'",
+    "false",
+    "sh -c 'exit 5'",
+    "for i in 1 2 3; do echo $i; done",
+    "x() { echo in-x; }; x",
+    "cat <<EOF\nheredoc line\nEOF",
+    "echo one\necho two",
+    "",
+]
+
+
+def test_sessions_answer_as_swerex_local_runtime() -> None:
+    """The same actions through SWE-ReX's own `LocalRuntime` (a bash under pexpect on this
+    host) and through `DsecRuntime`: the same outputs and exit codes."""
+    from swerex.runtime.local import LocalRuntime
+
+    async def observe(rt) -> list[tuple[str, int | None]]:  # type: ignore[no-untyped-def]
+        await rt.create_session(CreateBashSessionRequest())
+        out = []
+        for cmd in ACTIONS:
+            obs = await rt.run_in_session(BashAction(command=cmd, check="silent", timeout=10))
+            # pexpect's tty ends lines with \r\n and leaves blank lines around the output
+            out.append((obs.output.replace("\r\n", "\n").strip(), obs.exit_code))
+        await rt.close()
+        return out
+
+    async def body() -> tuple[list, list]:  # type: ignore[type-arg]
+        want = await observe(LocalRuntime())
+        dep = DsecDeployment(image=IMAGE)
+        await dep.start()
+        try:
+            return want, await observe(dep.runtime)
+        finally:
+            await dep.stop()
+
+    want, got = run(body())
+    assert got == want
