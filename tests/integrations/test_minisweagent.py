@@ -103,3 +103,23 @@ def test_sandbox_removed_at_interpreter_exit(node_env: dict[str, str]) -> None:
     sid = p.stdout.split()[0]
     assert sid and sid not in sandbox_ids(node_env)
     assert set(sandbox_ids(node_env)) <= before
+
+
+def test_results_match_minisweagents_local_environment() -> None:
+    """The same actions through mini-swe-agent's own `LocalEnvironment` (``sh -c`` on this
+    host) and through `DsecEnvironment`: the same result dicts."""
+    from minisweagent.environments.local import LocalEnvironment
+
+    actions = ["echo a; echo b >&2; echo c", "exit 7", "printf 'no newline'",
+               "cd /tmp && pwd", "echo $GREETING", "ls /nonexistent-dir"]
+    local = LocalEnvironment(cwd="/", env={"GREETING": "hi", "LC_ALL": "C"})
+    env = DsecEnvironment(image=IMAGE, interpreter=SH, env={"GREETING": "hi"})
+    try:
+        for cmd in actions[:-1]:
+            assert env.execute({"command": cmd}) == local.execute({"command": cmd}), cmd
+        got = env.execute({"command": actions[-1]})  # busybox's ls words it its own way
+        want = local.execute({"command": actions[-1]})
+        assert want["returncode"] != 0 and got["returncode"] != 0  # GNU ls 2, busybox 1
+        assert "nonexistent-dir" in got["output"]
+    finally:
+        env.cleanup()
