@@ -18,10 +18,13 @@ be installed in the image.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import logging
 import os
 import re
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
@@ -66,6 +69,8 @@ from swerex.runtime.abstract import (
 )
 
 from ..api.aio import AsyncSandbox
+from ..api.sandboxes import Sandbox
+from ..core.errors import DsecError
 
 __all__ = ["DsecDeployment", "DsecDeploymentConfig", "DsecRuntime"]
 
@@ -327,6 +332,7 @@ class DsecDeployment(AbstractDeployment):
             ttl=c.ttl, node=c.node, workdir=c.workdir)
         self.logger.info("started sandbox %s", self.sandbox.id)
         self._runtime = DsecRuntime(self.sandbox, logger=self.logger)
+        _started.add(self)
 
     async def stop(self) -> None:
         sb, rt = self.sandbox, self._runtime
@@ -341,3 +347,17 @@ class DsecDeployment(AbstractDeployment):
         if self._runtime is None:
             raise DeploymentNotStartedError()
         return self._runtime
+
+
+_started: weakref.WeakSet[DsecDeployment] = weakref.WeakSet()
+
+
+@atexit.register
+def _remove_at_exit() -> None:
+    """Deployments never stopped when the interpreter exits (their event loop is gone):
+    their sandboxes are removed through the thread API."""
+    for dep in list(_started):
+        sb, dep.sandbox, dep._runtime = dep.sandbox, None, None
+        if sb is not None:
+            with contextlib.suppress(DsecError):
+                Sandbox.attach(sb.id).remove()

@@ -164,3 +164,25 @@ def test_sessions_answer_as_swerex_local_runtime() -> None:
 
     want, got = run(body())
     assert got == want
+
+
+def test_sandbox_removed_at_interpreter_exit(node_env: dict[str, str]) -> None:
+    """A deployment started and never stopped: its sandbox is gone once the interpreter
+    has exited."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import asyncio
+        from dsec_cli.integrations.swerex import DsecDeployment
+        DEP = DsecDeployment(image={IMAGE!r})
+        asyncio.run(DEP.start())
+        print(DEP.sandbox.id, flush=True)
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env=dict(os.environ), timeout=120)
+    assert p.returncode == 0, p.stderr
+    sid = p.stdout.split()[0]
+    assert sid and sid not in sandbox_ids(node_env)
