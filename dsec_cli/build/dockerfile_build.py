@@ -143,7 +143,7 @@ class _Builder:
         args: dict[str, str] = {}
         squashed: list[tuple[Instruction, StageState, dict[str, str]]] = []
         for ins in s.body:
-            scope = {**gargs, **args, **state.env}
+            scope = {**args, **state.env}  # a global ARG is seen where a stage declares it
             if ins.op == "ARG":
                 name, value = _arg(self.d, ins, {**args, **state.env})
                 if name in gargs and "=" not in ins.value:
@@ -392,7 +392,7 @@ class _Builder:
         if ins.op == "RUN":
             self.run(tree, ins, state, args)
             return
-        self.copy(tree, ins, state, spool, sde)
+        self.copy(tree, ins, state, args, spool, sde)
 
     def run(self, tree: Any, ins: Instruction, state: StageState, args: dict[str, str]
             ) -> None:
@@ -403,26 +403,31 @@ class _Builder:
         if state.workdir and not tree.is_dir(state.workdir.strip("/")):
             tree.add([Scanned(Entry(state.workdir.strip("/"), "dir", 0o755, 0, 0, 0), None)],
                      0, _read_source)
+        home = "/root"
         if state.user and state.user not in ("root", "0", "0:0", "root:root"):
             uid, gid = self.ids(tree, state.user)
+            name = state.user.partition(":")[0]
+            home = next((r[5] for r in _table(tree.read_file("etc/passwd"))
+                         if (r[0] == name or r[2] == name) and len(r) > 5 and r[5]), "/")
             argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}",
                     "--init-groups" if self.named(tree, state.user) else "--clear-groups",
                     "--", *argv]
         from .steps import DEFAULT_PATH
 
-        env = {"PATH": DEFAULT_PATH, "HOME": "/root", **args, **state.env}
+        env = {"PATH": DEFAULT_PATH, "HOME": home, **args, **state.env}
         code = tree.run_argv(argv, env=env, cwd=state.workdir or "/",
                              network=network != "none", on_line=self.on_log)
         if code != 0:
             raise BuildError(f"{self.d.path}:{ins.line}: RUN exited with code {code}: "
                              f"{ins.value[:200]!r}")
 
-    def copy(self, tree: Any, ins: Instruction, state: StageState, spool: Path,
-             sde: int) -> None:
-        scope = {**state.env}
-        srcs, dest = self.copy_args(ins, state, scope)
+    def copy(self, tree: Any, ins: Instruction, state: StageState, args: dict[str, str],
+             spool: Path, sde: int) -> None:
+        srcs, dest = self.copy_args(ins, state, {**args, **state.env})
         dest_abs = posixpath.normpath(posixpath.join(state.workdir or "/", dest))
-        into_dir = dest.endswith("/") or len(srcs) > 1
+        # as docker: a directory when it says so, for several sources, or where one is
+        into_dir = (dest.endswith("/") or dest in (".", "..") or len(srcs) > 1
+                    or tree.is_dir(dest_abs.strip("/") or "."))
         chown = self.ids(tree, ins.flags["chown"]) if "chown" in ins.flags else None
         mode = int(ins.flags["chmod"], 8) if "chmod" in ins.flags else None
         if "from" in ins.flags:
