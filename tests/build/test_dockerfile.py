@@ -266,3 +266,18 @@ def test_dockerfile_key_in_an_image_spec_builds_with_the_other_specs(
     bad = run_dsec("build", str(specs), "--store", store, check=2)
     assert "Dockerfile:2" in bad.stderr and "HEALTHCHECK" in bad.stderr
     assert store_snapshot(Path(store)) == before
+
+
+@needs_root
+def test_from_an_oci_image_imports_it_on_the_fly(tmp_path: Path, run_dsec, store: str
+                                                 ) -> None:
+    layout = tmp_path / "layout"
+    run_dsec("export", "bb@1", "--store", store, "--format", "oci", str(layout))
+    fresh = str(tmp_path / "fresh")  # a store that does not hold bb@1
+    path = dockerfile(tmp_path / "ctx", f"FROM {layout}\nRUN echo on-top > /top\n"
+                      'CMD ["cat", "/top"]\n')
+    out = build(run_dsec, fresh, path, "oci-task@1")
+    assert str(layout) in out["pinned"]
+    assert run_in(run_dsec, fresh, "oci-task@1").strip() == "on-top"
+    layers = json.loads(run_dsec("ls", "layers", "--store", fresh, "--json").stdout)
+    assert any(i["ref"].startswith("oci-layer@") for i in layers)
