@@ -40,6 +40,7 @@ def test_a_store_command_loads_no_sandbox_or_remote_store_code(tmp_path: Path,
                                                               dsec_home: Path) -> None:
     import os
 
+    (tmp_path / "store").mkdir()  # an empty store (a path never written is an error)
     env = {**os.environ, "DSEC_STORE": (tmp_path / "store").as_uri()}
     loaded, out = _loaded_after(["ls", "--json"], env)
     assert json.loads(out) == []

@@ -13,7 +13,7 @@ from ..core.errors import DsecError, UsageError
 from ..format.manifest import Manifest, load_manifest
 from ..format.refs import list_refs, resolve
 from ..push.dedup import load_index
-from ..push.stores import Store, open_store
+from ..push.stores import Store, check_exists, open_store
 
 if TYPE_CHECKING:
     from ..push.api import Removed, rmi
@@ -51,7 +51,12 @@ class ImageInfo:
 
 
 def _store(store: str | Store | None) -> Store:
-    return store if isinstance(store, Store) else open_store(store)
+    """A store to read (every command here only reads): a typo'd path is an error."""
+    if isinstance(store, Store):
+        return store
+    st = open_store(store)
+    check_exists(st)
+    return st
 
 
 def list_images(kind: str = "all", store: str | Store | None = None) -> list[ImageInfo]:

@@ -11,6 +11,7 @@ from ..core import validate
 from ..push.api import pull, push, store_options
 from ..push.gc import GcReport, gc_store
 from ..push.retry import open_retrying
+from ..push.stores import check_exists
 from ..push.transfer import TransferReport
 from ..push.verify import VerifyReport, verify_store
 
@@ -26,5 +27,6 @@ def gc(store: str | None = None, *, grace: float | str = 3600.0, dry_run: bool =
     (1 = never). Safe while others push."""
     seconds = grace if isinstance(grace, int | float) else validate.duration(grace, "--grace")
     with open_retrying(store, **store_options(endpoint_url, insecure)) as s:
+        check_exists(s)
         return gc_store(s, grace=float(seconds), dry_run=dry_run,
                         repack_threshold=repack_threshold, repack=repack_threshold < 1.0)

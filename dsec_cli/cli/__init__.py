@@ -17,7 +17,8 @@ from ..core.errors import DsecError
 #: commands adds its lines here; tests/test_cli_start.py checks the table against what every
 #: module of this package registers.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "build": ("build", "Build layer and image specs (default: layerspecs/) into a store."),
+    "build": ("build", "Build layer and image specs (default: layerspecs/), or a Dockerfile with "
+              "--as, into a store."),
     "ls": ("build", "List layers and images in a store."),
     "inspect": ("build", "Show a layer's or image's manifest and index, or a sandbox's state."),
     "export": ("build", "Write an image's merged tree (whiteouts applied) to a directory or a "

@@ -236,8 +236,9 @@ def register(app: typer.Typer) -> None:
         state_dir: StateOpt = None,
         node: NodeOpt = None,
     ) -> None:
-        """Turn a sandbox's changes into a new layer and an image stacking it (versions are
-        immutable: a NAME@VERSION the store holds is refused without --replace)."""
+        """Turn a sandbox's changes into a new layer and an image stacking it.
+
+        Versions are immutable: a NAME@VERSION the store holds is refused without --replace."""
         from ..api.sandboxes import snapshot as snapshot_sandbox
         from .render import print_json
 

@@ -13,6 +13,7 @@ from ..core import validate
 from ..core.errors import UsageError
 from ..format.refs import delete_ref, get_ref
 from .retry import open_retrying
+from .stores import check_exists
 from .transfer import DEFAULT_JOBS, ProgressFn, TransferReport, copy_refs
 
 
@@ -43,6 +44,7 @@ def push(refs: Sequence[str], to: str, *, store: str | None = None, jobs: int = 
     _check(refs, jobs)
     remote = store_options(endpoint_url, insecure)
     with open_retrying(store) as src, open_retrying(to, **remote) as dst:
+        check_exists(src)
         return copy_refs(src, dst, refs, jobs=jobs, progress=progress, replace=replace)
 
 
@@ -53,6 +55,7 @@ def pull(refs: Sequence[str], frm: str, *, store: str | None = None, jobs: int =
     _check(refs, jobs)
     with open_retrying(frm, **store_options(endpoint_url, insecure)) as src, \
             open_retrying(store) as dst:
+        check_exists(src)
         return copy_refs(src, dst, refs, jobs=jobs, progress=progress, replace=replace)
 
 
@@ -69,6 +72,7 @@ def rmi(refs: Sequence[str], *, store: str | None = None, endpoint_url: str | No
     Every ref is checked first, so a typo removes nothing."""
     _check(refs)
     with open_retrying(store, **store_options(endpoint_url, insecure)) as s:
+        check_exists(s)
         found = [Removed(r, get_ref(s, r).manifest) for r in dict.fromkeys(refs)]
         for r in found:
             delete_ref(s, r.ref)

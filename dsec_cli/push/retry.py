@@ -127,6 +127,9 @@ class RetryingStore(Store):
     def staging_dir(self) -> Path:
         return self._inner.staging_dir()
 
+    def missing(self) -> str:
+        return self._inner.missing()
+
     @contextmanager
     def write_batch(self) -> Iterator[None]:
         with self._inner.write_batch():

@@ -249,6 +249,8 @@ def verify_store(refs: Sequence[str] = (), *, store: str | None = None, deep: bo
     """Check a store by URL (default: the configured one); what `dsec verify` calls."""
     from .api import store_options
     from .retry import open_retrying
+    from .stores import check_exists
 
     with open_retrying(store, **store_options(endpoint_url, insecure)) as s:
+        check_exists(s)
         return verify(s, refs, deep=deep)

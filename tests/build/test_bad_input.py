@@ -131,8 +131,11 @@ def test_failing_run_step_is_a_runtime_error(tmp_path: Path, run_dsec, busybox_t
 
 
 def test_unknown_ref_and_bad_store(tmp_path: Path, run_dsec) -> None:
+    (tmp_path / "s").mkdir()
     p = run_dsec("inspect", "nothing@1", "--store", str(tmp_path / "s"), check=2)
     assert "no layer or image nothing@1" in p.stderr
+    p = run_dsec("inspect", "nothing@1", "--store", str(tmp_path / "typo"), check=2)
+    assert f"no store at {tmp_path / 'typo'}" in " ".join(p.stderr.split())
     p = run_dsec("ls", "--store", "ftp://host/x", check=2)
     assert "unknown store URL scheme" in p.stderr
     p = run_dsec("build", str(tmp_path / "missing-dir"), check=2)

@@ -234,3 +234,32 @@ def test_oci_credentials_come_from_the_docker_config(local: tuple[str, Path], re
         assert out.returncode != 0 and "docker login" in out.stderr, out.stderr
     finally:
         proxy.stop()
+
+
+def test_reading_a_typoed_file_store_is_an_error_and_creates_nothing(
+        local: tuple[str, Path], tmp_path: Path) -> None:
+    url, _ = local
+    typo = tmp_path / "no" / "such-store"
+    for argv in (["ls"], ["verify"], ["gc"], ["inspect", "data@1"], ["rmi", "data@1"],
+                 ["push", "data@1", "--to", url], ["export", "data@1", str(tmp_path / "x")]):
+        p = dsec(*argv, "--store", typo.as_uri())
+        assert p.returncode == 2, (argv, p)
+        assert f"no store at {typo}" in p.stderr and "Traceback" not in p.stderr, (argv, p)
+    p = dsec("pull", "data@1", "--from", typo.as_uri(), "--store", url)
+    assert p.returncode == 2 and f"no store at {typo}" in p.stderr, p
+    assert not (tmp_path / "no").exists()
+    # the built-in default store reads as empty before anything was built into it
+    fresh = {"DSEC_DATA_DIR": str(tmp_path / "fresh"), "DSEC_CONFIG": str(tmp_path / "c.yaml")}
+    env = {k: v for k, v in os.environ.items() if k != "DSEC_STORE"}
+    import subprocess
+
+    from .helpers import DSEC
+
+    p = subprocess.run([DSEC, "ls", "--json"], capture_output=True, text=True,
+                       env={**env, **fresh}, timeout=120)
+    assert p.returncode == 0 and json.loads(p.stdout) == [], p
+    assert not (tmp_path / "fresh").exists()
+    # a writer makes the store: pull into a new path
+    new = tmp_path / "new-store"
+    assert dsec("pull", "data@1", "--from", url, "--store", new.as_uri()).returncode == 0
+    assert json.loads(dsec("ls", "--json", "--store", new.as_uri()).stdout)[0]["ref"] == "data@1"

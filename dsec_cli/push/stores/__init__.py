@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ...core.errors import UsageError
+from ...core.errors import NotFoundError, UsageError
 from .base import ObjectInfo, Store
 
 __all__ = ["ObjectInfo", "Store", "open_store", "default_store_url", "register_scheme"]
@@ -53,6 +53,23 @@ def open_store(url: str | None = None, **options: object) -> Store:
     from ..retry import open_retrying
 
     return open_retrying(url, **options)
+
+
+def check_exists(store: Store) -> None:
+    """For commands that only read a store (ls, inspect, export, verify, gc, the source of a
+    push or pull, rmi): a store path where nothing was ever written is a `NotFoundError`
+    naming it (a typo'd path), not an empty store, and is not created. The built-in default
+    store, before anything was built into it, reads as empty."""
+    where = store.missing()
+    if not where:
+        return
+    from ...core.config import load_config
+
+    if not load_config().sources.get("store") and store.url == default_store_url():
+        return
+    raise NotFoundError(f"no store at {where} ({store.url}): nothing was ever written there",
+                        hint="check the path; reading commands never create a store "
+                             "(`dsec build`, `push`, `pull` and `import` make one)")
 
 
 def open_backend(url: str | None = None, **options: object) -> Store:

@@ -39,6 +39,11 @@ class Store(abc.ABC):
     def __init__(self, url: str) -> None:
         self.url = url
 
+    def missing(self) -> str:
+        """Where nothing was ever written (a file store's root that does not exist), "" for
+        a store that exists or cannot tell without a write (buckets, registries)."""
+        return ""
+
     @classmethod
     @abc.abstractmethod
     def from_url(cls, url: str, **options: object) -> Store: ...

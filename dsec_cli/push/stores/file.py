@@ -40,6 +40,9 @@ class FileStore(Store):
         self._batches = threading.local()  # per thread: [(tmp, key)] waiting in a batch
         self._tmp_made = False  # the store's directories are made by its first write only
 
+    def missing(self) -> str:
+        return "" if self.root.is_dir() else str(self.root)
+
     def _tmp_dir(self) -> Path:
         """``<root>/tmp``, made on first use: opening a store to read it creates nothing."""
         if not self._tmp_made:
