@@ -51,11 +51,27 @@ class FinishedPack:
     chunks: list[PackedChunk]
 
 
+def process_umask() -> int:
+    """The process's umask, read without setting it (os.umask is a write, racing threads)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 class PackWriter:
     """Appends encoded chunks to a temporary file and seals it into a pack."""
 
     def __init__(self, tmp_dir: Path) -> None:
         fd, name = tempfile.mkstemp(prefix="pack-", suffix=".tmp", dir=tmp_dir)
+        # a pack is linked into the store as it is: its mode follows the umask as every
+        # other store object's does (mkstemp's 0600 made a root-written store unreadable to
+        # the users it is shared with)
+        os.fchmod(fd, 0o666 & ~process_umask())
         self.path = Path(name)
         # a buffer for the small writes; a group's frame (hundreds of KiB) goes to the file
         # as it is, not copied through the buffer

@@ -263,3 +263,30 @@ def test_reading_a_typoed_file_store_is_an_error_and_creates_nothing(
     new = tmp_path / "new-store"
     assert dsec("pull", "data@1", "--from", url, "--store", new.as_uri()).returncode == 0
     assert json.loads(dsec("ls", "--json", "--store", new.as_uri()).stdout)[0]["ref"] == "data@1"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_store_objects_follow_the_umask(umask: int, tmp_path: Path) -> None:
+    """A store written by root is readable by the users it is shared with: every object
+    (packs included, which are written to a temporary file and linked in) has the mode the
+    umask leaves of 0666, as git and restic write theirs."""
+    import subprocess
+
+    from .helpers import DSEC, write_spec
+
+    specs = tmp_path / "specs"
+    make_tree(specs / "tree", seed=5)
+    spec = write_spec(specs, "shared", "1")
+    store = tmp_path / "store"
+    subprocess.run(["sh", "-c", f'umask {umask:03o} && exec "$@"', "sh", DSEC, "build",
+                    str(spec), "--store", store.as_uri()], check=True, capture_output=True,
+                   timeout=300)
+    modes = {}
+    for dirpath, _, names in os.walk(store):
+        for n in names:
+            if not dirpath.startswith(str(store / "tmp")):
+                p = Path(dirpath, n)
+                modes[str(p.relative_to(store))] = p.stat().st_mode & 0o777
+    assert any(k.startswith("packs/") for k in modes), modes
+    wrong = {k: oct(m) for k, m in modes.items() if m != 0o666 & ~umask}
+    assert not wrong, wrong

@@ -105,7 +105,7 @@ class FileStore(Store):
         tmp = self._tmp_name()
         batch = getattr(self._batches, "items", None)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # less the umask
             try:
                 view = memoryview(data)
                 while view:
