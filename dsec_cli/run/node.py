@@ -49,6 +49,16 @@ __all__ = ["BACKEND_CHOICES", "CreateOptions", "Image", "Node", "local_node"]
 
 log = logging.getLogger(__name__)
 
+
+def require_root() -> None:
+    """Sandboxes mount, make cgroups and namespaces: without root a create would fail half
+    way (an unmount refused, a row left in `creating`), so it is refused before anything."""
+    if os.geteuid() != 0:
+        raise UsageError(f"creating sandboxes needs root (this is uid {os.geteuid()})",
+                         hint="run dsec as root, or through sudo; building, pushing and "
+                              "reading stores work as any user")
+
+
 class Node:
     """One node's sandboxes. Thread-safe; share one per process (see `local_node`)."""
 
@@ -130,6 +140,7 @@ class Node:
         it by that id)."""
         opts = opts or CreateOptions()
         opts.validate()
+        require_root()
         pooled = from_pool and self._poolable(opts)
         if pooled:
             rec = self.pools.take(image, opts)

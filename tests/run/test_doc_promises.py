@@ -1,12 +1,17 @@
 """Promises docs make of sandbox commands, checked as a user meets them: a snapshot never
 moves a version the store holds (versions are immutable), `dsec ps` piped prints whole ids,
-and `ps --all-nodes` includes this machine's sandboxes."""
+`ps --all-nodes` includes this machine's sandboxes, and without root a sandbox is refused
+with a clear error before anything is made."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
-from .conftest import IMAGE, dsec
+import pytest
+
+from .conftest import IMAGE, REPO, dsec
 
 
 def _refs(env: dict[str, str]) -> dict[str, str]:
@@ -63,3 +68,39 @@ def test_ps_all_nodes_lists_this_machine(node_env: dict[str, str]) -> None:
         assert sid in dsec(node_env, "ps", "--all-nodes").stdout.decode().split()
     finally:
         dsec(node_env, "rm", sid)
+
+
+SYSTEM_PYTHON = Path("/usr/bin/python3.11")  # the test venv's interpreter may be root's own
+
+
+@pytest.mark.skipif(not SYSTEM_PYTHON.exists(), reason="needs Debian's python3.11")
+def test_without_root_a_sandbox_is_refused_before_anything(tmp_path: Path) -> None:
+    """As another user, `dsec run` says root is needed (exit 2) and leaves no row; building a
+    store works as any user."""
+    import shutil
+    import site
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="dsec-nonroot-"))
+    try:
+        work.chmod(0o777)
+        env = {"HOME": str(work), "PATH": "/usr/bin:/bin", "DSEC_RUNTIME_DIR": str(work / "run"),
+               "PYTHONPATH": ":".join([str(REPO), *site.getsitepackages()])}
+        url = (work / "store").as_uri()
+
+        def as_nobody(*argv: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534",
+                                   "--clear-groups", str(SYSTEM_PYTHON), "-m", "dsec_cli",
+                                   *argv], capture_output=True, text=True, cwd=work, env=env,
+                                  timeout=300)
+
+        p = as_nobody("build", str(REPO / "layerspecs/busybox"), "--store", url)
+        assert p.returncode == 0, p
+        p = as_nobody("run", "--store", url, IMAGE, "--", "echo", "hi")
+        err = " ".join(p.stderr.split())
+        assert p.returncode == 2 and "needs root" in err and "Traceback" not in err, p
+        assert p.stdout == ""
+        p = as_nobody("ps", "--json")
+        assert p.returncode == 0 and json.loads(p.stdout) == [], p
+    finally:
+        shutil.rmtree(work)
