@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dsec=.venv/bin/dsec
 
+echo "== layerspecs/busybox/busybox-rootfs.tar: made by make-rootfs.sh from the installed busybox-static"
+layerspecs/busybox/make-rootfs.sh
+echo
 echo "== dsec build (layerspecs/ into the embedded store)"
 $dsec build
 echo

@@ -26,8 +26,8 @@ TASK_KEYS = {"patch", "protected"}
 GRADE_KEYS = {"command", "results", "tests", "timeout", "memory", "pids", "cpus", "env",
               "reward"}
 STEP_KEYS = {
-    "copy": {"src", "dst", "owner", "mode", "keep_mtime"},
-    "extract": {"src", "dst", "owner", "keep_mtime"},
+    "copy": {"src", "dst", "owner", "mode", "keep_mtime", "made_by"},
+    "extract": {"src", "dst", "owner", "keep_mtime", "made_by"},
     "run": {"cmd", "network", "env"},
     "git_scrub": {"path", "base"},
 }
@@ -159,7 +159,9 @@ def _name_version(d: _Doc, keys: dict[str, tuple[yaml.Node, yaml.Node]], kind: s
     return name, version
 
 
-def _inside(d: _Doc, node: yaml.Node, spec_dir: Path, src: str) -> Path:
+def _inside(d: _Doc, node: yaml.Node, spec_dir: Path, src: str, made_by: str = "") -> Path:
+    """``src`` of the spec's folder, which must exist; ``made_by`` names what makes a src
+    that is not committed (a missing one's error says to run it: a build never runs it)."""
     if posixpath.isabs(src):
         raise d.err(node, f"src {src!r} must be relative to the spec's folder")
     host = (spec_dir / src).resolve()
@@ -167,7 +169,9 @@ def _inside(d: _Doc, node: yaml.Node, spec_dir: Path, src: str) -> Path:
     if host != root and root not in host.parents:
         raise d.err(node, f"src {src!r} escapes the spec's folder")
     if not host.exists():
-        raise d.err(node, f"src {src!r} does not exist ({host})")
+        made = (f": it is made by {made_by!r} in the spec's folder, run that first "
+                "(`make demo` and scripts/setup.sh do)" if made_by else "")
+        raise d.err(node, f"src {src!r} does not exist ({host}){made}")
     return host
 
 
@@ -223,7 +227,9 @@ def _step(d: _Doc, node: yaml.Node, spec_dir: Path) -> tuple[Step, dict[str, Any
             raise d.err(vn, f"{kind} step needs `{req}:`")
     src_node = args["src"][1]
     src = d.string(src_node, f"{kind}.src")
-    out["src"] = _inside(d, src_node, spec_dir, src)
+    # documentation of the spec, not what it builds: left out of the spec's digest
+    made_by = d.string(args["made_by"][1], f"{kind}.made_by") if "made_by" in args else ""
+    out["src"] = _inside(d, src_node, spec_dir, src, made_by)
     out["dst"] = _dst(d, args["dst"][1], d.string(args["dst"][1], f"{kind}.dst"))
     doc.update(src=src, dst=out["dst"])
     if kind == "extract":
