@@ -142,13 +142,20 @@ class Node:
         opts.validate()
         require_root()
         pooled = from_pool and self._poolable(opts)
-        if pooled:
-            rec = self.pools.take(image, opts)
-            if rec is not None:
-                return rec
-        fetch = images.fetch_mode(opts.fetch, image, self.store(), self.cache_root)
-        img = self.resolve_image(image) if pooled and fetch == "eager" else None
-        return self._make(image, img, opts, fetch, sid=sid)
+        rec = self.pools.take(image, opts) if pooled else None
+        if rec is None:
+            fetch = images.fetch_mode(opts.fetch, image, self.store(), self.cache_root)
+            img = self.resolve_image(image) if pooled and fetch == "eager" else None
+            rec = self._make(image, img, opts, fetch, sid=sid)
+        return self._reaped(rec)
+
+    def _reaped(self, rec: SandboxRecord) -> SandboxRecord:
+        """A new sandbox with a TTL: the node removes it at expiry by itself (reaper.py)."""
+        if rec.expires is not None:
+            from . import reaper
+
+            reaper.ensure(self)
+        return rec
 
     def _poolable(self, opts: CreateOptions) -> bool:
         """Whether a create may take a warm pool member. Members are made eagerly and run as
@@ -160,7 +167,8 @@ class Node:
     def take_pooled(self, image: str, opts: CreateOptions) -> SandboxRecord | None:
         """A warm pool member for this create, or None (no pool, or it is empty)."""
         opts.validate()
-        return self.pools.take(image, opts) if self._poolable(opts) else None
+        rec = self.pools.take(image, opts) if self._poolable(opts) else None
+        return None if rec is None else self._reaped(rec)
 
     def image_digest(self, image: str) -> str:
         """The manifest digest a store reference names now: one small read of the store
