@@ -40,7 +40,8 @@ class _Level:
 
     def __init__(self, name: str, fd: int) -> None:
         st = os.fstat(fd)
-        self.name, self.fd, self.ident = name, fd, (st.st_dev, st.st_ino)
+        self.fd: int | None = fd
+        self.name, self.ident = name, (st.st_dev, st.st_ino)
         self.pending: list[str] = []
 
 

@@ -383,7 +383,8 @@ def _write_member(tar: tarfile.TarFile, m: tarfile.TarInfo, inc: Path, name: str
     member stores only its data regions, in order: each is written at its offset, the holes
     stay holes); the bytes it stored. More than ``budget`` is refused."""
     # a GNU map pads with empty entries and ends with (size, 0)
-    regions = [(o, n) for o, n in m.sparse if n] if m.sparse is not None else [(0, m.size)]
+    sparse: list[tuple[int, int]] | None = m.sparse  # type: ignore[assignment]
+    regions = [(o, n) for o, n in sparse if n] if sparse is not None else [(0, m.size)]
     stored, end = 0, 0
     for offset, n in regions:
         if offset < end or n < 0 or offset + n > m.size:

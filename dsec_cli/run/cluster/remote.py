@@ -198,7 +198,7 @@ def _reply(argv: list[str], err: IO[bytes], node: str, timeout: float) -> tuple[
     assert proc.stdout is not None
     out = bytearray()
     try:
-        while chunk := proc.stdout.read1(READ_CHUNK):
+        while chunk := proc.stdout.read1(READ_CHUNK):  # type: ignore[attr-defined]
             out += chunk
             check_size(node, len(out))
         rc = proc.wait()
@@ -325,7 +325,8 @@ class Channel:
 
     def _drain_err(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
-        while chunk := self.proc.stderr.read1(READ_CHUNK):  # kept: the last few reads
+        while chunk := self.proc.stderr.read1(READ_CHUNK):  # type: ignore[attr-defined]
+            # kept: the last few reads
             self._stderr.append(chunk)
             del self._stderr[:-STDERR_KEPT]
             log.debug("%s node service: %s", self.name, chunk.decode(errors="replace").rstrip())
@@ -335,7 +336,7 @@ class Channel:
         assert rfile is not None
         lines = Lines(self.name)
         try:
-            while chunk := rfile.read1(READ_CHUNK):
+            while chunk := rfile.read1(READ_CHUNK):  # type: ignore[attr-defined]
                 for line in lines.feed(chunk):
                     self._dispatch(line)
         except NodeCommandError as e:  # a line past the bound: nothing more is read
