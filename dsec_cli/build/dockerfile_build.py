@@ -102,6 +102,7 @@ class _Builder:
         self.context = (opts.context or d.path.parent).resolve()
         self.ignore = _dockerignore(self.context)
         self.states: dict[int, StageState] = {}
+        self.images: dict[str, str] = {}  # COPY --from image reference -> manifest digest
         self.dirs: dict[str, Path] = {}  # layer manifest digest -> cached tree
 
     # -- the stages ---------------------------------------------------------------------
@@ -176,7 +177,7 @@ class _Builder:
         if ref == "scratch":
             state.key = _h(RULES, "scratch")
             return state
-        digest = self.resolve_image(ref, s.line)
+        digest = self.resolve_image(ref, s.line, "FROM ")
         m = load_manifest(self.st, digest)
         state.layers = list(m.layers) if m.kind == "image" else [digest]
         state.env = dict(m.env)
@@ -191,25 +192,25 @@ class _Builder:
         state.key = _h(RULES, "from", digest)
         return state
 
-    def resolve_image(self, ref: str, line: int) -> str:
+    def resolve_image(self, ref: str, line: int, what: str = "FROM") -> str:
         """A NAME@VERSION of the store, else an OCI reference imported now (layers the store
-        has are not read again)."""
+        has are not read again). ``what`` starts the errors (``FROM``, ``COPY --from=``)."""
         if "@" in ref and not ref.split("@", 1)[1].startswith("sha256:"):
             try:
                 parse_ref(ref)
             except UsageError as e:
-                raise self.d.err(line, f"FROM {ref}: {e.message}") from None
+                raise self.d.err(line, f"{what}{ref}: {e.message}") from None
             try:
                 return get_ref(self.st, ref).manifest
             except NotFoundError:
-                raise self.d.err(line, f"FROM {ref}: no such image in {self.st.url}") from None
+                raise self.d.err(line, f"{what}{ref}: no such image in {self.st.url}") from None
         from .ociimport import import_images
 
         run = import_images(self.st, [ref], as_ref="")
         if run.failed:
             failure = run.failed[0][1]
             if isinstance(failure, UsageError):
-                raise self.d.err(line, f"FROM {ref}: {failure.message}") from None
+                raise self.d.err(line, f"{what}{ref}: {failure.message}") from None
             raise failure
         r = run.reports[0]
         self.report.pinned[ref] = r.source_digest
@@ -263,9 +264,9 @@ class _Builder:
         srcs, dest = self.copy_args(ins, state, scope)
         if "from" in ins.flags:
             other = self._stage_named(ins.flags["from"])
-            assert other is not None
-            return {"from": self.states[other.index].key, "srcs": srcs, "dest": dest,
-                    "workdir": state.workdir}
+            source = (self.states[other.index].key if other is not None
+                      else self.images[ins.flags["from"]])
+            return {"from": source, "srcs": srcs, "dest": dest, "workdir": state.workdir}
         h = hashlib.sha256()
         for s in sorted(self.context_sources(ins, srcs)):
             h.update(s.encode("utf-8", "surrogateescape") + b"\0")
@@ -285,11 +286,6 @@ class _Builder:
         w = json_list(self.d, ins) if ins.value.startswith("[") else split(self.d, ins, scope)
         if len(w) < 2:
             raise self.d.err(ins.line, f"{ins.op} needs a source and a destination")
-        if "from" in ins.flags:
-            other = self._stage_named(ins.flags["from"])
-            if other is None or other.index not in self.states:
-                raise self.d.err(ins.line, f"{ins.op} --from={ins.flags['from']}: no stage of "
-                                 "that name before this one (images are not supported)")
         for s in w[:-1]:
             if "://" in s:
                 raise self.d.err(ins.line, f"{ins.op} {s}: URLs are not supported")
@@ -431,9 +427,7 @@ class _Builder:
         chown = self.ids(tree, ins.flags["chown"]) if "chown" in ins.flags else None
         mode = int(ins.flags["chmod"], 8) if "chmod" in ins.flags else None
         if "from" in ins.flags:
-            other = self._stage_named(ins.flags["from"])
-            assert other is not None
-            root = self.mount_stage(self.states[other.index], spool)
+            root = self.mount_stage(self.from_layers(ins.flags["from"]), spool)
         else:
             root = self.context
         scanned: list[Scanned] = []
@@ -495,13 +489,43 @@ class _Builder:
         return [Scanned(Entry(path, "reg", st.st_mode & 0o7777, mtime=sde, size=st.st_size),
                         str(src))]
 
-    def mount_stage(self, state: StageState, spool: Path) -> Path:
-        """A read-only overlay of a stage's layers (for COPY --from)."""
+    def copy_from_images(self, stages: list[Stage]) -> None:
+        """Resolve every COPY --from of ``stages`` that names no stage: an image of the
+        store (NAME@VERSION) or an OCI reference, imported now as FROM imports it. A plain
+        word (no ``@``, ``:`` or ``/``) is taken for a misspelt stage name, not for
+        ``docker.io/library/WORD:latest``."""
+        for s in stages:
+            for ins in s.body:
+                ref = ins.flags.get("from")
+                if ref is None or ref in self.images:
+                    continue
+                other = self._stage_named(ref)
+                if other is not None:
+                    if other.index >= s.index:
+                        raise self.d.err(ins.line, f"{ins.op} --from={ref}: a stage can only "
+                                         "copy from one before it")
+                    continue
+                if not re.search(r"[@:/]", ref):
+                    raise self.d.err(ins.line, f"{ins.op} --from={ref}: no stage of that name "
+                                     "before this one (an image is NAME@VERSION or an OCI "
+                                     "reference with a tag, digest or registry)")
+                self.images[ref] = self.resolve_image(ref, ins.line, f"{ins.op} --from=")
+
+    def from_layers(self, ref: str) -> list[str]:
+        """The layers (bottom first) a COPY --from reads: a stage's or an image's."""
+        other = self._stage_named(ref)
+        if other is not None:
+            return self.states[other.index].layers
+        m = load_manifest(self.st, self.images[ref])
+        return list(m.layers) if m.kind == "image" else [self.images[ref]]
+
+    def mount_stage(self, layers: list[str], spool: Path) -> Path:
+        """A read-only overlay of a stage's or an image's layers (for COPY --from)."""
         point = spool / "from"
         point.mkdir(parents=True, exist_ok=True)
         empty = spool / "empty"
         empty.mkdir(exist_ok=True)
-        lowers = [str(self.tree(x)) for x in reversed(state.layers)] + [str(empty)]
+        lowers = [str(self.tree(x)) for x in reversed(layers)] + [str(empty)]
         if len(lowers) == 1:
             lowers.append(str(empty))
         r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
@@ -651,15 +675,10 @@ def build_dockerfile(path: Path, store: Store, opts: DockerfileOptions, *,
     target = d.stage(opts.target)
     report = BuildReport(store=store.url)
     b = _Builder(d, store, opts, report, on_log, progress)
-    for s in d.stages:  # every stage checked before any is built
-        for ins in s.body:
-            if "from" in ins.flags:
-                other = b._stage_named(ins.flags["from"])
-                if other is None or other.index >= s.index:
-                    raise d.err(ins.line, f"{ins.op} --from={ins.flags['from']}: no stage of "
-                                "that name before this one")
     gargs = b.global_args()
-    for s in b.needed(target):
+    stages = b.needed(target)
+    b.copy_from_images(stages)  # images COPY --from names, resolved before anything is built
+    for s in stages:
         b.states[s.index] = b.stage(s, gargs, opts.squash and s is target)
     state = b.states[target.index]
     config: dict[str, Any] = {"Env": [f"{k}={v}" for k, v in state.env.items()],

@@ -109,6 +109,10 @@ def run_in(run_dsec, store: str, ref: str, *cmd: str) -> str:
     ("FROM bb@1\nRUN true\nONBUILD RUN true\n", 3, "ONBUILD is not supported"),
     ("FROM bb@1\nRUN --mount=type=cache,target=/x true\n", 2, "mounts (--mount)"),
     ("FROM bb@1\nCOPY --from=nowhere /a /b\n", 2, "--from=nowhere"),
+    ("FROM bb@1\nCOPY --from=missing@9 /a /b\n", 2, "--from=missing@9: no such image"),
+    ("FROM bb@1\nCOPY --from=bad@@1 /a /b\n", 2, "--from=bad@@1"),
+    ("FROM bb@1 AS a\nCOPY --from=b /a /b\nFROM bb@1 AS b\nCOPY --from=a /a /b\n", 2,
+     "one before it"),
     ("FROM bb@1\nCMD [\"a\", 1]\n", 2, "JSON list of strings"),
     ("ENV A=1\nFROM bb@1\n", 1, "before the first FROM"),
     ("FROM bb@1\nFROB x\n", 2, "unknown instruction"),
@@ -281,3 +285,26 @@ def test_from_an_oci_image_imports_it_on_the_fly(tmp_path: Path, run_dsec, store
     assert run_in(run_dsec, fresh, "oci-task@1").strip() == "on-top"
     layers = json.loads(run_dsec("ls", "layers", "--store", fresh, "--json").stdout)
     assert any(i["ref"].startswith("oci-layer@") for i in layers)
+
+
+@needs_root
+def test_copy_from_an_image_of_the_store_or_an_oci_reference(tmp_path: Path, run_dsec,
+                                                             store: str) -> None:
+    """COPY --from names an image of the store (NAME@VERSION) or an OCI reference, imported
+    on the fly as FROM imports one; its files keep their owners and modes."""
+    path = dockerfile(tmp_path / "ctx", "FROM scratch\nCOPY --from=bb@1 /bin/ /bin/\n"
+                      'CMD ["/bin/busybox", "echo", "copied"]\n')
+    build(run_dsec, store, path, "copied@1")
+    assert run_in(run_dsec, store, "copied@1").strip() == "copied"
+
+    layout = tmp_path / "layout"
+    run_dsec("export", "bb@1", "--store", store, "--format", "oci", str(layout))
+    fresh = str(tmp_path / "fresh")  # a store that does not hold bb@1
+    path = dockerfile(tmp_path / "ctx2", f"FROM {layout}\n"
+                      f"COPY --from={layout} /bin/busybox /opt/busybox\n"
+                      'CMD ["/opt/busybox", "echo", "from-oci"]\n')
+    out = build(run_dsec, fresh, path, "oci-copy@1")
+    assert str(layout) in out["pinned"]
+    assert run_in(run_dsec, fresh, "oci-copy@1").strip() == "from-oci"
+    again = build(run_dsec, fresh, path, "oci-copy@2")  # the same key: the layer is reused
+    assert [i["cached"] for i in again["items"] if i["kind"] == "layer"] == [True]
