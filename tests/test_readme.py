@@ -224,7 +224,8 @@ def readme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Readme]:
 
 def _needs_demo(r: Readme) -> None:
     """demo@1 in the store, as the layers section leaves it (for a section run alone)."""
-    if "demo@1" not in _ls(r, "images"):
+    if not Path(r.env["DSEC_STORE"].removeprefix("file://")).exists() \
+            or "demo@1" not in _ls(r, "images"):
         r.dsec("build")
 
 
@@ -332,6 +333,13 @@ def test_sandboxes(readme: Readme) -> None:
         r.vars["ID"] = outs[0].strip()
         assert [s["id"] for s in _ps(r)] == [r.vars["ID"]]
 
+    def limited(outs: list[str]) -> None:
+        detached(outs)
+        doc = json.loads(r.dsec("inspect", r.vars["ID"]).stdout)
+        assert (doc["limits"]["memory"], doc["limits"]["pids"], doc["limits"]["disk"]) == \
+            (512 << 20, 256, 1 << 30)
+        assert abs(doc["expires"] - doc["created"] - 7200) < 10  # --ttl 2h
+
     def copied(outs: list[str]) -> None:
         assert (r.clone / "x").read_text() == "hi\n"
 
@@ -363,7 +371,7 @@ def test_sandboxes(readme: Readme) -> None:
 
     r.section("sandboxes", {
         "dsec run demo@1 -- hello": hello,
-        "dsec run -d demo@1 --memory 512M --pids 256 --disk 1G --ttl 2h": detached,
+        "dsec run -d demo@1 --memory 512M --pids 256 --disk 1G --ttl 2h": limited,
         "dsec cp ID:/tmp/x ./x": copied, "dsec ps": listed,
         "dsec snapshot ID --as mystate@1 [--push URL]": snapshot,
         "dsec pause ID": status("paused"), "dsec resume ID": status("running"),
