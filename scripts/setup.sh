@@ -53,8 +53,8 @@ extra="[s3,oci,lazy]"; [ "$DEV" = 1 ] && extra="[s3,oci,lazy,dev]"
 # editable as a plain path line in a .pth file, not setuptools' import-hook finder: importing
 # the finder (and the pathlib it loads) cost every dsec call about 15 ms of start-up
 stamp=".venv/.installed$extra-path"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/pip install -q --disable-pip-version-check -e ".$extra" \
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/constraints.txt -nt "$stamp" ]; then
+  .venv/bin/pip install -q --disable-pip-version-check -e ".$extra" -c scripts/constraints.txt \
     --config-settings editable_mode=compat
   touch "$stamp"
 fi
