@@ -281,8 +281,6 @@ def test_layers(readme: Readme) -> None:
         "dsec export demo@1 --format oci ./demo-oci": oci_layout})
 
 
-@pytest.mark.xfail(strict=True, reason="dsec inspect IMAGE --files lists no files: only a "
-                   "layer's inspect does (dsec_cli/api/images.py inspect)")
 def test_inspect_files_of_an_image(readme: Readme) -> None:
     _needs_demo(readme)
     doc = json.loads(readme.dsec("inspect", "demo@1", "--files").stdout)

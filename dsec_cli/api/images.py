@@ -102,6 +102,12 @@ def inspect(ref: str, store: str | Store | None = None, *, files: bool = False
                           "stored_size": lm.stored_size} for d, lm in img.layers]
         doc["env"] = img.env
         doc["workdir"] = img.workdir
+        if files:  # the merged tree, as a sandbox of the image sees it (whiteouts applied)
+            from ..format.merge import merge
+
+            stacked = [lm for _, lm in img.layers if lm.index]
+            merged = merge([load_index(st, lm.index) for lm in stacked])
+            doc["files"] = [{**_file_doc(e), "layer": stacked[n].ref} for e, n in merged]
     elif m.index:
         ix = load_index(st, m.index)
         types: dict[str, int] = {}
@@ -110,10 +116,13 @@ def inspect(ref: str, store: str | Store | None = None, *, files: bool = False
         doc["index"] = {"digest": m.index, "entries": types, "chunks": len(ix.chunks),
                         "packs": len(ix.packs), "chunk_params": ix.params.__dict__}
         if files:
-            doc["files"] = [{"path": e.path, "type": e.type, "mode": oct(e.mode), "uid": e.uid,
-                             "gid": e.gid, "size": e.size, "target": e.target}
-                            for e in ix.entries]
+            doc["files"] = [_file_doc(e) for e in ix.entries]
     return doc
+
+
+def _file_doc(e: Any) -> dict[str, Any]:
+    return {"path": e.path, "type": e.type, "mode": oct(e.mode), "uid": e.uid, "gid": e.gid,
+            "size": e.size, "target": e.target}
 
 
 def optimize_image(ref: str, cmd: list[str] | None = None, **options: Any) -> Any:
