@@ -18,6 +18,7 @@ dropped packets.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import ipaddress
@@ -28,6 +29,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -144,24 +146,44 @@ def names(sandbox_id: str) -> dict[str, str]:
             "netns": f"dsec-{h}"}
 
 
-def make_netns(sandbox_id: str) -> str:
-    """A named network namespace for a VM's QEMU (``/run/netns/dsec-<h>``) holding the tap
-    the guest's NIC uses; `attach` with ``guest=True`` bridges it to the link. Nothing in it
-    has an address: QEMU's process has no network of its own, the guest only the link."""
+def make_netns(sandbox_id: str, tap: bool = True) -> str:
+    """A named network namespace (``/run/netns/dsec-<h>``): for a VM's QEMU, holding the tap
+    the guest's NIC uses (`attach` with ``guest=True`` bridges it to the link; nothing in it
+    has an address: QEMU's process has no network of its own, the guest only the link), or
+    with ``tap=False`` just loopback, for `scoped`."""
     n = names(sandbox_id)
     _run(["ip", "netns", "add", n["netns"]])
     ns = ["ip", "netns", "exec", n["netns"]]
     for key in ("all", "default"):  # before any interface exists, so none gets IPv6
         _run([*ns, "sysctl", "-q", "-w", f"net.ipv6.conf.{key}.disable_ipv6=1"])
     _run(["ip", "-n", n["netns"], "link", "set", "lo", "up"])
+    if not tap:
+        return n["netns"]
     _run(["ip", "-n", n["netns"], "tuntap", "add", "dev", TAP, "mode", "tap"])
     _run(["ip", "-n", n["netns"], "link", "add", BRIDGE, "type", "bridge"])
     _run(["ip", "-n", n["netns"], "link", "set", TAP, "master", BRIDGE])
     return n["netns"]
 
 
+@contextlib.contextmanager
+def scoped(owner: str, rules: list[str], state_dir: Path) -> Iterator[dict[str, Any]]:
+    """A namespace with its link and filter for the length of one command (a build's RUN):
+    made and attached on entry, detached on the way out whatever happened, so nothing of it
+    outlives the command. Yields the egress state (``netns``, ``pins``, ...); run the
+    command under `netns_argv` of ``state["sandbox_id"]``."""
+    sandbox_id = f"{owner}-{os.getpid()}-{os.urandom(6).hex()}"
+    try:
+        netns = make_netns(sandbox_id, tap=False)
+        state = attach(sandbox_id, netns, rules, state_dir)
+        state["sandbox_id"] = sandbox_id
+        yield state
+    finally:
+        detach(sandbox_id)
+
+
 def netns_argv(sandbox_id: str) -> list[str]:
-    """The prefix that runs a command in the VM's namespace (network only, no other)."""
+    """The prefix that runs a command in a VM's namespace, or a `scoped` one (network only,
+    no other)."""
     return ["nsenter", f"--net=/run/netns/{names(sandbox_id)['netns']}", "--"]
 
 
