@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -82,10 +83,42 @@ def _full_userns() -> int:
 
 
 def run_in_root(root: Path, argv: list[str], *, env: dict[str, str], cwd: str = "/",
-                network: bool = False, on_line: Callable[[str], None] | None = None,
+                network: bool = False, egress: list[str] | None = None,
+                on_line: Callable[[str], None] | None = None,
                 timeout: float | None = None) -> int:
     """Run argv inside root as its root; return its exit code. Root maps every id (see
-    the module's docstring); anyone else gets bwrap's own one-id namespace."""
+    the module's docstring); anyone else gets bwrap's own one-id namespace. ``network``:
+    the host's network, or with ``egress`` (HOST:PORT rules) a network namespace of its own
+    that reaches only those (`egress.scoped`), its names pinned in a read-only /etc/hosts
+    bound over the root's."""
+    if network and egress is not None:
+        from . import egress as allowlist
+
+        with tempfile.TemporaryDirectory(prefix="dsec-build-egress-") as tmp, \
+                allowlist.scoped("build", egress, Path(tmp)) as state:
+            binds: list[str] = []
+            hosts = root / "etc/hosts"
+            # over an existing file only (no mount point made in the layer), and never one a
+            # symlink of the root leads to outside it
+            if not (root / "etc").is_symlink() and hosts.is_file() and not hosts.is_symlink():
+                pinned = Path(tmp, "hosts")
+                pinned.write_bytes(allowlist.hosts_file(hosts.read_bytes(), state["pins"]))
+                binds = ["--ro-bind", str(pinned), "/etc/hosts"]
+            return _run_bwrap(root, argv, env, cwd, on_line, timeout, binds,
+                              allowlist.netns_argv(state["sandbox_id"]))
+    binds = []
+    if network:
+        # bind only over an existing file: creating a mount point would leak into the layer
+        if Path("/etc/resolv.conf").exists() and (root / "etc/resolv.conf").is_file():
+            binds = ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
+    return _run_bwrap(root, argv, env, cwd, on_line, timeout, binds, None if network else [])
+
+
+def _run_bwrap(root: Path, argv: list[str], env: dict[str, str], cwd: str,
+               on_line: Callable[[str], None] | None, timeout: float | None,
+               binds: list[str], netns: list[str] | None) -> int:
+    """bwrap over ``root``; ``netns``: ``[]`` a new empty network namespace, ``None`` the
+    caller's, else the prefix (nsenter) that puts bwrap in one made for it."""
     filt = seccomp.bpf_fd()
     userns = _full_userns() if os.geteuid() == 0 else -1
     ids = (["--userns", str(userns)] if userns >= 0 else ["--unshare-user"])
@@ -93,12 +126,11 @@ def run_in_root(root: Path, argv: list[str], *, env: dict[str, str], cwd: str = 
            *_rootfs.bwrap_walls(filt), "--unshare-ipc", "--unshare-pid", "--unshare-net",
            "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
            "--uid", "0", "--gid", "0", "--hostname", "dsec-build", "--clearenv",
-           "--chdir", cwd]
-    if network:
+           "--chdir", cwd, *binds]
+    if netns is None or netns:
         cmd.remove("--unshare-net")
-        # bind only over an existing file: creating a mount point would leak into the layer
-        if Path("/etc/resolv.conf").exists() and (root / "etc/resolv.conf").is_file():
-            cmd += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
+    if netns:
+        cmd = [*netns, *cmd]
     try:
         proc = _spawn(cmd, filt, env, argv, (userns,) if userns >= 0 else ())
     finally:

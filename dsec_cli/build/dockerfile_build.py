@@ -96,6 +96,7 @@ class _Builder:
         self.d, self.st, self.opts, self.report = d, st, opts, report
         self.on_log, self.progress = on_log, progress
         cfg = load_config()
+        self.egress = _egress_rules(cfg)
         self.data_dir = Path(cfg.data_dir)
         self.cache = LayerCache(Path(cfg.state_dir))
         self.known: KnownChunks | None = None
@@ -412,7 +413,9 @@ class _Builder:
 
         env = {"PATH": DEFAULT_PATH, "HOME": home, **args, **state.env}
         code = tree.run_argv(argv, env=env, cwd=state.workdir or "/",
-                             network=network != "none", on_line=self.on_log)
+                             network=network != "none",
+                             egress=self.egress if network == "default" else None,
+                             on_line=self.on_log)
         if code != 0:
             raise BuildError(f"{self.d.path}:{ins.line}: RUN exited with code {code}: "
                              f"{ins.value[:200]!r}")
@@ -565,6 +568,24 @@ class _Builder:
     def named(self, tree: Any, spec: str) -> bool:
         user = spec.partition(":")[0]
         return any(r[0] == user or r[2] == user for r in _table(tree.read_file("etc/passwd")))
+
+
+def _egress_rules(cfg: Any) -> list[str]:
+    """The config's ``build_egress`` (what RUN reaches without --network), each rule checked
+    now, so a bad one stops the build before anything is made."""
+    from ..backends.egress import parse_rule
+    from ..core.errors import ConfigError
+
+    where = cfg.sources.get("build_egress", "the default")
+    rules = cfg.build_egress
+    if not isinstance(rules, list) or not all(isinstance(r, str) for r in rules):
+        raise ConfigError(f"{where}: key 'build_egress' must be a list of HOST:PORT rules")
+    for rule in rules:
+        try:
+            parse_rule(rule)
+        except UsageError as e:
+            raise ConfigError(f"{where}: key 'build_egress': {e.message}") from None
+    return list(rules)
 
 
 def _table(data: bytes | None) -> list[list[str]]:

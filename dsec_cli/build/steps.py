@@ -194,21 +194,31 @@ class StagedTree:
         return None
 
     def run_argv(self, argv: list[str], *, env: dict[str, str], cwd: str = "/",
-                 network: bool = False, on_line: Callable[[str], None] | None = None,
+                 network: bool = False, egress: list[str] | None = None,
+                 on_line: Callable[[str], None] | None = None,
                  check: Callable[[Path], None] | None = None) -> int:
         """Run ``argv`` in a build sandbox over the stacked tree (``check`` called with the
-        mounted root first); its changes go to the upper dir. Returns the exit code."""
+        mounted root first); its changes go to the upper dir. ``network`` with ``egress``:
+        only those rules' hosts (oneshot.run_in_root). Returns the exit code."""
         if os.geteuid() != 0:
             raise BuildError("commands in a build need root (overlayfs, namespaces)")
         self.touched_after.append(_fs_tick(self.upper.parent))
-        _mount_overlay(self.lowers, self.upper, self.work, self.merged)
+        lowers = self.lowers
+        if network and egress is not None:
+            # an /etc/hosts below every layer, for the allowlist's pinned names to be bound
+            # over when the image has none (docker always gives RUN one); never in the layer
+            below = self.upper.parent / "hosts-lower"
+            (below / "etc").mkdir(parents=True, exist_ok=True)
+            (below / "etc/hosts").write_bytes(b"127.0.0.1 localhost\n")
+            lowers = [below, *self.lowers]
+        _mount_overlay(lowers, self.upper, self.work, self.merged)
         try:
             if check is not None:
                 check(self.merged)
             from ..backends.oneshot import run_in_root  # only `run` steps start a sandbox
 
             return run_in_root(self.merged, argv, env=env, cwd=cwd, network=network,
-                               on_line=on_line)
+                               egress=egress, on_line=on_line)
         finally:
             _umount(self.merged)
 

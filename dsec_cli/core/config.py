@@ -30,6 +30,13 @@ def config_home() -> Path:
     return Path(config_dir())
 
 
+#: the package registries a Dockerfile RUN reaches by default: Debian's mirror and security
+#: archive (http and https), PyPI and npm
+BUILD_EGRESS = ("deb.debian.org:80", "deb.debian.org:443", "security.debian.org:80",
+                "security.debian.org:443", "pypi.org:443", "files.pythonhosted.org:443",
+                "registry.npmjs.org:443")
+
+
 @dataclass
 class Config:
     data_dir: str = ""
@@ -52,6 +59,10 @@ class Config:
     limits: dict[str, Any] = field(default_factory=dict)
     #: warm pools (run/pool.py `PoolSettings`), e.g. ``pool: {auto: true, memory: 4G}``
     pool: dict[str, Any] = field(default_factory=dict)
+    #: where a Dockerfile RUN may connect (HOST:PORT egress rules, backends/egress.py)
+    #: unless it says --network=host or none; DSEC_BUILD_EGRESS: the rules comma-separated,
+    #: or ``none``: docs/dockerfile.md
+    build_egress: list[str] = field(default_factory=lambda: list(BUILD_EGRESS))
     sources: dict[str, str] = field(default_factory=dict)  # key -> where it was set
 
     def resolve(self) -> Config:
@@ -119,6 +130,11 @@ def load_config(project_dir: Path | None = None, **flags: Any) -> Config:
         if os.environ.get(var):
             setattr(cfg, key, os.environ[var])
             cfg.sources[key] = f"${var}"
+    if os.environ.get("DSEC_BUILD_EGRESS"):
+        text = os.environ["DSEC_BUILD_EGRESS"].strip()
+        cfg.build_egress = [] if text == "none" else \
+            [r for r in text.replace(",", " ").split() if r]
+        cfg.sources["build_egress"] = "$DSEC_BUILD_EGRESS"
     for key, value in flags.items():
         if value is not None:
             setattr(cfg, key, value)
