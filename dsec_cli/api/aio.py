@@ -182,12 +182,16 @@ class AsyncSandbox:
         self._job = res is not None
         return res
 
-    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644, *,
+                         user: str | None = None) -> None:
+        """As `Sandbox.write_file`: as the sandbox's user, or ``user`` (this node's
+        sandboxes; a cluster node refuses it); the directories made are theirs."""
         await self.node.put_file(self.id, path,
-                                 data.encode() if isinstance(data, str) else data, mode)
+                                 data.encode() if isinstance(data, str) else data, mode, user)
 
-    async def read_file(self, path: str) -> bytes:
-        return bytes(await self.node.get_file(self.id, path))
+    async def read_file(self, path: str, *, user: str | None = None) -> bytes:
+        """As `Sandbox.read_file`: as the sandbox's user, or ``user``."""
+        return bytes(await self.node.get_file(self.id, path, user))
 
     async def copy_in(self, src: str | Path, dst: str) -> dict[str, Any]:
         """Copy a host file into the sandbox at ``dst`` (as `dsec cp SRC ID:DST`)."""

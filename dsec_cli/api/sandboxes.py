@@ -156,11 +156,17 @@ class Sandbox:
         return self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=data, timeout=timeout,
                               on_output=on_output, capture_limit=capture_limit, **extra)
 
-    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        self.node.put_file(self.id, path, data.encode() if isinstance(data, str) else data, mode)
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644, *,
+                   user: str | None = None) -> None:
+        """Create or truncate a file and write ``data``; missing parent directories are
+        made. Done as the sandbox's user (``user`` overrides it, as for exec): permissions
+        apply, and the file and the directories made are that user's."""
+        self.node.put_file(self.id, path, data.encode() if isinstance(data, str) else data,
+                           mode, **_user_kw(self.node, user))
 
-    def read_file(self, path: str) -> bytes:
-        return self.node.get_file(self.id, path)
+    def read_file(self, path: str, *, user: str | None = None) -> bytes:
+        """A regular file's content, read as the sandbox's user (or ``user``)."""
+        return self.node.get_file(self.id, path, **_user_kw(self.node, user))
 
     def pause(self) -> None:
         self._rec = self.node.pause(self.id)
@@ -261,11 +267,13 @@ def _remove_quietly(node: NodeAPI, sandbox_id: str) -> None:
 
 
 def _user_kw(node: NodeAPI, user: str | None) -> dict[str, str]:
-    """``user=`` for an exec on this node; refused for a cluster node's sandbox."""
+    """``user=`` for an exec or file access on this node; refused for a cluster node's
+    sandbox (which acts as its sandbox's user)."""
     if user is None:
         return {}
     if not isinstance(node, Node):
-        raise UsageError("an exec's user can be given only on this node's sandboxes",
+        raise UsageError("a user (for an exec or a file) can be given only on this node's "
+                         "sandboxes",
                          hint="create the sandbox with the user instead")
     return {"user": user}
 

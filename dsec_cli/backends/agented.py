@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import BinaryIO
 
 from . import _cgroups, _rootfs
-from .base import Backend, ExecRequest, ExecResult, OutputCallback, SandboxHandle, TreeSink
+from .base import (
+    Backend,
+    ExecRequest,
+    ExecResult,
+    OutputCallback,
+    SandboxHandle,
+    TreeSink,
+    UserIds,
+)
 from .sandbox_agent.aio import AsyncAgentClient, AsyncOutputCallback
 from .sandbox_agent.client import AgentClient, PeerCheck
 
@@ -75,11 +83,21 @@ class AgentBackend(Backend):
                                         request.timeout, on_output, request.capture_limit,
                                         request.user)
 
-    def put_file(self, handle: SandboxHandle, path: str, data: bytes, mode: int = 0o644) -> None:
-        self.client(handle).put_file(path, data, mode)
+    def agent_user(self, handle: SandboxHandle, user: UserIds | None) -> UserIds | None:
+        """The ids a request carries to act as `user`; a backend whose agent cannot take
+        another user's ids refuses here (or drops ids that are the agent's own)."""
+        return user
 
-    def get_file(self, handle: SandboxHandle, path: str) -> bytes:
-        return self.client(handle).get_file(path)
+    def put_file(self, handle: SandboxHandle, path: str, data: bytes, mode: int = 0o644,
+                 user: UserIds | None = None) -> None:
+        self.client(handle).put_file(path, data, mode, self.agent_user(handle, user))
+
+    def get_file(self, handle: SandboxHandle, path: str, user: UserIds | None = None) -> bytes:
+        return self.client(handle).get_file(path, self.agent_user(handle, user))
+
+    def get_file_with_mode(self, handle: SandboxHandle, path: str,
+                           user: UserIds | None = None) -> tuple[bytes, int]:
+        return self.client(handle).get_file_with_mode(path, self.agent_user(handle, user))
 
     def put_stream(self, handle: SandboxHandle, path: str, src: BinaryIO,
                    mode: int = 0o644) -> int:

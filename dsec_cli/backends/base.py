@@ -222,10 +222,15 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def put_file(self, handle: SandboxHandle, path: str, data: bytes,
-                 mode: int = 0o644) -> None: ...
+                 mode: int = 0o644, user: UserIds | None = None) -> None:
+        """Create or truncate a file (and its missing parents) and write `data`, with
+        `user`'s ids (None: as the sandbox's agent, root): permissions apply to them, and
+        what is created is theirs."""
 
     @abc.abstractmethod
-    def get_file(self, handle: SandboxHandle, path: str) -> bytes: ...
+    def get_file(self, handle: SandboxHandle, path: str, user: UserIds | None = None
+                 ) -> bytes:
+        """A regular file's content, read with `user`'s ids (None: as the agent)."""
 
     def put_stream(self, handle: SandboxHandle, path: str, src: BinaryIO,
                    mode: int = 0o644) -> int:

@@ -124,20 +124,26 @@ class FncallBackend(CgroupAgentBackend):
             raise
         return handle
 
+    def agent_user(self, handle: SandboxHandle, user: UserIds | None) -> UserIds | None:
+        """The agent runs as the sandbox's user (its user namespace maps that one id, with
+        no capability): a request as that user needs no ids, one as another is refused."""
+        if user is None:
+            return None
+        doc = handle.state.get("user")
+        own = UserIds.from_json(doc) if doc else UserIds(0, 0)
+        if (user.uid, user.gid) != (own.uid, own.gid):
+            raise UsageError(f"fncall sandboxes run every command and file access as the user "
+                             f"they were created with ({own.uid}:{own.gid}), not "
+                             f"{user.uid}:{user.gid}",
+                             hint="create the sandbox with --user, or use the container "
+                                  "backend")
+        return None
+
     def exec(self, handle: SandboxHandle, request: ExecRequest,
              on_output: OutputCallback | None = None) -> ExecResult:
-        """Every command runs as the sandbox's user (its user namespace maps that one id):
-        asking for another is refused."""
+        """Every command runs as the sandbox's user: asking for another is refused."""
         if request.user is not None:
-            doc = handle.state.get("user")
-            own = UserIds.from_json(doc) if doc else UserIds(0, 0)
-            if (request.user.uid, request.user.gid) != (own.uid, own.gid):
-                raise UsageError(f"fncall sandboxes run every command as the user they were "
-                                 f"created with ({own.uid}:{own.gid}), not "
-                                 f"{request.user.uid}:{request.user.gid}",
-                                 hint="create the sandbox with --user, or use the container "
-                                      "backend")
-            request = dataclasses.replace(request, user=None)
+            request = dataclasses.replace(request, user=self.agent_user(handle, request.user))
         return super().exec(handle, request, on_output)
 
     def _spawn(self, spec: SandboxSpec, rootfs: Path, cg: _cgroups.Cgroup) -> int:

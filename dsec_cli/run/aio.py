@@ -21,7 +21,7 @@ from collections.abc import AsyncIterable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ..backends import ExecRequest, ExecResult, SandboxHandle
+from ..backends import ExecRequest, ExecResult, SandboxHandle, UserIds
 from ..backends.agented import CgroupAgentBackend, exec_async
 from ..backends.sandbox_agent.aio import AsyncAgentClient, AsyncOutputCallback, AsyncStdin
 from ..backends.sandbox_agent.client import AgentError
@@ -167,47 +167,58 @@ class AsyncNode:
         """As `Node.exec`: ``user`` (NAME, UID, NAME:GROUP, UID:GID) overrides the
         sandbox's user."""
         check_exec(argv, timeout)
-        rec, _, h, client = await self._agent(sid)
+        rec, b, h, client = await self._agent(sid)
         if client is None:
             data = await _whole(stdin)
             return await blocking(self.node.exec, rec.id, list(argv), env=env, cwd=cwd,
                                   stdin=data, timeout=timeout,
                                   on_output=_threadsafe(on_output),
                                   capture_limit=capture_limit, user=user)
-        ids = self.node.exec_user(rec, user) if user is None else \
-            await blocking(self.node.exec_user, rec, user)  # reads the sandbox's passwd
         req = ExecRequest(list(argv), dict(env or {}), cwd, stdin,  # type: ignore[arg-type]
-                          timeout, capture_limit, ids)
+                          timeout, capture_limit, await self._agent_user(rec, b, h, user))
         try:
             return await exec_async(client, h, req, on_output)
         except AgentError:
             self._lost(rec.id, client)
             raise
 
-    async def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
+    async def _agent_user(self, rec: SandboxRecord, b: Any, h: SandboxHandle,
+                         user: str | None) -> UserIds | None:
+        """The ids an exec or file request on the loop's connection carries: the sandbox's
+        user or ``user``, as the backend's agent takes them (`Node.exec_user`)."""
+        ids = self.node.exec_user(rec, user) if user is None else \
+            await blocking(self.node.exec_user, rec, user)  # reads the sandbox's passwd
+        return b.agent_user(h, ids)  # type: ignore[no-any-return]
+
+    async def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644,
+                       user: str | None = None) -> None:
+        """As `Node.put_file`: as the sandbox's user, or ``user``."""
         path = sandbox_path(path)
-        rec, _, _, client = await self._agent(sid)
+        rec, b, h, client = await self._agent(sid)
         if client is None:
-            return await blocking(self.node.put_file, rec.id, path, data, mode)
+            return await blocking(self.node.put_file, rec.id, path, data, mode, user)
+        ids = await self._agent_user(rec, b, h, user)
         try:
-            await client.put_file(path, data, mode)
+            await client.put_file(path, data, mode, ids)
         except AgentError:
             self._lost(rec.id, client)
             raise
 
-    async def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
+    async def get_file_with_mode(self, sid: str, path: str, user: str | None = None
+                                 ) -> tuple[bytes, int]:
         path = sandbox_path(path)
-        rec, _, _, client = await self._agent(sid)
+        rec, b, h, client = await self._agent(sid)
         if client is None:
-            return await blocking(self.node.get_file_with_mode, rec.id, path)
+            return await blocking(self.node.get_file_with_mode, rec.id, path, user)
+        ids = await self._agent_user(rec, b, h, user)
         try:
-            return await client.get_file_with_mode(path)
+            return await client.get_file_with_mode(path, ids)
         except AgentError:
             self._lost(rec.id, client)
             raise
 
-    async def get_file(self, sid: str, path: str) -> bytes:
-        return (await self.get_file_with_mode(sid, path))[0]
+    async def get_file(self, sid: str, path: str, user: str | None = None) -> bytes:
+        return (await self.get_file_with_mode(sid, path, user))[0]
 
     async def forget(self, sid: str) -> None:
         """Close the loop's connection to a sandbox removed by other means (a job's)."""

@@ -119,11 +119,14 @@ class NodeAPI(Protocol):
         takes it: this machine's)."""
         ...
 
-    def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
+    def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644,
+                 user: str | None = None) -> None:
+        """As the sandbox's user; ``user`` overrides it as exec's does."""
         ...
 
-    def get_file(self, sid: str, path: str) -> bytes:
+    def get_file(self, sid: str, path: str, user: str | None = None) -> bytes:
         ...
 
-    def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
+    def get_file_with_mode(self, sid: str, path: str, user: str | None = None
+                           ) -> tuple[bytes, int]:
         ...

@@ -302,7 +302,7 @@ def _apply(node: Node, fork: str, taken: list[Any]) -> list[str]:
     for c in taken:
         path = "/" + c.path
         if c.kind == "reg":
-            node.put_file(fork, path, c.data or b"", c.mode)
+            node.put_file(fork, path, c.data or b"", c.mode, user="root")
             applied.append(c.path)
         else:
             r = node.exec(fork, ["/bin/sh", "-c", 'rm -rf -- "$1"', "sh", path], timeout=60)

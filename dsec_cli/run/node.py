@@ -39,6 +39,7 @@ from ..backends import (
     _rootfs,
     get_backend,
 )
+from ..backends.agented import AgentBackend
 from ..core.errors import NotFoundError, SandboxError, UsageError
 from . import density, images, pins, reconcile, runconfig
 from .images import Image
@@ -378,13 +379,17 @@ class Node:
         finally:
             density.touch(sdir)
 
-    def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        _, b, h = self.live(sid)
-        b.put_file(h, sandbox_path(path), data, mode)
+    def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644,
+                 user: str | None = None) -> None:
+        """Create or truncate a file (and its missing parents) and write `data`, as the
+        sandbox's user (``user``, as exec takes it, overrides): permissions apply, and the
+        file and the directories made are that user's."""
+        rec, b, h = self.live(sid)
+        b.put_file(h, sandbox_path(path), data, mode, self.exec_user(rec, user))
 
-    def get_file(self, sid: str, path: str) -> bytes:
-        _, b, h = self.live(sid)
-        return b.get_file(h, sandbox_path(path))
+    def get_file(self, sid: str, path: str, user: str | None = None) -> bytes:
+        """A regular file's content, read as the sandbox's user (or ``user``)."""
+        return self.get_file_with_mode(sid, path, user)[0]
 
     def put_stream(self, sid: str, path: str, src: BinaryIO, mode: int = 0o644) -> int:
         """Write a host file into the sandbox, streamed; its size."""
@@ -396,13 +401,13 @@ class Node:
         _, b, h = self.live(sid)
         b.get_tree(h, sandbox_path(path), sink)
 
-    def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
-        _, b, h = self.live(sid)
-        client = getattr(b, "client", None)
-        if client is None:
-            return b.get_file(h, sandbox_path(path)), 0o644
-        result: tuple[bytes, int] = client(h).get_file_with_mode(sandbox_path(path))
-        return result
+    def get_file_with_mode(self, sid: str, path: str, user: str | None = None
+                           ) -> tuple[bytes, int]:
+        rec, b, h = self.live(sid)
+        ids = self.exec_user(rec, user)
+        if not isinstance(b, AgentBackend):
+            return b.get_file(h, sandbox_path(path), ids), 0o644
+        return b.get_file_with_mode(h, sandbox_path(path), ids)
 
     # -- pause / resume / snapshot -------------------------------------------------------------
     def pause(self, sid: str) -> SandboxRecord:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import struct
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dsec_cli.backends.base import UserIds
 from dsec_cli.backends.sandbox_agent import agent_binary
 from dsec_cli.backends.sandbox_agent.client import AgentClient
 from dsec_cli.core.errors import NotFoundError, SandboxError, UsageError
@@ -94,6 +98,49 @@ def test_put_get_file(agent: tuple[AgentClient, Path]) -> None:
         c.get_file(str(d / "missing"))
     with pytest.raises(UsageError):
         c.get_file(str(d))
+
+
+def test_put_get_as_a_user_then_as_the_agent_again(agent: tuple[AgentClient, Path]) -> None:
+    """PUT_AS/GET_AS take the user's ids for the one request: what is made (file and parents)
+    is theirs, permissions refuse them, and the next plain request is the agent's again."""
+    if os.geteuid() != 0:
+        pytest.skip("an agent takes another user's ids only as root")
+    c, _ = agent
+    d = Path(tempfile.mkdtemp(prefix="dsec-agent-as-user-", dir="/tmp"))  # walkable by 1000
+    try:
+        _as_user_checks(c, d, UserIds(1000, 1001, (1002,)))
+    finally:
+        shutil.rmtree(d)
+
+
+def _as_user_checks(c: AgentClient, d: Path, user: UserIds) -> None:
+    d.chmod(0o755)
+    top = d / "as-user"
+    top.mkdir()
+    top.chmod(0o777)
+    c.put_file(str(top / "a" / "b" / "f"), b"mine", 0o600, user)
+    for p in (top / "a", top / "a" / "b", top / "a" / "b" / "f"):
+        assert (p.stat().st_uid, p.stat().st_gid) == (1000, 1001), p
+    assert c.get_file(str(top / "a" / "b" / "f"), user) == b"mine"
+    secret = d / "secret"
+    secret.write_bytes(b"s")
+    secret.chmod(0o640)
+    os.chown(secret, 0, 1002)  # readable through the supplementary group only
+    assert c.get_file(str(secret), user) == b"s"
+    with pytest.raises(UsageError) as e:
+        c.get_file(str(secret), UserIds(1000, 1001))
+    assert e.value.errno == errno.EACCES
+    with pytest.raises(UsageError) as e:
+        c.put_file(str(secret), b"x", 0o644, user)
+    assert e.value.errno == errno.EACCES
+    closed = d / "closed"
+    closed.mkdir(mode=0o700)
+    with pytest.raises(UsageError) as e:
+        c.put_file(str(closed / "sub" / "f"), b"x", 0o644, user)
+    assert e.value.errno == errno.EACCES
+    c.put_file(str(closed / "sub" / "f"), b"root", 0o644)  # the agent's own ids again
+    assert (closed / "sub" / "f").stat().st_uid == 0
+    assert c.get_file(str(secret)) == b"s"
 
 
 def test_single_stream_mode_over_an_inherited_fd() -> None:

@@ -40,10 +40,11 @@ from .client import (
     ExecFrames,
     PeerCheck,
     _encode_exec,
-    _raise_for,
     _result,
     _s,
+    check_file_result,
     check_peer,
+    file_request,
     kill_listener,
 )
 from .frames import HEADER as _HDR
@@ -266,25 +267,30 @@ class AsyncAgentClient:
             if result is not None:
                 return result
 
-    async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+    async def put_file(self, path: str, data: bytes, mode: int = 0o644,
+                       user: UserIds | None = None) -> None:
+        """As `AgentClient.put_file`: as the agent, or with `user`'s ids."""
         for off in range(0, max(len(data), 1), CHUNK):
             flags = PUT_F_APPEND if off else 0
+            kind, payload = file_request(T_PUT, struct.pack(">II", mode, flags) + _s(path)
+                                         + data[off:off + CHUNK], user)
             rid, q = self._open()
-            await self._send(T_PUT, rid, struct.pack(">II", mode, flags) + _s(path)
-                             + data[off:off + CHUNK])
+            await self._send(kind, rid, payload)
             code, msg = await self._wait_result(rid, q)
-            _raise_for(code, msg, path)
+            check_file_result(code, msg, path, user)
 
-    async def get_file_with_mode(self, path: str) -> tuple[bytes, int]:
+    async def get_file_with_mode(self, path: str, user: UserIds | None = None
+                                 ) -> tuple[bytes, int]:
+        kind, payload = file_request(T_GET, path.encode(), user)
         rid, q = self._open()
-        await self._send(T_GET, rid, path.encode())
+        await self._send(kind, rid, payload)
         sink: list[bytes] = []
         code, msg = await self._wait_result(rid, q, sink)
-        _raise_for(code, msg, path)
+        check_file_result(code, msg, path, user)
         if not sink or len(sink[0]) < 4:
             raise AgentError("the sandbox agent sent a malformed file reply")
         (mode,) = struct.unpack(">I", sink[0][:4])
         return b"".join(sink[1:]), mode
 
-    async def get_file(self, path: str) -> bytes:
-        return (await self.get_file_with_mode(path))[0]
+    async def get_file(self, path: str, user: UserIds | None = None) -> bytes:
+        return (await self.get_file_with_mode(path, user))[0]

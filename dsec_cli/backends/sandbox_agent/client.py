@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 # frame types, client -> agent
 T_EXEC, T_STDIN, T_PUT, T_GET, T_PING, T_SIGNAL, T_TREE, T_IDENTITY = 1, 2, 3, 4, 5, 6, 7, 8
+T_PUT_AS, T_GET_AS = 9, 10
 # frame types, agent -> client
 T_STDOUT, T_STDERR, T_EXIT, T_RESULT, T_DATA = 16, 17, 18, 19, 20
 
@@ -75,11 +76,33 @@ def _encode_exec(argv: list[str], env: dict[str, str], cwd: str | None, flags: i
     out += [_s(f"{k}={v}") for k, v in env.items()]
     if user is not None:
         out[0] = struct.pack(">IIII", flags | EXEC_F_USER, timeout_ms, len(argv), len(env))
-        ids = [user.uid, user.gid, len(user.groups), *user.groups]
-        if not all(0 <= i < 2**32 - 1 for i in ids):
-            raise UsageError(f"invalid user ids {ids}")
-        out.append(struct.pack(f">{len(ids)}I", *ids))
+        out.append(_user_ids(user))
     return b"".join(out)
+
+
+def _user_ids(user: UserIds) -> bytes:
+    """The `uid, gid, ngroups, groups` block of an exec's user flag and of PUT_AS/GET_AS."""
+    ids = [user.uid, user.gid, len(user.groups), *user.groups]
+    if not all(0 <= i < 2**32 - 1 for i in ids):
+        raise UsageError(f"invalid user ids {ids}")
+    return struct.pack(f">{len(ids)}I", *ids)
+
+
+def file_request(kind: int, payload: bytes, user: UserIds | None) -> tuple[int, bytes]:
+    """A PUT or GET as the agent itself (None), or as `user`: the same payload behind the
+    user's ids, in a PUT_AS or GET_AS frame."""
+    if user is None:
+        return kind, payload
+    return (T_PUT_AS if kind == T_PUT else T_GET_AS), _user_ids(user) + payload
+
+
+def check_file_result(code: int, msg: str, path: str, user: UserIds | None) -> None:
+    """`_raise_for`, telling an agent that predates PUT_AS/GET_AS (ENOSYS) apart."""
+    if code == _errno.ENOSYS and user is not None:
+        raise SandboxError(f"cannot access {path} as user {user.uid}:{user.gid}: the "
+                           "sandbox's agent predates file access as a user",
+                           hint="recreate the sandbox, or pass user='root'")
+    _raise_for(code, msg, path)
 
 
 class _Request:
@@ -484,14 +507,18 @@ class AgentClient:
             threading.Thread(target=_feed, args=(h, stdin), daemon=True).start()
         return h.wait(capture_limit)
 
-    def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+    def put_file(self, path: str, data: bytes, mode: int = 0o644,
+                 user: UserIds | None = None) -> None:
+        """Create or truncate the file (and its missing parents) and write `data`: as the
+        agent (root), or with `user`'s ids, so permissions apply and what is made is theirs."""
         for off in range(0, max(len(data), 1), CHUNK):
             flags = PUT_F_APPEND if off else 0
+            kind, payload = file_request(T_PUT, struct.pack(">II", mode, flags) + _s(path)
+                                         + data[off:off + CHUNK], user)
             rid, req = self._open()
-            self._send(T_PUT, rid, struct.pack(">II", mode, flags) + _s(path)
-                       + data[off:off + CHUNK])
+            self._send(kind, rid, payload)
             code, msg = self._wait_result(rid, req)
-            _raise_for(code, msg, path)
+            check_file_result(code, msg, path, user)
 
     def put_stream(self, path: str, src: BinaryIO, mode: int = 0o644) -> int:
         """Write a host file into the sandbox in 1 MiB frames, sending only its data extents
@@ -538,17 +565,22 @@ class AgentClient:
         finally:
             self._done(rid)
 
-    def get_file_with_mode(self, path: str) -> tuple[bytes, int]:
+    def get_file_with_mode(self, path: str, user: UserIds | None = None
+                           ) -> tuple[bytes, int]:
+        """A regular file's content and mode: read as the agent, or with `user`'s ids."""
         rid, req = self._open()
-        self._send(T_GET, rid, path.encode())
+        kind, payload = file_request(T_GET, path.encode(), user)
+        self._send(kind, rid, payload)
         sink: list[bytes] = []
         code, msg = self._wait_result(rid, req, sink)
-        _raise_for(code, msg, path)
+        check_file_result(code, msg, path, user)
+        if not sink or len(sink[0]) < 4:
+            raise AgentError("the sandbox agent sent a malformed file reply")
         (mode,) = struct.unpack(">I", sink[0][:4])
         return b"".join(sink[1:]), mode
 
-    def get_file(self, path: str) -> bytes:
-        return self.get_file_with_mode(path)[0]
+    def get_file(self, path: str, user: UserIds | None = None) -> bytes:
+        return self.get_file_with_mode(path, user)[0]
 
 
 def _tree_record(payload: bytes, sink: TreeSink) -> None:

@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/fsuid.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -39,7 +40,7 @@
 
 /* client -> agent */
 enum { T_EXEC = 1, T_STDIN = 2, T_PUT = 3, T_GET = 4, T_PING = 5, T_SIGNAL = 6, T_TREE = 7,
-       T_IDENTITY = 8 };
+       T_IDENTITY = 8, T_PUT_AS = 9, T_GET_AS = 10 };
 /* agent -> client */
 enum { T_STDOUT = 16, T_STDERR = 17, T_EXIT = 18, T_RESULT = 19, T_DATA = 20 };
 
@@ -507,6 +508,71 @@ out:
     free(path);
 }
 
+/* --- PUT_AS / GET_AS: a file request made with a user's credentials -----------------------
+ * The payload is `u32 uid, u32 gid, u32 ngroups, ngroups x u32 gid` and then a PUT or GET
+ * payload. The agent is one thread, so it takes the user's file-system ids (setfsuid,
+ * setfsgid: as the user, the kernel's permission checks apply and what is created is the
+ * user's) and supplementary groups for the one request, and takes its own back before the
+ * next: no fork, and nothing else runs meanwhile. */
+
+static gid_t own_groups[MAX_GROUPS];
+static int own_ngroups = -1;
+static int groups_taken;  /* setgroups succeeded: the agent's own must be put back */
+
+static int become(uid_t uid, gid_t gid, uint32_t ngroups, const gid_t *groups) {
+    if (own_ngroups < 0) {
+        own_ngroups = getgroups(MAX_GROUPS, own_groups);
+        if (own_ngroups < 0) return -1;
+    }
+    if (setgroups(ngroups, groups) != 0) return -1;
+    groups_taken = 1;
+    /* setfsuid and setfsgid answer the previous id whatever happens: ask again to know */
+    setfsgid(gid);
+    setfsuid(uid);
+    if ((uid_t)setfsuid((uid_t)-1) != uid || (gid_t)setfsgid((gid_t)-1) != gid) {
+        errno = EPERM;
+        return -1;
+    }
+    return 0;
+}
+
+static void unbecome(void) {
+    setfsuid(geteuid());
+    setfsgid(getegid());
+    if (!groups_taken) return;
+    groups_taken = 0;
+    if (setgroups((size_t)own_ngroups, own_groups) != 0) {
+        /* the agent cannot take its own groups back: stopping is safer than serving on */
+        perror("dsec-agent: setgroups");
+        _exit(1);
+    }
+}
+
+static void do_as(int ci, uint32_t id, const uint8_t *p, size_t n, int put) {
+    struct rd r = {p, n, 0};
+    uint32_t uid = rd32(&r), gid = rd32(&r), ngroups = rd32(&r);
+    if (r.bad || ngroups > MAX_GROUPS || r.n / 4 < ngroups || uid == (uint32_t)-1 ||
+        gid == (uint32_t)-1) {
+        send_result(ci, id, EINVAL, "malformed user file request");
+        return;
+    }
+    gid_t *groups = calloc(ngroups + 1, sizeof *groups);
+    if (!groups) { send_result(ci, id, ENOMEM, "out of memory"); return; }
+    for (uint32_t i = 0; i < ngroups; i++) groups[i] = rd32(&r);
+    if (become(uid, gid, ngroups, groups) != 0) {
+        char msg[128];
+        int e = errno;
+        snprintf(msg, sizeof msg, "cannot act as user %u:%u: %s", uid, gid, strerror(e));
+        unbecome();
+        send_result(ci, id, e ? e : EPERM, msg);
+    } else {
+        if (put) do_put(ci, id, r.p, r.n);
+        else do_get(ci, id, r.p, r.n);
+        unbecome();
+    }
+    free(groups);
+}
+
 /* --- TREE: copy a file, symlink or directory out, streamed ------------------------------
  * DATA records: 'E' kind mode size relpath target (one per entry, parents first) and
  * 'C' offset bytes (file content; gaps between chunks are holes). Symlinks are sent as
@@ -693,6 +759,8 @@ static void handle_frame(int ci, uint8_t type, uint32_t id, const uint8_t *p, si
     case T_STDIN: do_stdin(ci, id, p, n); break;
     case T_PUT: do_put(ci, id, p, n); break;
     case T_GET: do_get(ci, id, p, n); break;
+    case T_PUT_AS: do_as(ci, id, p, n, 1); break;
+    case T_GET_AS: do_as(ci, id, p, n, 0); break;
     case T_TREE: do_tree(ci, id, p, n); break;
     case T_IDENTITY: do_identity(ci, id, p, n); break;
     case T_PING: {

@@ -303,16 +303,21 @@ class AsyncRemoteNode:
             on_event=on_output)
         return from_wire(ExecResult, r)
 
-    async def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
+    async def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644,
+                       user: str | None = None) -> None:
+        """As the sandbox's user on its node (the node service's default)."""
+        refuse_user(user)
         await self.call("put", {"id": self.local_id(sid), "path": path, "data": b64(data),
                                 "mode": mode})
 
-    async def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
+    async def get_file_with_mode(self, sid: str, path: str, user: str | None = None
+                                 ) -> tuple[bytes, int]:
+        refuse_user(user)
         r = await self.call("get", {"id": self.local_id(sid), "path": path})
         return base64.b64decode(r["data"]), int(r["mode"])
 
-    async def get_file(self, sid: str, path: str) -> bytes:
-        return (await self.get_file_with_mode(sid, path))[0]
+    async def get_file(self, sid: str, path: str, user: str | None = None) -> bytes:
+        return (await self.get_file_with_mode(sid, path, user))[0]
 
     async def copy(self, src: str, dst: str) -> dict[str, Any]:
         from .api import copy_remote

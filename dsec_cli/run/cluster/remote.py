@@ -64,9 +64,11 @@ STDERR_KEPT = 20
 
 
 def refuse_user(user: str | None) -> None:
-    """A cluster node runs commands as its sandbox's user: an exec's ``user=`` is refused."""
+    """A cluster node runs commands and file access as its sandbox's user: ``user=`` is
+    refused."""
     if user is not None:
-        raise UsageError("an exec's user can be given only on this node's sandboxes",
+        raise UsageError("a user (for an exec or a file) can be given only on this node's "
+                         "sandboxes",
                          hint="create the sandbox with the user instead")
 
 class Attempts:
@@ -569,16 +571,21 @@ class RemoteNode:
                       on_event=on_output)
         return from_wire(ExecResult, r)
 
-    def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644) -> None:
+    def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644,
+                 user: str | None = None) -> None:
+        """As the sandbox's user on its node (the node service's default)."""
+        refuse_user(user)
         self.call("put", {"id": self.local_id(sid), "path": path, "data": b64(data),
                           "mode": mode})
 
-    def get_file_with_mode(self, sid: str, path: str) -> tuple[bytes, int]:
+    def get_file_with_mode(self, sid: str, path: str, user: str | None = None
+                           ) -> tuple[bytes, int]:
+        refuse_user(user)
         r = self.call("get", {"id": self.local_id(sid), "path": path})
         return unb64(r["data"]), int(r["mode"])
 
-    def get_file(self, sid: str, path: str) -> bytes:
-        return self.get_file_with_mode(sid, path)[0]
+    def get_file(self, sid: str, path: str, user: str | None = None) -> bytes:
+        return self.get_file_with_mode(sid, path, user)[0]
 
     def remove(self, sid: str) -> RemoteRecord:
         return self._rec(self.call("remove", {"id": self.local_id(sid)}))
