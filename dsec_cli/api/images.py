@@ -106,7 +106,7 @@ def inspect(ref: str, store: str | Store | None = None, *, files: bool = False
             from ..format.merge import merge
 
             stacked = [lm for _, lm in img.layers if lm.index]
-            merged = merge([load_index(st, lm.index) for lm in stacked])
+            merged = merge([load_index(st, str(lm.index)) for lm in stacked])
             doc["files"] = [{**_file_doc(e), "layer": stacked[n].ref} for e, n in merged]
     elif m.index:
         ix = load_index(st, m.index)
