@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 STEP_NAME = "dockerfile-step"
 #: bumped when what an instruction makes of its inputs changes (keys of older builds miss)
 RULES = 1
+#: RUN --network: the build's egress allowlist, the host's network, or none
+NETWORKS = ("default", "host", "none")
 ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.zst", ".tar.xz")
 
 
@@ -394,9 +396,7 @@ class _Builder:
     def run(self, tree: Any, ins: Instruction, state: StageState, args: dict[str, str]
             ) -> None:
         argv = json_list(self.d, ins) if ins.value.startswith("[") else [*state.shell, ins.value]
-        network = ins.flags.get("network", "default")
-        if network not in ("default", "none", "host"):
-            raise self.d.err(ins.line, f"RUN --network={network}: use default, host or none")
+        network = ins.flags.get("network", "default")  # one of NETWORKS, checked up front
         if state.workdir and not tree.is_dir(state.workdir.strip("/")):
             tree.add([Scanned(Entry(state.workdir.strip("/"), "dir", 0o755, 0, 0, 0), None)],
                      0, _read_source)
@@ -696,6 +696,11 @@ def build_dockerfile(path: Path, store: Store, opts: DockerfileOptions, *,
     target = d.stage(opts.target)
     report = BuildReport(store=store.url)
     b = _Builder(d, store, opts, report, on_log, progress)
+    for s in d.stages:  # every stage checked before any is built
+        for ins in s.body:
+            net = ins.flags.get("network", "default") if ins.op == "RUN" else "default"
+            if net not in NETWORKS:
+                raise d.err(ins.line, f"RUN --network={net}: use default, host or none")
     gargs = b.global_args()
     stages = b.needed(target)
     b.copy_from_images(stages)  # images COPY --from names, resolved before anything is built

@@ -110,6 +110,7 @@ def run_in(run_dsec, store: str, ref: str, *cmd: str) -> str:
     ("FROM bb@1\nRUN --mount=type=cache,target=/x true\n", 2, "mounts (--mount)"),
     ("FROM bb@1\nCOPY --from=nowhere /a /b\n", 2, "--from=nowhere"),
     ("FROM bb@1\nCOPY --from=missing@9 /a /b\n", 2, "--from=missing@9: no such image"),
+    ("FROM bb@1\nRUN echo x > /x\nRUN --network=bridge true\n", 3, "--network=bridge"),
     ("FROM bb@1\nCOPY --from=bad@@1 /a /b\n", 2, "--from=bad@@1"),
     ("FROM bb@1 AS a\nCOPY --from=b /a /b\nFROM bb@1 AS b\nCOPY --from=a /a /b\n", 2,
      "one before it"),
