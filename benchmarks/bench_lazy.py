@@ -97,7 +97,7 @@ def build_image(url: str, pyroot: Path, extra: Path | None) -> None:
                                            "pyextra", "1", created_by="bench")
             layers.append(ex_d)
         write_image(st, "pybench", "1", layers,
-                    env={"PATH": f"{pyroot}/bin:/bin:/usr/bin"}, set_ref_too=True)
+                    env={"PATH": f"{pyroot}/bin:/bin:/usr/bin"}, commit=True)
 
 
 def image_bytes(url: str, ref: str) -> tuple[int, int]:
@@ -213,7 +213,7 @@ def servers(tree: Path) -> dict[str, Any]:
         with open_store(url) as st:
             d, _ = build_layer_from_dir(st, tree, "srvdata", "1", created_by="bench")
             write_image(st, "srvbench", "1", [resolve(st, "busybox@1.35-1"), d],
-                        env={"PATH": "/bin"}, set_ref_too=True)
+                        env={"PATH": "/bin"}, commit=True)
     stored, _ = image_bytes(url, "srvbench@1")
     everything = ["sh", "-c", "find / -xdev -type f -exec cat {} + >/dev/null"]
     out: dict[str, Any] = {"tree": str(tree), "image_stored_bytes": stored}

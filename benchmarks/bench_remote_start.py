@@ -83,7 +83,7 @@ def main(argv: list[str]) -> None:
             with open_store(local) as st:  # busybox below the tree: a container can exec
                 write_image(st, f"{name}-img", "1", [resolve(st, "busybox@1.35-1"),
                                                      resolve(st, f"{name}@1")],
-                            env={"PATH": "/bin"}, set_ref_too=True)
+                            env={"PATH": "/bin"}, commit=True)
             ref = f"{name}-img@1"
             bucket = f"b{uuid.uuid4().hex[:12]}"
             s3.create_bucket(Bucket=bucket)

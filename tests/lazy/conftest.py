@@ -95,7 +95,7 @@ def publish(url: str, tree: Path, data: Path) -> Published:
         with open_store(url) as st, _one_frame_per_chunk():
             layer, _ = build_layer_from_dir(st, tree, "lazytest", "1")
             base = resolve(st, "busybox@1.35-1")
-            write_image(st, "lazyimg", "1", [base, layer], set_ref_too=True)
+            write_image(st, "lazyimg", "1", [base, layer], commit=True)
     return Published(url, "lazytest@1", "lazyimg@1", tree)
 
 
