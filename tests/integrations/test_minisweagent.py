@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import textwrap
 
 import pytest
 
-from tests.run.conftest import IMAGE, dsec
+from tests.run.conftest import IMAGE
 
 os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
 # mini-swe-agent makes its config dir at import: never the user's
@@ -25,11 +24,9 @@ from minisweagent.models.test_models import DeterministicModel, make_output  # n
 
 from dsec_cli.integrations.minisweagent import DsecEnvironment  # noqa: E402
 
+from .common import sandbox_ids  # noqa: E402
+
 SH = ["sh", "-c"]  # the busybox image has no bash
-
-
-def sandbox_ids(env: dict[str, str]) -> list[str]:
-    return [s["id"] for s in json.loads(dsec(env, "ps", "--json").stdout)]
 
 
 def test_agent_loop_runs_commands_and_submits(node_env: dict[str, str],

@@ -4,12 +4,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.run.conftest import IMAGE
-from tests.run.conftest import dsec as dsec_command
 
 pytest.importorskip("skyrl_gym")
 
@@ -18,9 +15,7 @@ import skyrl_gym  # noqa: E402
 import dsec_cli as dsec  # noqa: E402
 import dsec_cli.integrations.skyrl  # noqa: E402, F401  (registers dsec-code)
 
-
-def sandbox_ids(env: dict[str, str]) -> list[str]:
-    return [s["id"] for s in json.loads(dsec_command(env, "ps", "--json").stdout)]
+from .common import sandbox_ids  # noqa: E402
 
 
 def test_episode_with_tools_and_reward(node_env: dict[str, str]) -> None:

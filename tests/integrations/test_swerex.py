@@ -4,14 +4,11 @@ timeouts and interrupts, commands, file operations."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 from pathlib import Path
 
 import pytest
 
 from tests.run.conftest import IMAGE
-from tests.run.conftest import dsec as dsec_command
 
 pytest.importorskip("swerex")
 
@@ -34,22 +31,9 @@ from swerex.runtime.abstract import (  # noqa: E402
     WriteFileRequest,
 )
 
-import dsec_cli as dsec  # noqa: E402
 from dsec_cli.integrations.swerex import DsecDeployment, DsecDeploymentConfig  # noqa: E402
 
-
-def sandbox_ids(env: dict[str, str]) -> list[str]:
-    return [s["id"] for s in json.loads(dsec_command(env, "ps", "--json").stdout)]
-
-
-def run(coro):  # type: ignore[no-untyped-def]
-    async def main():  # type: ignore[no-untyped-def]
-        try:
-            return await coro
-        finally:
-            await dsec.close_sessions()
-
-    return asyncio.run(main())
+from .common import run, sandbox_ids  # noqa: E402
 
 
 def test_sessions_commands_and_files(node_env: dict[str, str], tmp_path: Path) -> None:

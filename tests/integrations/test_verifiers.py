@@ -5,7 +5,6 @@ over real container sandboxes, alone and leased to an `AsyncJob`."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -14,7 +13,6 @@ import textwrap
 import pytest
 
 from tests.run.conftest import IMAGE
-from tests.run.conftest import dsec as dsec_command
 
 pytest.importorskip("verifiers")
 
@@ -23,19 +21,7 @@ from verifiers.v1.errors import SandboxError  # noqa: E402
 import dsec_cli as dsec  # noqa: E402
 from dsec_cli.integrations.verifiers import DsecConfig, make_runtime  # noqa: E402
 
-
-def sandbox_ids(env: dict[str, str]) -> list[str]:
-    return [s["id"] for s in json.loads(dsec_command(env, "ps", "--json").stdout)]
-
-
-def run(coro):  # type: ignore[no-untyped-def]
-    async def main():  # type: ignore[no-untyped-def]
-        try:
-            return await coro
-        finally:
-            await dsec.close_sessions()
-
-    return asyncio.run(main())
+from .common import run, sandbox_ids  # noqa: E402
 
 
 def test_runtime_contract(node_env: dict[str, str]) -> None:
