@@ -55,6 +55,7 @@ async def _dsec_env(request: Any, anyio_backend: str, node_env: dict[str, str],
 
     import yaml
 
+    saved = {k: os.environ.get(k) for k in node_env}
     os.environ.update(node_env)  # the module's node for the module-wide sandbox
     doc, xfails = CONFIGS[request.param]
     config = tmp_path_factory.mktemp("inspect") / "dsec.yaml"
@@ -66,6 +67,11 @@ async def _dsec_env(request: Any, anyio_backend: str, node_env: dict[str, str],
         yield env, xfails
     finally:
         await DsecSandboxEnvironment.sample_cleanup("self_check", str(config), envs, False)
+        for k, v in saved.items():  # later modules see the environment they started with
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture
