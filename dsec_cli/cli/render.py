@@ -31,14 +31,15 @@ def err_console() -> Console:
     return Console(stderr=True)
 
 
-def _may_be_terminal() -> bool:
-    """False where rich would surely not see a terminal on stderr (not a tty, and none of
-    the variables that make it draw anyway): a piped build then never imports rich before
-    its work starts."""
-    if any(v in os.environ for v in ("TTY_COMPATIBLE", "FORCE_COLOR", "FORCE_TERMINAL")):
+def _may_be_terminal(stream: Any = None, forced: tuple[str, ...] = (
+        "TTY_COMPATIBLE", "FORCE_COLOR", "FORCE_TERMINAL")) -> bool:
+    """False where rich would surely not see a terminal on ``stream`` (default: stderr):
+    not a tty, and none of the ``forced`` variables that make it draw anyway. A piped build
+    then never imports rich before its work starts."""
+    if any(v in os.environ for v in forced):
         return True
     try:
-        return sys.stderr.isatty()
+        return bool((sys.stderr if stream is None else stream).isatty())
     except (AttributeError, ValueError):
         return False
 
@@ -69,7 +70,7 @@ def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any
     from . import terminal_safe
 
     cells = [[("" if v is None else terminal_safe(str(v))) for v in r] for r in rows]
-    if not _stdout_is_terminal():
+    if not _may_be_terminal(sys.stdout, ("TTY_COMPATIBLE", "FORCE_TERMINAL")):
         _plain_table(title, list(columns), cells)
         return
     from rich.table import Table
@@ -81,15 +82,6 @@ def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any
     for r in cells:
         t.add_row(*(Text(v) for v in r))
     console().print(t)
-
-
-def _stdout_is_terminal() -> bool:
-    if any(v in os.environ for v in ("TTY_COMPATIBLE", "FORCE_TERMINAL")):
-        return True
-    try:
-        return sys.stdout.isatty()
-    except (AttributeError, ValueError):
-        return False
 
 
 def _plain_table(title: str | None, columns: list[str], rows: list[list[str]]) -> None:
