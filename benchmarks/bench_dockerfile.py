@@ -30,19 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import du, save
-
-DEBIAN_TAR = Path("/var/tmp/dsec-tests/bookworm-minbase.tar")
-
-
-def _debian() -> Path:
-    if not DEBIAN_TAR.is_file():
-        root = DEBIAN_TAR.parent / "root.tmp"
-        DEBIAN_TAR.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["debootstrap", "--variant=minbase", "bookworm", str(root),
-                        "http://deb.debian.org/debian"], check=True, capture_output=True)
-        subprocess.run(["tar", "-C", str(root), "-cf", str(DEBIAN_TAR), "."], check=True)
-        shutil.rmtree(root)
-    return DEBIAN_TAR
+from tests.debian import debian_tar as _debian
 
 
 def _tree(src: Path, dest: Path, edit: int, every: int) -> None:

@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import posixpath
+import stat
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -234,9 +235,14 @@ class DsecSandboxEnvironment(SandboxEnvironment):
 
     async def read_file(self, file: str, text: bool = True) -> str | bytes:
         try:
-            data = await self.sandbox.read_file(self._path(file))
+            data, mode = await self.sandbox.node.get_file_with_mode(self.sandbox.id,
+                                                                    self._path(file))
         except DsecError as e:
             raise _os_error(e, file) from e
+        if not mode & stat.S_IRUSR:
+            # docker's provider refuses a file its owner may not read, even to root (its
+            # archive copy is read as root), and inspect's checks expect that of every provider
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), file)
         if len(data) > SandboxEnvironmentLimits.MAX_READ_FILE_SIZE:
             raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR,
                                            None)

@@ -10,46 +10,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from .. import debian
 from ..conftest import build_store
+from ..debian import base_specs, have_debian
 from .conftest import store_snapshot
 
-DEBIAN_TAR = Path(os.environ.get("DSEC_TEST_DEBIAN_TAR",
-                                 "/var/tmp/dsec-tests/bookworm-minbase.tar"))
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="RUN needs root (overlayfs)")
 
 
 def debian_tar() -> Path:
-    """A Debian 12 minbase root as a tar, made by debootstrap on first use."""
-    if DEBIAN_TAR.is_file():
-        return DEBIAN_TAR
-    if shutil.which("debootstrap") is None:
+    if not have_debian():
         pytest.skip("debootstrap is not installed (scripts/setup.sh --dev)")
-    DEBIAN_TAR.parent.mkdir(parents=True, exist_ok=True)
-    root = DEBIAN_TAR.parent / "root.tmp"
-    shutil.rmtree(root, ignore_errors=True)
-    subprocess.run(["debootstrap", "--variant=minbase", "bookworm", str(root),
-                    "http://deb.debian.org/debian"], check=True, capture_output=True)
-    tmp = DEBIAN_TAR.with_suffix(".tmp")
-    subprocess.run(["tar", "-C", str(root), "-cf", str(tmp), "."], check=True)
-    os.replace(tmp, DEBIAN_TAR)
-    shutil.rmtree(root)
-    return DEBIAN_TAR
-
-
-def base_specs(folder: Path, tar: Path, name: str) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(tar, folder / "rootfs.tar")
-    (folder / "layer.yaml").write_text(
-        f"layer: {name}-root\nversion: '1'\nsteps:\n  - extract: {{src: rootfs.tar, dst: /}}\n")
-    (folder / "image.yaml").write_text(
-        f"image: {name}\nversion: '1'\nlayers: [{name}-root@1]\n"
-        "env: {PATH: /usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin}\n")
-    return [folder / "layer.yaml", folder / "image.yaml"]
+    return debian.debian_tar()
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,13 @@
 """inspect-ai's own sandbox conformance suite (inspect_ai/util/_sandbox/self_check.py), run
-unmodified against `DsecSandboxEnvironment` on real container sandboxes: as root, and as a
-non-root user with its own working directory (the two ways inspect's runner tries docker).
+unmodified against `DsecSandboxEnvironment` on real container sandboxes of a Debian minbase
+image (adduser, userdel, as inspect's own images have): as root, and as a non-root user with
+its own working directory (the two ways inspect's runner tries docker).
 
 A check this provider cannot pass is an xfail named below, strict, so a fix shows up."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,22 +18,20 @@ pytest.importorskip("inspect_ai")
 from inspect_ai.util._sandbox.self_check import *  # noqa: E402, F403
 
 from dsec_cli.integrations.inspect_ai import DsecSandboxEnvironment  # noqa: E402
-from tests.integrations.conftest import IMAGE  # noqa: E402
+from tests.conftest import build_store, node_env_of  # noqa: E402
+from tests.debian import base_specs, debian_tar, have_debian  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
+IMAGE = "debian@1"
 #: what root may do that inspect's checks expect refused (inspect's docker runner marks the
-#: two writes the same way for its root config)
+#: same two for its root config)
 ROOT_XFAILS = {
     "test_write_text_file_without_permissions": "root can overwrite a read-only file",
     "test_write_binary_file_without_permissions": "root can overwrite a read-only file",
-    "test_read_file_not_allowed": "root can read a file whose mode forbids reading",
-    "test_exec_as_user": "the busybox-static image has no adduser",
 }
-#: file reads and writes act as the sandbox's user, so only the image's lack remains
-NONROOT_XFAILS = {
-    "test_exec_as_user": "the busybox-static image has no adduser",
-}
+#: file reads and writes act as the sandbox's user: every check passes
+NONROOT_XFAILS: dict[str, str] = {}
 
 CONFIGS = {
     "root": ({"image": IMAGE}, ROOT_XFAILS),
@@ -40,6 +39,17 @@ CONFIGS = {
                                           "working_dir": "/home/nonroot",
                                           "network_mode": "none"}}}, NONROOT_XFAILS),
 }
+
+
+@pytest.fixture(scope="module")
+def node_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A node on a store holding `debian@1`, made from the machine's Debian minbase."""
+    if not have_debian():
+        pytest.skip("debootstrap is not installed (scripts/setup.sh --dev)")
+    work = tmp_path_factory.mktemp("inspect-debian")
+    store = build_store(base_specs(work / "specs", debian_tar(), "debian"),
+                        (work / "store").as_uri(), work / "data")
+    yield from node_env_of(tmp_path_factory, store, work / "data")
 
 
 @pytest.fixture(scope="module")
