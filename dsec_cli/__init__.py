@@ -34,6 +34,7 @@ _SOURCES: dict[str, dict[str, str]] = {
         "list_sandboxes": "list_sandboxes", "gc_node": "gc_node", "create_many": "create_many",
     },
     "dsec_cli.api.aio": {"AsyncSandbox": "AsyncSandbox", "close_sessions": "close_sessions"},
+    "dsec_cli.api.process": {"AsyncProcess": "AsyncProcess"},
     "dsec_cli.api.oci": {"import_image": "import_image", "import_images": "import_images",
                          "export_oci": "export_oci", "ImportReport": "ImportReport",
                          "ImportRun": "ImportRun", "ExportReport": "ExportReport"},

@@ -31,6 +31,7 @@ from ..core.errors import UsageError
 from ..run.aio import AsyncNode, async_node, blocking
 from ..run.contract import NodeAPI
 from ..run.node import local_node
+from .process import DEFAULT_KEEP, AsyncProcess
 from .sandboxes import Sandbox, create_options, removal_at_exit, target
 from .sandboxes import create as create_sync
 
@@ -167,6 +168,18 @@ class AsyncSandbox:
         return await self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=stdin,
                                     timeout=timeout, on_output=on_output,
                                     capture_limit=capture_limit, user=user)
+
+    async def spawn(self, cmd: str | list[str], *, env: dict[str, str] | None = None,
+                    cwd: str | None = None, user: str | None = None,
+                    keep: int = DEFAULT_KEEP) -> AsyncProcess:
+        """Start a command (a list, or a string for `sh -c`) and leave it running: the
+        `AsyncProcess` keeps its output as it arrives (up to ``keep`` bytes) for `read`,
+        iteration or `wait`, takes stdin with `write`, and ends it with `kill`."""
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if user is not None and not isinstance(self.node, AsyncNode):
+            raise UsageError("an exec's user can be given only on this node's sandboxes",
+                             hint="create the sandbox with the user instead")
+        return AsyncProcess(self, argv, env=env, cwd=cwd, user=user, keep=keep)
 
     async def _journaled(self, argv: list[str], key: str | None,
                          **kw: Any) -> ExecResult | None:

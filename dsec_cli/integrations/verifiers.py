@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from pydantic_config import BaseConfig
@@ -30,6 +29,7 @@ from verifiers.v1.runtimes.base import (
 
 from ..api.aio import AsyncSandbox
 from ..api.aio_jobs import AsyncJob, AsyncRollout
+from ..api.process import AsyncProcess
 from ..api.sandboxes import Sandbox
 from ..core.errors import DsecError
 
@@ -54,48 +54,24 @@ class DsecRuntimeInfo(DsecConfig, BaseRuntimeInfo):
 
 
 class _Process(RuntimeProcess):
-    """A command running in the sandbox with its stdin open: an exec fed from a queue, its
-    output put on two more."""
+    """A command running in the sandbox with its stdin open: dsec's `AsyncProcess`, its two
+    streams read apart."""
 
-    def __init__(self, sandbox: AsyncSandbox, argv: list[str], env: dict[str, str]) -> None:
-        self._stdin: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self._out: dict[str, asyncio.Queue[bytes | None]] = {
-            "stdout": asyncio.Queue(), "stderr": asyncio.Queue()}
-        self.stdout, self.stderr = self._drain("stdout"), self._drain("stderr")
-        self._task = asyncio.ensure_future(sandbox.exec(
-            argv, env=env, stdin=self._feed(), on_output=lambda s, d: self._out[s].put_nowait(d)))
-        self._task.add_done_callback(self._ended)
-
-    def _ended(self, _task: asyncio.Task[Any]) -> None:
-        for q in self._out.values():
-            q.put_nowait(None)  # end of both streams
-
-    async def _feed(self) -> AsyncIterator[bytes]:
-        while (data := await self._stdin.get()) is not None:
-            yield data
-
-    async def _drain(self, stream: str) -> AsyncIterator[bytes]:
-        while (data := await self._out[stream].get()) is not None:
-            yield data
+    def __init__(self, proc: AsyncProcess) -> None:
+        self._proc = proc
+        self.stdout, self.stderr = proc.stream("stdout"), proc.stream("stderr")
 
     async def write(self, data: bytes) -> None:
-        self._stdin.put_nowait(data)
+        await self._proc.write(data)
 
     async def wait(self) -> int:
-        try:
-            return (await asyncio.shield(self._task)).exit_code
-        except asyncio.CancelledError:
-            if not self._task.cancelled():
-                raise
-            return -9
+        return (await self._proc.wait()).exit_code
 
     async def poll(self) -> int | None:
-        if not self._task.done():
-            return None
-        return -9 if self._task.cancelled() else self._task.result().exit_code
+        return self._proc.returncode
 
     async def terminate(self) -> None:
-        self._task.cancel()  # cancelling an exec kills its command in the sandbox
+        await self._proc.kill()
 
     kill = terminate
 
@@ -142,7 +118,7 @@ class DsecRuntime(Runtime):
                              stderr=r.stderr.decode(errors="replace"))
 
     async def open_process(self, argv: list[str], env: dict[str, str]) -> RuntimeProcess:
-        return _Process(self._box(), list(argv), self.process_env(env))
+        return _Process(await self._box().spawn(list(argv), env=self.process_env(env)))
 
     async def run_background(self, argv: list[str], env: dict[str, str], log: str) -> None:
         """``argv`` with its output to ``log``, running until `stop` (its exec is a task of

@@ -1,6 +1,7 @@
 """The SDK behaviour the inspect-ai adapter relies on, checked on real container sandboxes:
 exec as another user from asyncio, file errors that carry their errno, the workdir in
-`info`, and removal at interpreter exit."""
+`info`, removal at interpreter exit, and a command left running whose output is collected
+later (`AsyncSandbox.spawn`)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,44 @@ def test_removed_at_interpreter_exit(node_env: dict[str, str]) -> None:
     ids = {r["id"] for r in dsec_cli.list_sandboxes()}
     assert gone not in ids and kept in ids
     Sandbox.attach(kept).remove()
+
+
+def test_spawned_process_output_is_kept_for_later() -> None:
+    """A command left running: output that arrives after the call returns is kept for a
+    later read, stdin stays open, and killing it ends it in the sandbox."""
+    async def main() -> None:
+        async with await AsyncSandbox.create(IMAGE) as sb:
+            proc = await sb.spawn("echo first; sleep 0.5; echo later; echo err >&2; cat")
+            await asyncio.sleep(1.5)  # nobody reads while the command writes
+            assert proc.read() == (b"first\nlater\n", b"err\n")
+            await proc.write("from stdin\n")
+            chunks = []
+            async for stream, data in proc:
+                chunks.append((stream, data))
+                if b"from stdin" in data:
+                    break
+            assert chunks == [("stdout", b"from stdin\n")]
+            await proc.close_stdin()
+            res = await proc.wait(timeout=30)
+            assert (res.exit_code, proc.returncode) == (0, 0)
+
+            sleeper = await sb.spawn(["sh", "-c", "echo $$ > /tmp/pid; exec sleep 600"])
+            await asyncio.sleep(0.5)
+            pid = (await sb.read_file("/tmp/pid")).decode().strip()
+            await sleeper.kill()
+            assert sleeper.returncode == -9 and (await sleeper.wait()).exit_code == -9
+            alive = await sb.exec(["kill", "-0", pid])
+            assert alive.exit_code != 0  # gone from the sandbox, not only from the handle
+
+            both = await sb.spawn("echo o1; echo e1 >&2; sleep 0.2; echo o2; echo e2 >&2")
+            errs = [d async for d in both.stream("stderr")]
+            assert b"".join(errs) == b"e1\ne2\n"  # stdout kept for its own reader
+            assert b"".join([d async for d in both.stream("stdout")]) == b"o1\no2\n"
+            assert both.returncode == 0
+
+            small = await sb.spawn("head -c 3000 /dev/zero", keep=1000)
+            res = await small.wait(timeout=30)
+            assert (small.dropped, small.read()) == (2000, (b"\0" * 1000, b""))
+        await dsec_cli.close_sessions()
+
+    asyncio.run(main())

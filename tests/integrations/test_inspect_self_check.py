@@ -105,3 +105,27 @@ def test_config_is_a_real_file(tmp_path: Path) -> None:
     svc = load_config(str(p)).services["default"]
     assert (svc.image, svc.memory, svc.cpus, svc.user, svc.workdir, svc.env, svc.network) == \
         ("x@1", "512m", 1.5, "1000:1000", "/w", {"A": "1"}, "none")
+
+
+async def test_exec_remote_streams_through_inspects_tools(
+        _dsec_env: tuple[DsecSandboxEnvironment, dict[str, str]]) -> None:
+    """inspect's `exec_remote` (its sandbox tools, injected through this provider's file and
+    exec calls) streams a command's output as it comes, and its awaitable form returns."""
+    import time
+
+    from inspect_ai.util import ExecCompleted, ExecStdout
+    from inspect_ai.util._sandbox.events import SandboxEnvironmentProxy
+
+    env = SandboxEnvironmentProxy(_dsec_env[0])
+    started = time.monotonic()
+    proc = await env.exec_remote(["sh", "-c", "echo a; sleep 1; echo b"])
+    seen: list[tuple[float, object]] = []
+    async for ev in proc:
+        seen.append((time.monotonic() - started, ev))
+    outs = [(t, e.data) for t, e in seen if isinstance(e, ExecStdout)]
+    assert "".join(d for _, d in outs) == "a\nb\n"
+    assert isinstance(seen[-1][1], ExecCompleted) and seen[-1][1].exit_code == 0
+    first_a = next(t for t, d in outs if "a" in d)
+    assert seen[-1][0] - first_a >= 0.9  # "a" came before the command ended
+    res = await env.exec_remote(["sh", "-c", "echo x; exit 3"], stream=False)
+    assert (res.returncode, res.stdout) == (3, "x\n")
