@@ -19,6 +19,7 @@ import logging
 import os
 import posixpath
 import stat
+import uuid
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -35,6 +36,9 @@ from inspect_ai.util import (
 from pydantic import BaseModel, Field
 
 from .. import AsyncSandbox, DsecError, UsageError
+from ..api.aio_jobs import AsyncJob, AsyncRollout
+from ..run.aio import blocking
+from . import rollout_sandbox
 
 __all__ = ["DsecSandboxEnvironment", "DsecSandboxConfig", "DsecServiceConfig", "load_config"]
 
@@ -64,9 +68,13 @@ class DsecServiceConfig(BaseModel, frozen=True):
 
 
 class DsecSandboxConfig(BaseModel, frozen=True):
-    """The sandboxes of each sample, by service name; the first is inspect's default."""
+    """The sandboxes of each sample, by service name; the first is inspect's default.
+    ``lease`` and ``reclaim_grace`` set the task's dsec job: its sandboxes are removed once
+    the lease has lapsed for that long (an eval killed before its cleanup)."""
 
     services: dict[str, DsecServiceConfig]
+    lease: str | float = "60s"
+    reclaim_grace: str | float = "2m"
 
 
 #: compose's names for the options dsec takes
@@ -115,24 +123,39 @@ def load_config(config: SandboxEnvironmentConfigType | None) -> DsecSandboxConfi
         raise UsageError(f"cannot read sandbox config {config}: {e}") from e
     if not isinstance(doc, dict):
         raise UsageError(f"{config}: a sandbox config is a mapping")
+    lease = {k: doc.pop(k) for k in _LEASE_KEYS if k in doc}
     services = doc.get("services")
     if services is None:
-        return DsecSandboxConfig(services={"default": _service(doc, config)})
-    if not isinstance(services, dict) or not services:
+        services = {"default": _service(doc, config)}
+    elif not isinstance(services, dict) or not services:
         raise UsageError(f"{config}: services is a mapping of at least one service")
-    return DsecSandboxConfig(services={
-        name: _service(dict(svc or {}), f"{config}: service {name}")
-        for name, svc in services.items()})
+    else:
+        services = {name: _service(dict(svc or {}), f"{config}: service {name}")
+                    for name, svc in services.items()}
+    try:
+        return DsecSandboxConfig(services=services, **lease)
+    except ValueError as e:
+        raise UsageError(f"{config}: {e}") from e
+
+
+#: the config's keys that set the task's job, beside its services
+_LEASE_KEYS = ("lease", "reclaim_grace")
 
 
 @sandboxenv(name="dsec")
 class DsecSandboxEnvironment(SandboxEnvironment):
     """One dsec sandbox as an inspect sandbox environment."""
 
-    def __init__(self, sandbox: AsyncSandbox, workdir: str) -> None:
+    #: the job of each sandbox config the running eval started (inspect calls task_init
+    #: and task_cleanup once per config, not per task): the lease its samples hang on
+    _jobs: dict[str, AsyncJob] = {}
+
+    def __init__(self, sandbox: AsyncSandbox, workdir: str,
+                 rollout: AsyncRollout | None = None) -> None:
         super().__init__()
         self.sandbox = sandbox
         self.workdir = workdir
+        self.rollout = rollout
 
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
@@ -144,35 +167,79 @@ class DsecSandboxEnvironment(SandboxEnvironment):
         return DsecSandboxConfig(**config)
 
     @classmethod
+    async def task_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None
+                        ) -> None:
+        """The config's dsec job: its heartbeat holds the lease while the eval runs; if the
+        eval dies, the samples' sandboxes are removed once the lease has lapsed."""
+        key = _config_key(config)
+        if key in cls._jobs:
+            return
+        cfg = load_config(config)
+        cls._jobs[key] = await AsyncJob.start(
+            f"inspect-{uuid.uuid4().hex[:12]}", ttl=cfg.lease,
+            # an eval does not come back for its samples: nothing is parked for it
+            park_grace=cfg.reclaim_grace, reclaim_grace=cfg.reclaim_grace)
+
+    @classmethod
+    async def task_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
+                           cleanup: bool) -> None:
+        """End the task's job: with ``cleanup`` everything of it is removed; without
+        (``--no-sandbox-cleanup``) its sandboxes stay until the lease lapses."""
+        job = cls._jobs.pop(_config_key(config), None)
+        if job is None:
+            return
+        if cleanup:
+            await job.remove()
+        else:
+            await job.close()
+
+    @classmethod
+    async def cli_cleanup(cls, id: str | None) -> None:
+        """`inspect sandbox cleanup dsec [ID]`: one sandbox, or every inspect job's."""
+        if id is not None:
+            await (await AsyncSandbox.attach(id)).remove()
+            return
+        for name in await blocking(_inspect_jobs):
+            await (await AsyncJob.attach(name, heartbeat=False)).remove()
+
+    @classmethod
     async def sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                           metadata: dict[str, str]) -> dict[str, SandboxEnvironment]:
         cfg = load_config(config)
+        job = cls._jobs.get(_config_key(config))
         envs: dict[str, SandboxEnvironment] = {}
         try:
             for name, svc in cfg.services.items():
-                envs[name] = await cls._start(svc)
+                envs[name] = await cls._start(svc, job)
         except BaseException:
             await cls._remove(envs)
             raise
         return envs
 
     @classmethod
-    async def _start(cls, svc: DsecServiceConfig) -> DsecSandboxEnvironment:
-        sb = await AsyncSandbox.create(
-            svc.image, svc.backend, memory=svc.memory, cpus=svc.cpus, pids=svc.pids,
-            network=svc.network, egress=svc.egress or None, user=svc.user,
-            workdir=svc.workdir, env=svc.env or None, ttl=svc.ttl, node=svc.node,
-            remove_at_exit=True)
+    async def _start(cls, svc: DsecServiceConfig,
+                     job: AsyncJob | None = None) -> DsecSandboxEnvironment:
+        opts: dict[str, Any] = dict(
+            memory=svc.memory, cpus=svc.cpus, pids=svc.pids, network=svc.network,
+            egress=svc.egress or None, user=svc.user, workdir=svc.workdir,
+            env=svc.env or None, ttl=svc.ttl)
+        rollout = None
+        if job is not None and svc.node is None:
+            rollout = await job.sandbox(svc.image, svc.backend, **opts)
+            sb = await rollout_sandbox(rollout)
+        else:  # no task job (a sandbox made outside an eval), or a named cluster node
+            sb = await AsyncSandbox.create(svc.image, svc.backend, node=svc.node,
+                                           remove_at_exit=True, **opts)
         try:
             workdir = str((await sb.info()).get("workdir") or "/")
             if svc.workdir and svc.user:
                 # compose's working_dir for a user: the directory is there and theirs
-                await sb.exec(["mkdir", "-p", workdir], user="0")
-                await sb.exec(["chown", svc.user, workdir], user="0")
+                await _run(sb, ["mkdir", "-p", workdir], user="0")
+                await _run(sb, ["chown", svc.user, workdir], user="0")
         except BaseException:
-            await sb.remove()
+            await (rollout.release() if rollout is not None else sb.remove())
             raise
-        return cls(sb, workdir)
+        return cls(sb, workdir, rollout)
 
     @classmethod
     async def sample_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
@@ -185,7 +252,10 @@ class DsecSandboxEnvironment(SandboxEnvironment):
         for env in environments.values():
             if isinstance(env, DsecSandboxEnvironment):
                 try:
-                    await env.sandbox.remove()
+                    if env.rollout is not None:
+                        await env.rollout.release()
+                    else:
+                        await env.sandbox.remove()
                 except DsecError as e:
                     log.warning("could not remove sandbox %s: %s", env.sandbox.id, e)
 
@@ -202,9 +272,9 @@ class DsecSandboxEnvironment(SandboxEnvironment):
                    timeout_retry: bool = True, concurrency: bool = True) -> ExecResult[str]:
         limit = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
         try:
-            r = await self.sandbox.exec(list(cmd), stdin=input, env=env,
-                                        cwd=self._path(cwd or "."), user=user,
-                                        timeout=timeout, capture_limit=limit)
+            r = await _run(self.sandbox, list(cmd), stdin=input, env=env,
+                           cwd=self._path(cwd or "."), user=user, timeout=timeout,
+                           capture_limit=limit)
         except UsageError as e:
             if user is None:
                 raise
@@ -255,3 +325,29 @@ def _os_error(e: DsecError, file: str) -> Exception:
     if e.errno is None:
         return e
     return OSError(e.errno, os.strerror(e.errno), file)
+
+
+def _inspect_jobs() -> list[str]:
+    """The names of this node's jobs that inspect tasks started."""
+    from ..api.jobs import list_jobs
+
+    return [j["name"] for j in list_jobs() if str(j["name"]).startswith("inspect-")]
+
+
+def _config_key(config: SandboxEnvironmentConfigType | None) -> str:
+    """What identifies a sandbox config across inspect's task_init, sample_init and
+    task_cleanup calls: the file's path, or the model's fields."""
+    if isinstance(config, BaseModel):
+        return type(config).__name__ + config.model_dump_json()
+    return repr(config)
+
+
+async def _run(sb: AsyncSandbox, argv: list[str], *, user: str | None = None,
+               stdin: str | bytes | None = None, **kw: Any) -> Any:
+    """A command in the sandbox through its node, not as a journaled step of the config's
+    job: inspect reruns a sample from its start, so its commands need no journal (and a
+    step would not take ``user=``)."""
+    if user is not None:
+        kw["user"] = user
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    return await sb.node.exec(sb.id, argv, stdin=data, **kw)

@@ -32,6 +32,7 @@ from ..api.aio_jobs import AsyncJob, AsyncRollout
 from ..api.process import AsyncProcess
 from ..api.sandboxes import Sandbox
 from ..core.errors import DsecError
+from . import rollout_sandbox
 
 __all__ = ["DsecConfig", "DsecRuntime", "DsecRuntimeInfo", "make_runtime"]
 
@@ -95,10 +96,7 @@ class DsecRuntime(Runtime):
                                     network=c.network, ttl=c.ttl, workdir=c.workdir)
         if self.job is not None:
             self.rollout = await self.job.sandbox(c.image, c.backend, **opts)
-            sid = str(self.rollout.sandbox_id)
-            if self.rollout.node and "/" not in sid:  # a cluster node's: NODE/ID
-                sid = f"{self.rollout.node}/{sid}"
-            self.sandbox = await AsyncSandbox.attach(sid)
+            self.sandbox = await rollout_sandbox(self.rollout)
         else:
             self.sandbox = await AsyncSandbox.create(c.image, c.backend, node=c.node, **opts)
         self.info.id = self.sandbox.id

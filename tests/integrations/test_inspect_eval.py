@@ -1,6 +1,7 @@
 """A real inspect eval with `sandbox=("dsec", config)`: inspect's own eval loop and its
 mockllm model, a scripted solver acting in the sandbox, a scorer reading its files; after
-the eval no sandbox is left."""
+the eval no sandbox is left, and none after an eval killed mid-sample once its job's lease
+has lapsed."""
 
 from __future__ import annotations
 
@@ -51,3 +52,56 @@ def test_eval_with_dsec_sandbox(tmp_path: Path) -> None:
     assert log.results.scores[0].metrics["accuracy"].value == 1.0
     assert all(s.metadata["uid"] == "1000" for s in log.samples or [])
     assert dsec_cli.list_sandboxes() == []
+
+
+def test_killed_eval_leaves_nothing(tmp_path: Path, node_env: dict[str, str]) -> None:
+    """An eval killed mid-sample (no cleanup runs) leaves its sandbox on the task's job,
+    whose lease lapses: the node removes the sandbox by itself, no `dsec gc` run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    from dsec_cli.api.jobs import list_jobs
+
+    config = tmp_path / "dsec.yaml"
+    config.write_text(f"image: {IMAGE}\nlease: 2s\nreclaim_grace: 1s\n")
+    (tmp_path / "task.py").write_text(textwrap.dedent(f"""
+        from inspect_ai import Task, eval
+        from inspect_ai.dataset import Sample
+        from inspect_ai.solver import solver
+        from inspect_ai.util import sandbox
+
+        @solver
+        def hang():
+            async def solve(state, generate):
+                await sandbox().exec(["sh", "-c", "touch /tmp/started; sleep 600"])
+                return state
+            return solve
+
+        eval(Task(dataset=[Sample(input="x")], solver=hang(),
+                  sandbox=("dsec", {str(config)!r})),
+             model="mockllm/model", log_dir={str(tmp_path / "logs")!r}, display="none")
+    """))
+    p = subprocess.Popen([sys.executable, str(tmp_path / "task.py")],
+                         env={**os.environ, **node_env}, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not dsec_cli.list_sandboxes():
+            assert p.poll() is None, p.stderr.read() if p.stderr else ""
+            assert time.monotonic() < deadline, "the eval made no sandbox"
+            time.sleep(0.2)
+        [job] = [j for j in list_jobs() if j["name"].startswith("inspect-")]
+        time.sleep(1)  # the sample is in its command
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    deadline = time.monotonic() + 60
+    while dsec_cli.list_sandboxes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = dsec_cli.list_sandboxes()
+    log = Path(node_env["DSEC_STATE_DIR"], "reaper.log")
+    assert left == [], (left, log.read_text() if log.exists() else "no reaper ran")
+    dsec_cli.Job.attach(job["name"], heartbeat=False).remove()
