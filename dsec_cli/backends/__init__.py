@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 #: backend name -> (module, class); registering one here is all the node and the
-#: conformance suite (tests/backends/test_conformance.py) need to know of it
+#: conformance suite (tests/conformance/backends.py) need to know of it
 BACKENDS: dict[str, tuple[str, str]] = {
     "fncall": ("dsec_cli.backends.fncall", "FncallBackend"),
     "container": ("dsec_cli.backends.container", "ContainerBackend"),

@@ -135,7 +135,7 @@ class BackendContext:
 class Backend(abc.ABC):
     name: ClassVar[str] = ""
     #: what a backend offers beyond the required lifecycle; without it the method raises a
-    #: UsageError naming the backend (tests/backends/test_conformance.py checks both ways)
+    #: UsageError naming the backend (tests/conformance/backends.py checks both ways)
     supports_pause: ClassVar[bool] = False
     supports_snapshot: ClassVar[bool] = False
 
