@@ -26,9 +26,12 @@ from .base import (
 __all__ = [
     "Backend", "BackendContext", "ExecRequest", "ExecResult", "Limits", "OutputCallback",
     "RootfsSpec",
-    "SandboxHandle", "SandboxSpec", "TreeSink", "UserIds", "get_backend", "BACKENDS",
+    "SandboxHandle", "SandboxSpec", "TreeSink", "UserIds", "backend_class", "get_backend",
+    "BACKENDS",
 ]
 
+#: backend name -> (module, class); registering one here is all the node and the
+#: conformance suite (tests/conformance/backends.py) need to know of it
 BACKENDS: dict[str, tuple[str, str]] = {
     "fncall": ("dsec_cli.backends.fncall", "FncallBackend"),
     "container": ("dsec_cli.backends.container", "ContainerBackend"),
@@ -37,8 +40,10 @@ BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 
-def get_backend(name: str, ctx: BackendContext | None = None, **options: object) -> Backend:
-    """The backend called ``name``: made from a node's context, or from explicit options."""
+def backend_class(name: str) -> type[Backend]:
+    """The class of the backend called ``name``, its module imported on first use: what
+    the node asks of a backend's capabilities (`Backend.park_mechanism`, `fork_mode`...)
+    without making one, and without loading the VM code unless a VM backend is asked."""
     if name not in BACKENDS:
         raise UsageError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
     module, cls = BACKENDS[name]
@@ -46,6 +51,12 @@ def get_backend(name: str, ctx: BackendContext | None = None, **options: object)
         mod = importlib.import_module(module)
     except ImportError as e:
         raise UsageError(f"the {name} backend is not available: {e}") from e
-    kind = getattr(mod, cls)
-    backend: Backend = kind.from_context(ctx) if ctx is not None else kind(**options)
+    kind: type[Backend] = getattr(mod, cls)
+    return kind
+
+
+def get_backend(name: str, ctx: BackendContext | None = None, **options: object) -> Backend:
+    """The backend called ``name``: made from a node's context, or from explicit options."""
+    kind = backend_class(name)
+    backend: Backend = kind.from_context(ctx) if ctx is not None else kind(**options)  # type: ignore[call-arg]
     return backend

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 #: called with ("stdout" | "stderr", bytes) as output arrives
 OutputCallback = Callable[[str, bytes], None]
+ParkMechanism = Literal["freezer", "state-file"]
+ForkMode = Literal["snapshot", "tmp"]
 
 
 @dataclass(frozen=True)
@@ -133,9 +135,26 @@ class BackendContext:
 class Backend(abc.ABC):
     name: ClassVar[str] = ""
     #: what a backend offers beyond the required lifecycle; without it the method raises a
-    #: UsageError naming the backend (tests/backends/test_conformance.py checks both ways)
+    #: UsageError naming the backend (tests/conformance/backends.py checks both ways)
     supports_pause: ClassVar[bool] = False
     supports_snapshot: ClassVar[bool] = False
+
+    # -- capabilities the node plans with (run/), read from the class: never by name -------
+    #: a guest with a kernel of its own (QEMU): what the node reports of its memory (KSM)
+    is_vm: ClassVar[bool] = False
+    #: how `dsec park` keeps a stopped sandbox's memory out of RAM: "freezer" (the cgroup
+    #: freezer, then reclaim to swap: needs `supports_pause`) or "state-file" (saved to a
+    #: file by `park`, its process ended, back by `thaw`; such a sandbox can move nodes)
+    park_mechanism: ClassVar[ParkMechanism] = "freezer"
+    #: how `dsec fork` copies a sandbox's files: "snapshot" (its diff becomes a layer the
+    #: copies share: needs `supports_snapshot`) or "tmp" (its /tmp, read through its agent,
+    #: is written into new sandboxes of the same image)
+    fork_mode: ClassVar[ForkMode] = "snapshot"
+    #: the sandbox writes into an overlay upper dir on the host (``<sandbox dir>/upper``),
+    #: which the node reads to digest a job's writable state (run/statedigest.py)
+    upper_on_host: ClassVar[bool] = False
+    #: a pool member's memory when it has no memory limit: about what an idle one holds
+    member_estimate: ClassVar[int] = 16 << 20
 
     @classmethod
     def from_context(cls, ctx: BackendContext) -> Backend:
@@ -157,6 +176,17 @@ class Backend(abc.ABC):
 
     def resume(self, handle: SandboxHandle) -> None:
         raise UsageError(f"{self.name} sandboxes cannot be paused or resumed")
+
+    def park(self, handle: SandboxHandle) -> dict[str, Any]:
+        """With park mechanism "state-file": save the running sandbox to a file and end its
+        process; the figures ``resident_before``, ``state_bytes`` and ``save_seconds``."""
+        raise UsageError(f"{self.name} sandboxes are not parked to a state file")
+
+    def thaw(self, handle: SandboxHandle, commit: Callable[[dict[str, Any]], None],
+             cpu_class: str | None = None) -> dict[str, Any]:
+        """A sandbox `park` saved, running again; its new handle state (``commit`` is
+        called with it as soon as it is known, before the sandbox runs)."""
+        raise UsageError(f"{self.name} sandboxes are not parked to a state file")
 
     def snapshot_diff(self, handle: SandboxHandle) -> Path:
         """A directory in overlayfs upper format (whiteouts as 0:0 character devices,

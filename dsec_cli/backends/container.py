@@ -118,6 +118,7 @@ class ContainerBackend(CgroupAgentBackend):
     name: ClassVar[str] = "container"
 
     supports_snapshot = True  # the overlay's upper dir is the diff
+    upper_on_host = True
 
     @classmethod
     def from_context(cls, ctx: BackendContext) -> ContainerBackend:

@@ -79,6 +79,8 @@ class FncallBackend(CgroupAgentBackend):
     name: ClassVar[str] = "fncall"
 
     supports_snapshot = False  # read-only: only /tmp is writable, in memory
+    fork_mode = "tmp"  # its /tmp is all a copy can differ in
+    member_estimate = 8 << 20
 
     @classmethod
     def from_context(cls, ctx: BackendContext) -> FncallBackend:

@@ -13,6 +13,7 @@ import math
 import re
 from urllib.parse import urlparse
 
+from . import schemes
 from .errors import UsageError
 
 #: longest free-text value (a path, a URL, a command) accepted anywhere
@@ -20,7 +21,6 @@ MAX_TEXT = 4096
 MAX_REF = 257  # NAME@VERSION, 128 characters each
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 _LOCAL_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
-_SCHEMES = ("file", "s3", "oci")
 #: the largest count accepted (what kernels and runtimes take as a 32-bit number)
 MAX_COUNT = (1 << 31) - 1
 #: the largest process limit: the kernel's own bound on pids (PID_MAX_LIMIT)
@@ -107,15 +107,16 @@ def sandbox_id(value: object, what: str = "sandbox id") -> str:
 
 
 def store_url(value: object, what: str = "store URL") -> str:
-    """A store URL (``file://``, ``s3://``, ``oci://``) or a bare directory path. Only the
-    form is checked here; each store checks its own parts (bucket, repository) on open."""
+    """A store URL of a registered scheme (`core.schemes`: ``file://``, ``s3://``,
+    ``oci://`` and any added) or a bare directory path. Only the form is checked here; each
+    store checks its own parts (bucket, repository) on open."""
     s = text(value, what)
     if "://" not in s:
         return s  # a path: a file:// store
     scheme = s.split("://", 1)[0]
-    if scheme not in _SCHEMES:
+    if scheme not in schemes.SCHEMES:
         raise UsageError(f"invalid {what} {shown(s)}: unknown store URL scheme {scheme!r}; "
-                         f"known: {', '.join(f'{x}://' for x in sorted(_SCHEMES))}")
+                         f"known: {schemes.known()}")
     if scheme != "file":
         try:
             port = urlparse(s).port

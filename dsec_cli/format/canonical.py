@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..core.errors import CorruptObjectError
+
 
 def dumps(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
@@ -12,8 +14,6 @@ def dumps(obj: Any) -> bytes:
 
 def loads(data: bytes, what: str) -> Any:
     """Decode a stored object's JSON; malformed bytes are a corrupt object (exit 2)."""
-    from ..core.errors import CorruptObjectError
-
     try:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:

@@ -15,8 +15,13 @@ from typing import Any
 
 import zstandard
 
+from ..core.config import store_limits
+from ..core.digests import put_object
 from ..core.errors import FormatError
 from . import canonical
+from .codec import CODEC_ZGROUP
+from .layout import ENTRY_TYPES
+from .validate import bounded_zstd, check_size, fail, validate_index
 
 try:  # index entries written as JSON in C (built by scripts/setup.sh); else in Python
     from . import _entryjson  # type: ignore[attr-defined]
@@ -86,9 +91,6 @@ def _get_name(d: dict[str, Any], key: str) -> str:
         # a JSON escape of a lone surrogate would alias a non-UTF-8 name's in-memory form
         raise FormatError(f"index entry name {name!r} is not valid Unicode") from None
     return name
-
-
-ENTRY_TYPES = ("reg", "dir", "sym", "hard", "chr", "blk", "fifo", "whiteout")
 
 
 @dataclass
@@ -256,8 +258,6 @@ class LayerIndex:
             return self._stored
         stored_entries = self._entries_json()
         has_sha = any(c.sha256 for c in self.chunks)
-        from .codec import CODEC_ZGROUP
-
         grouped = any(c.codec == CODEC_ZGROUP for c in self.chunks)
         doc = {
             "format": INDEX_VERSION if grouped else 1,
@@ -288,9 +288,6 @@ class LayerIndex:
         """Decode and validate a stored index (format/validate.py); every failure is a
         CorruptObjectError naming `what`, and memory stays within the configured bounds
         (and within ``json_bytes`` of decoded JSON, when given)."""
-        from ..core.config import store_limits
-        from .validate import bounded_zstd, check_size, fail, validate_index
-
         lim = store_limits()
         check_size(what, data, lim.index_bytes, "index_bytes")
         limit = lim.index_json_bytes if json_bytes is None else min(json_bytes,
@@ -328,6 +325,4 @@ class LayerIndex:
 
 def put_index(store: Any, index: LayerIndex) -> str:
     """Store an index under the sha256 of its stored bytes; return the digest."""
-    from ..core.digests import put_object
-
     return put_object(store, "indexes", index.to_bytes())

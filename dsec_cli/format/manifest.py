@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from ..core.digests import check_digest, object_key, verify_sha256
+from ..core.config import store_limits
+from ..core.digests import check_digest, object_key, put_object, verify_sha256
 from ..core.errors import FormatError, NotFoundError
 from . import canonical
+from .validate import check_size, fail, validate_manifest
 
 MANIFEST_VERSION = 1
 MEDIA_TYPE = "application/vnd.dsec.manifest.v1+json"
@@ -48,9 +50,6 @@ class Manifest:
     @classmethod
     def from_bytes(cls, data: bytes, what: str = "manifest") -> Manifest:
         """Decode and validate (format/validate.py): a CorruptObjectError names `what`."""
-        from ..core.config import store_limits
-        from .validate import check_size, fail, validate_manifest
-
         check_size(what, data, store_limits().manifest_bytes, "manifest_bytes")
         doc: dict[str, Any] = canonical.loads(data, what)
         if not isinstance(doc, dict) or doc.get("mediaType") != MEDIA_TYPE:
@@ -77,6 +76,4 @@ def load_manifest(store: Any, digest: str) -> Manifest:
 
 
 def put_manifest(store: Any, manifest: Manifest) -> str:
-    from ..core.digests import put_object
-
     return put_object(store, "manifests", manifest.to_bytes())

@@ -24,10 +24,12 @@ from pathlib import Path
 
 import zstandard
 
+from ..core.config import store_limits
 from . import canonical
 from .codec import CODEC_ZGROUP, Piece
+from .layout import HEADER
+from .validate import bounded_zstd, fail, validate_toc
 
-HEADER = b"DSECPK\x00\x01"
 FOOTER_MAGIC = b"DSECPKND"
 FOOTER = struct.Struct("<Q8s")
 #: table-of-contents versions this dsec reads: 2 adds chunk groups (codec 2)
@@ -128,9 +130,6 @@ class PackWriter:
 def read_toc(data: bytes, what: str = "pack") -> list[PackedChunk]:
     """The table of contents of a whole pack (used by repack, verify and recovery); every
     row is validated to lie inside the pack's body (format/validate.py)."""
-    from ..core.config import store_limits
-    from .validate import bounded_zstd, fail, validate_toc
-
     if not data.startswith(HEADER):
         fail(what, "not a dsec pack (bad header) or an unsupported pack version")
     if len(data) < len(HEADER) + FOOTER.size:

@@ -7,10 +7,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.config import store_limits
 from ..core.digests import check_digest, parse_ref, ref_key
 from ..core.errors import DsecError, NotFoundError, RefConflictError
 from ..core.reads import read_all
 from . import canonical
+from .validate import check_size, validate_ref_doc
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +30,6 @@ class Ref:
 
 
 def _decode(data: bytes, name: str, version: str) -> Ref:
-    from ..core.config import store_limits
-    from .validate import check_size, validate_ref_doc
-
     what = f"ref {name}@{version}"
     check_size(what, data, store_limits().ref_bytes, "ref_bytes")
     manifest, updated = validate_ref_doc(canonical.loads(data, what), what)

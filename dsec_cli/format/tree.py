@@ -29,24 +29,9 @@ from pathlib import Path
 from ..core.config import env
 from ..core.errors import FormatError
 from .index import Entry
+from .layout import OPAQUE_XATTR, OVERLAY_XATTR_PREFIX, check_rel_path
 
 log = logging.getLogger(__name__)
-
-OVERLAY_XATTR_PREFIX = "trusted.overlay."
-OPAQUE_XATTR = "trusted.overlay.opaque"
-
-
-def check_rel_path(path: str) -> str:
-    """A normalized relative path inside a tree, or FormatError."""
-    if path == ".":
-        return path
-    if not path or path.startswith("/") or "\x00" in path:
-        raise FormatError(f"invalid path in tree: {path!r}")
-    parts = path.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise FormatError(f"path escapes or is not normalized: {path!r}")
-    return path
-
 
 def parent_of(path: str) -> str:
     head = path.rpartition("/")[0]

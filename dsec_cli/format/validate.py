@@ -22,7 +22,8 @@ import zstandard
 from ..core.config import StoreLimits, store_limits
 from ..core.digests import parse_ref
 from ..core.errors import CorruptObjectError, FormatError, UsageError
-from .tree import OVERLAY_XATTR_PREFIX
+from .codec import CODEC_RAW, CODEC_ZGROUP, CODECS, GROUP_MAX
+from .layout import ENTRY_TYPES, HEADER, OVERLAY_XATTR_PREFIX, check_rel_path
 
 if TYPE_CHECKING:
     from .index import LayerIndex
@@ -234,8 +235,6 @@ def check_expansion(index: LayerIndex, what: str, size: int,
 # -- indexes ---------------------------------------------------------------------------------
 def validate_index(ix: LayerIndex, what: str, limits: StoreLimits | None = None) -> LayerIndex:
     """Every field and cross-reference of a decoded index (docs/format.md, "Validation")."""
-    from .codec import CODEC_RAW, CODEC_ZGROUP, CODECS, GROUP_MAX
-
     lim = limits or store_limits()
     packs, chunks, entries = ix.packs, ix.chunks, ix.entries
     for field, value, bound, setting in (
@@ -279,8 +278,6 @@ def validate_index(ix: LayerIndex, what: str, limits: StoreLimits | None = None)
         if c.sha256 is not None and (type(c.sha256) is not bytes or len(c.sha256) != 32):
             fail(what, f"chunks[{n}]: sha256 is not 32 bytes")
     _validate_entries(ix, what, max_chunk)
-    from .tree import check_rel_path
-
     for n, path in enumerate(ix.prefetch):
         if type(path) is not str:
             fail(what, f"prefetch[{n}] is not a path")
@@ -292,9 +289,6 @@ def validate_index(ix: LayerIndex, what: str, limits: StoreLimits | None = None)
 
 
 def _validate_entries(ix: LayerIndex, what: str, max_chunk: int) -> None:
-    from .index import ENTRY_TYPES
-    from .tree import check_rel_path
-
     chunks = ix.chunks
     nchunks = len(chunks)
     seen: set[str] = set()
@@ -438,9 +432,6 @@ def validate_toc(rows: Any, what: str, body_end: int, limits: StoreLimits | None
                  ) -> list[tuple[bytes, int, int, int, int]]:
     """The rows of a pack's table of contents: (id, offset, clen, ulen, codec), each chunk
     inside the pack's body (between the header and the trailer)."""
-    from .codec import CODECS
-    from .pack import HEADER
-
     lim = limits or store_limits()
     if not isinstance(rows, list):
         fail(what, "the table of contents is not a list")

@@ -24,10 +24,11 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..backends import _cgroups
+from ..backends import BACKENDS, _cgroups, backend_class
 from ..core.errors import DsecError, SandboxError, UsageError
 
 if TYPE_CHECKING:
+    from ..backends import Backend, SandboxHandle
     from .node import Node
     from .state import SandboxRecord
 
@@ -37,7 +38,6 @@ ACTIVE = "active"  # per-sandbox file whose mtime is the last exec's start or en
 RECLAIM = "reclaim.json"  # per-sandbox figures of the last reclaim
 KSM = Path("/sys/kernel/mm/ksm")
 PAGE = os.sysconf("SC_PAGE_SIZE")
-VM_BACKENDS = ("microvm", "vm")  # parked to a state file (backends/vm/vmpark.py)
 
 
 # -- activity ------------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def usage(node: Node, rec: SandboxRecord) -> dict[str, Any]:
         out.update(cg.memory_use())
         out["cpu_seconds"] = cg.cpu_seconds()
         pid = (rec.handle or {}).get("pid")
-        if rec.backend in VM_BACKENDS and pid and rec.status != "parked":
+        if pid and rec.status != "parked" and backend_class(rec.backend).is_vm:
             out["ksm_merged"] = _ksm_merged(pid)
     last = _read_reclaim(sdir)
     out["reclaimed"] = int(last.get("reclaimed", 0))
@@ -144,7 +144,7 @@ def park(node: Node, sid: str) -> dict[str, Any]:
     """Stop a running sandbox and push its memory out; `thaw` brings it back. A VM is saved
     to a state file and its QEMU ends (backends/vm/vmpark.py)."""
     rec, b, h = node.live(sid)
-    if rec.backend in VM_BACKENDS:
+    if b.park_mechanism == "state-file":
         return _park_vm(node, rec, b, h)
     cg = _cgroup(node, rec)
     if cg is None:
@@ -161,7 +161,7 @@ def park(node: Node, sid: str) -> dict[str, Any]:
         raise
 
 
-def _park_vm(node: Node, rec: SandboxRecord, b: Any, h: Any) -> dict[str, Any]:
+def _park_vm(node: Node, rec: SandboxRecord, b: Backend, h: SandboxHandle) -> dict[str, Any]:
     node.db.update(rec.id, status="parked")  # before the save: reconcile then knows to look
     try:
         figures = b.park(h)
@@ -183,7 +183,7 @@ def _park_vm(node: Node, rec: SandboxRecord, b: Any, h: Any) -> dict[str, Any]:
             "save_seconds": figures["save_seconds"], "resident": 0}
 
 
-def _thaw_vm(node: Node, rec: SandboxRecord, b: Any, h: Any) -> dict[str, Any]:
+def _thaw_vm(node: Node, rec: SandboxRecord, b: Backend, h: SandboxHandle) -> dict[str, Any]:
     def commit(state: dict[str, Any]) -> None:
         node.db.update(rec.id, handle=state)
 
@@ -201,7 +201,7 @@ def thaw(node: Node, sid: str) -> dict[str, Any]:
     if rec.status != "parked":
         raise UsageError(f"sandbox {rec.id} is not parked (it is {rec.status})")
     b, h = node.backend(rec.backend), node.handle_of(rec)
-    if rec.backend in VM_BACKENDS and b.is_alive(h):
+    if b.park_mechanism == "state-file" and b.is_alive(h):
         return _thaw_vm(node, rec, b, h)
     if not b.is_alive(h):
         node.db.update(rec.id, status="dead")
@@ -300,7 +300,7 @@ def prefetch(cg: _cgroups.Cgroup, settle: float = 30.0) -> int:
 def recover_parked(node: Node, rec: SandboxRecord) -> str | None:
     """After a crash mid-park or mid-thaw of a VM: no partial state file, no QEMU beside a
     complete one (vmpark.recover); what was done, or None."""
-    if rec.backend not in VM_BACKENDS or rec.status != "parked":
+    if rec.status != "parked" or backend_class(rec.backend).park_mechanism != "state-file":
         return None
     from ..backends.vm import vmpark
 
@@ -405,8 +405,9 @@ def park_mechanisms(swap_total: int | None = None) -> dict[str, str]:
              "memory reclaimed to swap") if swap_total else \
         "page cache dropped, anonymous memory stays (no swap)"
     frozen = f"frozen (cgroup freezer), {where}"
-    vm = "QEMU migration of the guest to a state file, QEMU ended (all its RAM freed)"
-    return {"container": frozen, "fncall": frozen, "microvm": vm, "vm": vm}
+    to_file = "QEMU migration of the guest to a state file, QEMU ended (all its RAM freed)"
+    how = {"freezer": frozen, "state-file": to_file}
+    return {name: how[backend_class(name).park_mechanism] for name in BACKENDS}
 
 
 def host_facts() -> dict[str, Any]:

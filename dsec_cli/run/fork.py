@@ -61,7 +61,7 @@ def fork(node: Node, sid: str, n: int) -> dict[str, Any]:
     backend = node.backend(rec.backend)
     opts = copy_options(rec)
     out: dict[str, Any] = {"sandbox": rec.id, "backend": rec.backend}
-    if rec.backend == "fncall":
+    if backend.fork_mode == "tmp":
         tmp = _TmpTree.read(node, rec.id) if rec.status == "running" else None
         if tmp is None:
             raise UsageError(f"sandbox {rec.id} is paused: resume it to fork it (an fncall "

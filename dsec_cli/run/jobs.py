@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..backends import _rootfs
+from ..backends import _rootfs, backend_class
 from ..backends.base import ExecResult
 from ..core import validate
 from ..core.errors import NotFoundError, SandboxError, UsageError
@@ -667,8 +667,8 @@ class NodeJobs:
 
     # -- the journal ---------------------------------------------------------------------------
     def _digest(self, r: sqlite3.Row) -> str | None:
-        """The rollout's writable-state digest, where the node sees its writes (container
-        sandboxes: the overlay upper dir); None elsewhere."""
+        """The rollout's writable-state digest, where the node sees its writes (a backend
+        whose overlay upper dir is on the host: `Backend.upper_on_host`); None elsewhere."""
         if not r["sandbox"]:
             return None
         try:
@@ -676,7 +676,7 @@ class NodeJobs:
         except NotFoundError:
             return None
         upper = self.node.sandboxes_dir / rec.id / "upper"
-        if rec.backend != "container" or not upper.is_dir():
+        if not backend_class(rec.backend).upper_on_host or not upper.is_dir():
             return None
         layers = [Path(p) for p in rec.layers]
         base = layers[:r["base_layers"]]

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from ..backends import SandboxHandle, _rootfs
+from ..backends import SandboxHandle, _rootfs, backend_class
 from ..backends.base import Limits
 from ..backends.vm.vmpark import check_moved_env
 from ..core import validate
@@ -54,7 +54,6 @@ from ..core.digests import check_digest
 from ..core.errors import SandboxError, UsageError
 from ..core.rundir import check_private, open_beneath, private_dir
 from . import pins
-from .density import VM_BACKENDS
 from .options import CreateOptions
 from .state import SandboxRecord
 
@@ -96,7 +95,7 @@ def export_parked(node: Node, sid: str) -> dict[str, Any]:
     from ..backends.vm import vmpark
 
     rec = node.lookup(sid)
-    if rec.backend not in VM_BACKENDS:
+    if backend_class(rec.backend).park_mechanism != "state-file":
         raise UsageError(f"{rec.backend} sandbox {rec.id} cannot move to another node: only "
                          "microvm and vm sandboxes are saved to a file when parked",
                          hint="`dsec node check --host` says how each backend parks here")
@@ -191,7 +190,7 @@ def _moved_options(r: dict[str, Any]) -> CreateOptions:
                          network=network,  # type: ignore[arg-type]
                          env=dict(env), workdir=workdir)
     opts.validate()
-    if opts.backend not in VM_BACKENDS:
+    if backend_class(opts.backend).park_mechanism != "state-file":
         raise UsageError(f"cannot import a {opts.backend!r} sandbox")
     return opts
 

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..backends import _rootfs
+from ..backends import _rootfs, backend_class
 from ..core.errors import ConfigError, DsecError, UsageError
 from . import images as _images
 from .options import CreateOptions
@@ -50,9 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-#: a member's memory when it has no memory limit: about what an idle one holds
-MEMBER_ESTIMATE = {"container": 16 << 20, "fncall": 8 << 20, "microvm": 512 << 20,
-                   "vm": 512 << 20}
 #: the create options that make a pool key (a TTL is set when a member is taken)
 KEY_FIELDS = ("backend", "cpus", "memory", "pids", "disk", "network", "env", "workdir",
               "cpu_class", "egress")
@@ -111,7 +108,8 @@ def pool_key(digest: str, opts: CreateOptions) -> str:
 
 
 def member_cost(opts: CreateOptions) -> int:
-    return opts.memory or MEMBER_ESTIMATE.get(opts.backend, 16 << 20)
+    """A member's memory: its limit, or what an idle one of its backend holds."""
+    return opts.memory or backend_class(opts.backend).member_estimate
 
 
 def learned_size(recent: list[float], t: float, s: PoolSettings) -> int:

@@ -1,18 +1,17 @@
 """Fixtures of the push tests: one moto S3 server and one docker-registry per session, on
-free loopback ports, and a fresh bucket, repository or directory per test."""
+free loopback ports, and a fresh bucket, repository or directory per test (`make_url`)."""
 
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from dsec_cli.push import testing
-from dsec_cli.push.stores import open_store
-from dsec_cli.push.stores.base import Store
+
+from ..conformance.stores import store_url
 
 
 @pytest.fixture(scope="session")
@@ -49,29 +48,8 @@ def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def make_url(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[str], str]:
-    """make_url("s3") -> a URL of a new, empty store of that kind, with its options in the
-    URL itself (endpoint, plain HTTP) so that subprocesses can use it as it is."""
-
-    def make(kind: str) -> str:
-        name = f"t{uuid.uuid4().hex[:12]}"
-        if kind == "file":
-            return (tmp_path / f"store-{name}").as_uri()
-        if kind == "s3":
-            endpoint = request.getfixturevalue("s3_server")
-            testing.create_bucket(endpoint, name)
-            return f"s3://{name}/pre?endpoint_url={endpoint}"
-        if kind == "oci":
-            host = request.getfixturevalue("registry")
-            return f"oci://{host}/dsec/{name}?insecure=1"
-        raise ValueError(kind)
-
-    return make
-
-
-@pytest.fixture(params=["file", "s3", "oci"])
-def any_store(request: pytest.FixtureRequest, make_url: Callable[[str], str]
-              ) -> Iterator[Store]:
-    store = open_store(make_url(request.param))
-    yield store
-    store.close()
+def make_url(request: pytest.FixtureRequest) -> Callable[[str], str]:
+    """make_url("s3") -> a URL of a new, empty store of that scheme, with its options in the
+    URL itself (endpoint, plain HTTP) so that subprocesses can use it as it is (made as the
+    store contract makes its stores: tests/conformance/stores.py)."""
+    return lambda scheme: store_url(request, scheme)

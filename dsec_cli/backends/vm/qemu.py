@@ -104,6 +104,9 @@ class QemuBackend(AgentBackend):
 
     supports_pause = True  # QMP stop / cont
     supports_snapshot = True  # upper/ read back from the guest's disk
+    is_vm = True
+    park_mechanism = "state-file"  # backends/vm/vmpark.py: QEMU migrates to a file
+    member_estimate = 512 << 20  # the guest's RAM as it boots and settles
     #: a restore starts QEMU without the kernel and initramfs: the guest read them at its boot
     #: (through fw_cfg; the saved RAM holds what it kept), and reading and loading them is
     #: most of QEMU's own start (~190 ms of CPU here)

@@ -1,4 +1,5 @@
-"""Store implementations, selected by URL scheme through a lazy registry.
+"""Store implementations, selected by URL scheme through a lazy registry (`core.schemes`:
+`register_scheme` adds one, accepted wherever a store URL is).
 
 `open_store` is the only way in, and what it returns always retries transient errors
 (`dsec_cli.push.retry.RetryingStore`): the lazy mount daemon, builds, image resolution and
@@ -12,22 +13,12 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ...core import schemes
 from ...core.errors import NotFoundError, UsageError
+from ...core.schemes import register_scheme
 from .base import ObjectInfo, Store
 
 __all__ = ["ObjectInfo", "Store", "open_store", "default_store_url", "register_scheme"]
-
-# scheme -> (module, class, pip extra that provides its dependency)
-_REGISTRY: dict[str, tuple[str, str, str | None]] = {
-    "file": ("dsec_cli.push.stores.file", "FileStore", None),
-    "s3": ("dsec_cli.push.stores.s3", "S3Store", "s3"),
-    "oci": ("dsec_cli.push.stores.oci", "OCIStore", "oci"),
-}
-
-
-def register_scheme(scheme: str, module: str, cls: str, extra: str | None = None) -> None:
-    _REGISTRY[scheme] = (module, cls, extra)
-
 
 def default_store_url() -> str:
     """The configured store URL, checked like one given on the command line; a bad one is a
@@ -84,10 +75,9 @@ def open_backend(url: str | None = None, **options: object) -> Store:
     if "://" not in url:
         url = Path(os.path.expanduser(url)).resolve().as_uri()
     scheme = urlparse(url).scheme
-    if scheme not in _REGISTRY:
-        known = ", ".join(f"{s}://" for s in sorted(_REGISTRY))
-        raise UsageError(f"unknown store URL scheme in {url!r}; known: {known}")
-    module, cls, extra = _REGISTRY[scheme]
+    if scheme not in schemes.SCHEMES:
+        raise UsageError(f"unknown store URL scheme in {url!r}; known: {schemes.known()}")
+    module, cls, extra = schemes.SCHEMES[scheme]
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
