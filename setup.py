@@ -13,6 +13,7 @@ tree: `pip install .` and `pip wheel .` leave the checkout as they found it.
 from __future__ import annotations
 
 import atexit
+import glob
 import hashlib
 import os
 import shutil
@@ -27,19 +28,14 @@ AGENT_SOURCE = f"{AGENT_DIR}/dsec-agent.c"
 AGENT_TAG_FILE = ".dsec-agent.tag"  # as sandbox_agent.TAG_FILE reads it
 
 
-def _extension(module: str) -> Extension:
-    source = module.replace(".", "/") + ".c"
+def _extension(source: str) -> Extension:
+    module = source.removesuffix(".c").replace("/", ".")
     return Extension(module, [source], optional=True, extra_compile_args=["-Wall"])
 
 
-EXTENSIONS = [_extension(m) for m in (
-    "dsec_cli.format._walk",
-    "dsec_cli.format._cdc",
-    "dsec_cli.format._entryjson",
-    "dsec_cli.build._tarhdr",
-    "dsec_cli.push._known",
-    "dsec_cli.run.lazy._fuseloop",
-)]
+#: every ``_name.c`` in the package is an extension module of that name (core/compiled.py
+#: lists them with what runs without each; tests/core/test_compiled.py checks both agree)
+EXTENSIONS = [_extension(p) for p in sorted(glob.glob("dsec_cli/**/_*.c", recursive=True))]
 
 
 class BuildCompiled(build_ext):
