@@ -30,7 +30,8 @@ AGENT_TAG_FILE = ".dsec-agent.tag"  # as sandbox_agent.TAG_FILE reads it
 
 def _extension(source: str) -> Extension:
     module = source.removesuffix(".c").replace("/", ".")
-    return Extension(module, [source], optional=True, extra_compile_args=["-Wall"])
+    return Extension(module, [source], optional=True,
+                     extra_compile_args=["-O2", "-Wall"])
 
 
 #: every ``_name.c`` in the package is an extension module of that name (core/compiled.py
