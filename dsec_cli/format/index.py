@@ -18,7 +18,7 @@ import zstandard
 from ..core.errors import FormatError
 from . import canonical
 
-try:  # index entries written as JSON in C (built by scripts/setup.sh); else in Python
+try:  # index entries written as JSON in C (built by setup.py); else in Python
     from . import _entryjson  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on set-up
     _entryjson = None
