@@ -229,7 +229,7 @@ def main(argv: list[str]) -> None:
     from dsec_cli.push import dedup
 
     if not dedup.use_compiled:
-        sys.exit("the compiled table is not built: run scripts/setup.sh first")
+        sys.exit("the compiled table is not built (dsec node check --host says why)")
     results = []
     for layers in (int(x) for x in args.layers.split(",")):
         root = Path(tempfile.mkdtemp(prefix="dsec-bench-known-", dir="/var/tmp"))

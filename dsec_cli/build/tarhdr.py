@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 try:
     from . import _tarhdr  # type: ignore[attr-defined]
-except ImportError:  # not built (scripts/setup.sh builds it): tarfile's parser reads all
+except ImportError:  # not built (setup.py builds it): tarfile's parser reads all
     _tarhdr = None
 
 #: read headers with the compiled decoder (tests turn it off to compare both)

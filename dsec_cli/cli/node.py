@@ -105,14 +105,16 @@ def check_(
     json_out: JsonOpt = False,
     timeout: TimeoutOpt = None,
     host: Annotated[bool, typer.Option(
-        "--host", help="report this host's density facilities instead: swap, KSM, cgroup "
-                       "v1/v2 controllers, and the fallback for each one missing")] = False,
+        "--host", help="report this host's facilities instead: swap, KSM, cgroup v1/v2 "
+                       "controllers, the compiled modules and agent, and the fallback for "
+                       "each one missing")] = False,
 ) -> None:
     """Reach nodes over SSH and ask their node services; exits 1 if any does not answer."""
     if host:
         from ..api.density import host_facts
+        from ..core.compiled import compiled_status
 
-        _host(host_facts(), json_out)
+        _host({**host_facts(), "compiled": compiled_status()}, json_out)
         return
     from ..api.cluster import load_nodes
 
@@ -139,8 +141,18 @@ def _host(facts: dict[str, Any], json_out: bool) -> None:
     eg = facts.get("egress") or {}
     typer.echo("egress:   " + ("allowlists ready (ip_forward not needed)" if eg.get("ready")
                                else "allowlists need " + ", ".join(eg.get("missing", []))))
+    _compiled(facts["compiled"])
     for note in facts["notes"]:
         typer.echo(f"note: {note}")
+
+
+def _compiled(parts: dict[str, Any]) -> None:
+    """One line per compiled part: live, or what runs instead and why."""
+    for m in [*parts["modules"], parts["agent"]]:
+        how = m["path"] if m["live"] else f"{m['state']} ({m['detail']})"
+        if not m["live"] and m.get("fallback"):
+            how += f": {m['fallback']}"
+        typer.echo(f"compiled: {m['name']:11s}{'live' if m['live'] else 'fallback'}  {how}")
 
 
 @node_app.command("setup")

@@ -1,7 +1,7 @@
 """Content-defined chunking with the compiled FastCDC chunker; boundaries reset at every
 file. Only writers import this module (readers need `codec`, not the chunker).
 
-Where `_cdc` is built (scripts/setup.sh), the cut points come from it: the same cut with
+Where `_cdc` is built (setup.py), the cut points come from it: the same cut with
 fastcdc's gear table, a window of the buffer per call and without the GIL, so compression
 threads run while a large file is cut. Without it, fastcdc's own generator cuts."""
 
@@ -20,7 +20,7 @@ from .index import ChunkParams
 
 try:
     from . import _cdc  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - built by scripts/setup.sh
+except ImportError:  # pragma: no cover - built by setup.py
     _cdc = None
 
 

@@ -23,7 +23,7 @@ from .codec import CODEC_ZGROUP
 from .layout import ENTRY_TYPES
 from .validate import bounded_zstd, check_size, fail, validate_index
 
-try:  # index entries written as JSON in C (built by scripts/setup.sh); else in Python
+try:  # index entries written as JSON in C (built by setup.py); else in Python
     from . import _entryjson  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on set-up
     _entryjson = None

@@ -210,7 +210,7 @@ class ScanReport:
 Record = tuple[str, int, int, int, int, int, int, int, int, int, int, int, "str | None",
                "list[tuple[str, bytes]] | None"]
 
-try:  # built by scripts/setup.sh; without it the pure-Python walk below gives the same records
+try:  # built by setup.py; without it the pure-Python walk below gives the same records
     from . import _walk as _cwalk  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on the build
     _cwalk = None

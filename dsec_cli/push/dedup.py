@@ -59,7 +59,7 @@ INDEX_JSON_FLOOR = 16 << 20
 
 try:
     from . import _known  # type: ignore[attr-defined]
-except ImportError:  # not built (scripts/setup.sh builds it): a dict of tuples holds them
+except ImportError:  # not built (setup.py builds it): a dict of tuples holds them
     _known = None
 
 #: hold the chunks in the compiled table (tests turn it off to compare both)

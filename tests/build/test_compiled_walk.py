@@ -1,7 +1,7 @@
 """The compiled walker and batched reader (format/_walk.c) give exactly what their pure-Python
 twins give: the same records, the same scans and byte-identical layers (index, packs, content
 digest). The extension is compiled here from its source, so the source in the tree is what is
-tested whether or not scripts/setup.sh has built it."""
+tested whether or not the package build has built it."""
 
 from __future__ import annotations
 

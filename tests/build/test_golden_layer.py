@@ -50,7 +50,7 @@ def _golden_tree(root: Path) -> Path:
 def test_the_same_tree_builds_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              compiled: bool) -> None:
     if compiled and tree._cwalk is None:
-        pytest.fail("the compiled walker is not built (scripts/setup.sh)")
+        pytest.fail("the compiled walker is not built (setup.py; dsec node check --host says why)")
     monkeypatch.setattr(tree, "use_compiled", compiled)
     # small read batches and packs: the pipeline runs many batches and seals several packs
     monkeypatch.setattr(layer, "READ_BATCH_FILES", 17)

@@ -1,4 +1,4 @@
-"""The compiled FUSE loop (_fuseloop.c, built here from its source as scripts/setup.sh
+"""The compiled FUSE loop (_fuseloop.c, built here from its source as the package build
 builds it, warnings as errors) on its own: requests written into a SOCK_SEQPACKET socket
 pair (one request per read, as /dev/fuse gives them), replies read back from the peer. What
 its tables know is answered there; the rest comes back as the request's bytes; every length

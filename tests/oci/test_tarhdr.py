@@ -2,7 +2,7 @@
 own parser does: the same attributes, offsets, pax headers and sparse maps, the same errors
 for damaged headers, and byte-identical imported layers, hostile entries included. The
 extension is compiled here from its source, so the source in the tree is what is tested
-whether or not scripts/setup.sh has built it."""
+whether or not the package build has built it."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 id kept, damaged tables refused with nothing added, ids made to collide still told apart,
 and a store's tables loaded the same way through either. The extension is compiled here
 from its source, so the source in the tree is what is tested whether or not
-scripts/setup.sh has built it."""
+the package build has built it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """The in-sandbox exec server (`dsec-agent`, static C) and its Python client.
 
-The agent is compiled by scripts/setup.sh next to its source; `agent_binary()` finds it and,
-on a machine with gcc where setup has not run yet, builds it once into the data directory.
+The package build (setup.py) compiles the agent next to its source, tagged with the digest of
+the source it was built from, and a wheel ships it; `agent_binary()` finds it and, where no
+binary was built (no static libc on the build machine), compiles one once into the data
+directory (``data_dir``: DSEC_DATA_DIR or the config's).
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
+from ...core.config import load_config
 from ...core.errors import BackendError
 
 SOURCE = Path(__file__).with_name("dsec-agent.c")
+#: the file beside a built agent holding the tag of the source it was built from (setup.py)
+TAG_FILE = ".dsec-agent.tag"
 
 
 def _source_tag() -> str:
@@ -29,27 +35,53 @@ def agent_tag() -> str:
     return _source_tag()
 
 
+def _built(tag: str) -> Path | None:
+    """The agent the package build made from this source, if any."""
+    beside = SOURCE.with_name("dsec-agent")
+    stamp = SOURCE.with_name(TAG_FILE)
+    if beside.is_file() and stamp.is_file() and stamp.read_text().strip() == tag:
+        return beside
+    return None
+
+
+def _compiled_path(tag: str) -> Path:
+    """Where this source's agent is compiled at run time: the data directory."""
+    return Path(load_config().data_dir) / "agent" / f"dsec-agent-{tag}"
+
+
 @cache
 def agent_binary() -> Path:
     """Path of a static dsec-agent built from the current source."""
     tag = _source_tag()
-    beside = SOURCE.with_name("dsec-agent")
-    stamp = SOURCE.with_name(".dsec-agent.tag")
-    if beside.is_file() and stamp.is_file() and stamp.read_text().strip() == tag:
-        return beside
-    from ...core.config import data_home
+    built = _built(tag) or _compiled_path(tag)
+    return built if built.is_file() else _compile(built)
 
-    built = data_home() / "agent" / f"dsec-agent-{tag}"
-    if built.is_file():
-        return built
-    return _compile(built)
+
+def agent_status() -> dict[str, Any]:
+    """Where the agent binary comes from here (`core.compiled` reports it): ``state`` is
+    built (by the package build), compiled (at run time, into the data directory), or not
+    built (compiled on first use where gcc is installed, else missing)."""
+    tag = _source_tag()
+    row: dict[str, Any] = {"name": "dsec-agent", "source": "backends/sandbox_agent/dsec-agent.c",
+                           "tag": tag}
+    built = _built(tag)
+    if built is not None:
+        return {**row, "state": "built", "live": True, "path": str(built), "detail": ""}
+    dest = _compiled_path(tag)
+    if dest.is_file():
+        return {**row, "state": "compiled", "live": True, "path": str(dest),
+                "detail": "compiled at run time into the data directory"}
+    how = ("compiled into the data directory on first use" if shutil.which("gcc")
+           else "gcc is not installed: sandboxes cannot start")
+    return {**row, "state": "not built", "live": False, "path": str(dest), "detail": how}
 
 
 def _compile(dest: Path) -> Path:
     gcc = shutil.which("gcc")
     if gcc is None:
         raise BackendError("the dsec-agent binary is missing and gcc is not installed",
-                           hint="run scripts/setup.sh")
+                           hint="install gcc and libc6-dev, or dsec from a wheel that ships "
+                                "the agent")
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".agent-")
     os.close(fd)

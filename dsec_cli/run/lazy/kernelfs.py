@@ -15,7 +15,7 @@ the structures below are those of ``include/uapi/linux/fuse.h`` (protocol 7.40+)
 
 The hot requests of a walk — every file's OPEN and RELEASE, a small file's READs, a
 directory's OPENDIR, READDIRPLUS and LOOKUPs, GETATTR, FORGET — are answered by a compiled
-loop (``_fuseloop.c``, built by scripts/setup.sh) from per-inode tables this module fills as
+loop (``_fuseloop.c``, built by setup.py) from per-inode tables this module fills as
 it learns the answers: open flags and backing ids, the verified bytes of small files whose
 chunks are in memory (handed over chunk by chunk as they arrive), directory listings and
 their children's entries (handed over a level ahead of the walk), attributes. The loop reads
@@ -47,7 +47,7 @@ from ...core.config import env
 from .cache import ChunkCache
 from .fs import LazyFS, Node, served_xattr, served_xattr_names
 
-try:  # built by scripts/setup.sh; without it the Python loop below answers every request
+try:  # built by setup.py; without it the Python loop below answers every request
     from . import _fuseloop  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on the build
     _fuseloop = None
