@@ -14,6 +14,7 @@ use compose's names for them (``image``, ``mem_limit``, ``cpus``, ``network_mode
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
@@ -37,7 +38,6 @@ from pydantic import BaseModel, Field
 
 from .. import AsyncSandbox, DsecError, UsageError
 from ..api.aio_jobs import AsyncJob, AsyncRollout
-from ..run.aio import blocking
 from . import rollout_sandbox
 
 __all__ = ["DsecSandboxEnvironment", "DsecSandboxConfig", "DsecServiceConfig", "load_config"]
@@ -199,7 +199,7 @@ class DsecSandboxEnvironment(SandboxEnvironment):
         if id is not None:
             await (await AsyncSandbox.attach(id)).remove()
             return
-        for name in await blocking(_inspect_jobs):
+        for name in await asyncio.to_thread(_inspect_jobs):
             await (await AsyncJob.attach(name, heartbeat=False)).remove()
 
     @classmethod
