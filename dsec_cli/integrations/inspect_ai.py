@@ -38,6 +38,7 @@ from pydantic import BaseModel, Field
 
 from .. import AsyncSandbox, DsecError, UsageError
 from ..api.aio_jobs import AsyncJob, AsyncRollout
+from ..api.jobs import list_jobs
 from . import rollout_sandbox
 
 __all__ = ["DsecSandboxEnvironment", "DsecSandboxConfig", "DsecServiceConfig", "load_config"]
@@ -237,7 +238,7 @@ class DsecSandboxEnvironment(SandboxEnvironment):
                 await _run(sb, ["mkdir", "-p", workdir], user="0")
                 await _run(sb, ["chown", svc.user, workdir], user="0")
         except BaseException:
-            await (rollout.release() if rollout is not None else sb.remove())
+            await _end(sb, rollout)
             raise
         return cls(sb, workdir, rollout)
 
@@ -252,10 +253,7 @@ class DsecSandboxEnvironment(SandboxEnvironment):
         for env in environments.values():
             if isinstance(env, DsecSandboxEnvironment):
                 try:
-                    if env.rollout is not None:
-                        await env.rollout.release()
-                    else:
-                        await env.sandbox.remove()
+                    await _end(env.sandbox, env.rollout)
                 except DsecError as e:
                     log.warning("could not remove sandbox %s: %s", env.sandbox.id, e)
 
@@ -329,8 +327,6 @@ def _os_error(e: DsecError, file: str) -> Exception:
 
 def _inspect_jobs() -> list[str]:
     """The names of this node's jobs that inspect tasks started."""
-    from ..api.jobs import list_jobs
-
     return [j["name"] for j in list_jobs() if str(j["name"]).startswith("inspect-")]
 
 
@@ -351,3 +347,8 @@ async def _run(sb: AsyncSandbox, argv: list[str], *, user: str | None = None,
         kw["user"] = user
     data = stdin.encode() if isinstance(stdin, str) else stdin
     return await sb.node.exec(sb.id, argv, stdin=data, **kw)
+
+
+async def _end(sb: AsyncSandbox, rollout: AsyncRollout | None) -> None:
+    """A sample's sandbox gone: released from the config's job, or removed."""
+    await (rollout.release() if rollout is not None else sb.remove())
