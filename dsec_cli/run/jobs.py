@@ -435,7 +435,7 @@ class NodeJobs:
     def _remove_snapshots(self, name: str, images: list[str]) -> None:
         """Snapshot refs (image and layer) of a removed job; store gc frees their packs."""
         from ..format.refs import delete_ref
-        from ..push.retry import open_retrying
+        from ..push.stores.retrying import open_retrying
 
         refs = [r for img in images for r in (img, img.replace("@", "-layer@", 1))]
         if not refs:
