@@ -24,20 +24,24 @@ AGENT_RETRY = 10.0
 RESTORED_RETRY = 1.0
 
 
-def open_agent(handle: SandboxHandle, timeout: float, running: Callable[[], bool],
-               retry: float = AGENT_RETRY,
-               first: Callable[[AgentClient], None] | None = None) -> AgentClient:
+#: a guest's first request on a new connection, instead of a ping
+First = Callable[[AgentClient], None]
+
+
+def open_agent(timeout: float, ping: Callable[[float, First | None], AgentClient | None],
+               running: Callable[[], bool], retry: float = AGENT_RETRY,
+               first: First | None = None) -> AgentClient:
     """A client whose agent answered a ping within `timeout` (QEMU accepts one
     connection on the port's socket at a time: a second process waits its turn, and a
     guest still booting has not opened the port yet). A connection that gets no answer
     is dropped and made again every few seconds: one left behind by a killed process can
     stay unanswered while a new one is served. A shorter first ``retry`` doubles up to
     the usual one, so a slow guest is still given time to answer. Fails early if QEMU
-    exits (``running`` turns false). ``first``, when given, is the first request instead
-    of a ping."""
+    exits (``running`` turns false). ``ping`` makes one connection and waits for its answer
+    (`ping_within`); ``first``, when given, is the first request instead of a ping."""
     deadline = time.monotonic() + timeout
     while True:
-        client = ping_within(handle, min(retry, deadline - time.monotonic()), running, first)
+        client = ping(min(retry, deadline - time.monotonic()), first)
         if client is not None:
             return client
         retry = min(retry * 2, AGENT_RETRY)
@@ -49,7 +53,7 @@ def open_agent(handle: SandboxHandle, timeout: float, running: Callable[[], bool
 
 
 def ping_within(handle: SandboxHandle, wait: float, running: Callable[[], bool],
-                first: Callable[[AgentClient], None] | None = None) -> AgentClient | None:
+                first: First | None = None) -> AgentClient | None:
     """One connection and one ping (or ``first``): the client if the agent answered
     within `wait`."""
     deadline = time.monotonic() + max(wait, 0.1)
@@ -97,7 +101,7 @@ def ping_within(handle: SandboxHandle, wait: float, running: Callable[[], bool],
     return client
 
 
-def identity_request(handle: SandboxHandle, hostname: str) -> Callable[[AgentClient], None]:
+def identity_request(handle: SandboxHandle, hostname: str) -> First:
     """The restored guest's first agent request: the agent itself gives the guest its
     hostname, a CRNG reseeded from host randomness and a fresh machine id (what it must
     not share with its template or its siblings); its answer is also the agent's first.
