@@ -143,10 +143,6 @@ KNOWN_CYCLES: dict[frozenset[str], str] = {
     frozenset({"dsec_cli.core.config", "dsec_cli.core.validate"}):
         "config takes MAX_SECONDS from validate, whose size and duration checks parse with "
         "config's parse_size and parse_duration",
-    frozenset({"dsec_cli.push.retry", "dsec_cli.push.stores"}):
-        "open_store returns a RetryingStore, which opens the bare store through open_backend",
-    frozenset({"dsec_cli.backends.vm.qemu", "dsec_cli.backends.vm.vmpark"}):
-        "QemuBackend parks and thaws through vmpark, which uses qemu's process helpers",
     frozenset({"dsec_cli.build.builder", "dsec_cli.build.dockerfile_build"}):
         "dockerfile_build returns the builder's BuildReport, and the builder dispatches "
         "Dockerfile specs to it",
