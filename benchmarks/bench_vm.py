@@ -21,8 +21,9 @@ from typing import Any
 
 from benchmarks.common import REPO, save
 from dsec_cli.backends import ExecRequest, Limits, RootfsSpec, SandboxSpec, get_backend
-from dsec_cli.backends.vm.qemu import QemuBackend, _host_tsc_khz
+from dsec_cli.backends.vm.qemu import QemuBackend
 from dsec_cli.backends.vm.qemu_accel import floor_argv
+from dsec_cli.backends.vm.qemuargv import host_tsc_khz
 from dsec_cli.backends.vm.vmkernel import boot_image, build_initramfs, find_kernel
 
 MACHINES = {"microvm": "microvm,x-option-roms=off", "vm": "q35"}
@@ -43,7 +44,7 @@ def floor_cmd(backend: QemuBackend, name: str, work: Path) -> list[str]:
     kernel = find_kernel()
     accel = backend.acceleration(kernel)["accel"]
     initramfs = build_initramfs(kernel, work / "initramfs", init="poweroff.sh")
-    khz = _host_tsc_khz()
+    khz = host_tsc_khz()
     append = f"tsc_early_khz={khz} tsc=reliable" if accel == "tcg" and khz else ""
     image = boot_image(kernel, work / "kernel")  # the same image the backends boot
     return floor_argv(backend._qemu_binary(), image, initramfs, accel, MACHINES[name], append)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 #: modules only some commands need: the ones a command that does not use them must not load
 HEAVY = ("boto3", "botocore", "oras", "rich", "typer", "pydantic", "yaml", "fastcdc",
-         "dsec_cli.push.stores.s3", "dsec_cli.push.stores.oci", "dsec_cli.api.sandboxes",
+         "dsec_cli.push.stores.s3", "dsec_cli.oci.store", "dsec_cli.api.sandboxes",
          "dsec_cli.run.node", "dsec_cli.build", "dsec_cli.backends", "tarfile")
 
 
@@ -45,7 +45,7 @@ def test_a_store_command_loads_no_sandbox_or_remote_store_code(tmp_path: Path,
     loaded, out = _loaded_after(["ls", "--json"], env)
     assert json.loads(out) == []
     assert not loaded & {"boto3", "botocore", "oras", "dsec_cli.push.stores.s3",
-                         "dsec_cli.push.stores.oci", "dsec_cli.api.sandboxes",
+                         "dsec_cli.oci.store", "dsec_cli.api.sandboxes",
                          "dsec_cli.run.node", "rich"}, loaded
 
 
@@ -103,7 +103,7 @@ def test_a_push_between_file_stores_loads_no_remote_store_library(tmp_path: Path
                                 dict(os.environ))
     assert json.loads(out)["objects_sent"] > 0
     assert not loaded & {"boto3", "botocore", "oras", "dsec_cli.push.stores.s3",
-                         "dsec_cli.push.stores.oci", "dsec_cli.api.sandboxes",
+                         "dsec_cli.oci.store", "dsec_cli.api.sandboxes",
                          "dsec_cli.run.node", "rich"}, loaded
 
 

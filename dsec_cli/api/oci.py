@@ -9,8 +9,8 @@ from pathlib import Path
 from ..build.ociimport import ImportedLayer, ImportProgress, ImportReport, ImportRun
 from ..build.ociimport import import_image as _import
 from ..build.ociimport import import_images as _import_all
-from ..push.ociexport import ExportReport
-from ..push.ociexport import export_oci as _export
+from ..oci.export import ExportReport
+from ..oci.export import export_oci as _export
 from ..push.stores import Store, open_store
 
 __all__ = ["ExportReport", "ImportProgress", "ImportReport", "ImportRun", "ImportedLayer",

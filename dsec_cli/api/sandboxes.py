@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..backends.base import ExecResult, OutputCallback
 from ..core import validate
 from ..core.errors import NotFoundError, UsageError
-from ..run import runconfig
+from ..oci import runconfig
 from ..run.contract import NodeAPI
 from ..run.node import CreateOptions, Node, local_node
 from ..run.options import CPU_CLASS_CHOICES as CPU_CLASSES  # cpu_class= values

@@ -10,8 +10,8 @@ from __future__ import annotations
 from ..core import validate
 from ..push.api import pull, push, store_options
 from ..push.gc import GcReport, gc_store
-from ..push.retry import open_retrying
 from ..push.stores import check_exists
+from ..push.stores.retrying import open_retrying
 from ..push.transfer import TransferReport
 from ..push.verify import VerifyReport, verify_store
 

@@ -8,7 +8,7 @@ its parent's key, the instruction as expanded and the bytes it copies; the store
 ``dockerfile-step@<key>`` names the layer built for it, so the same parent, instruction
 and inputs are never built twice by anyone sharing the store, and the layer writer
 deduplicates new layers' chunks against everything the store holds. The image config
-(env, workdir, user, entrypoint, cmd, labels) goes through `ociimport.image_settings`,
+(env, workdir, user, entrypoint, cmd, labels) goes through `oci.manifests.image_settings`,
 the mapping `dsec import` uses, so `dsec run` starts the result as it starts an imported
 image.
 """
@@ -687,9 +687,9 @@ def build_dockerfile(path: Path, store: Store, opts: DockerfileOptions, *,
     """Build ``path`` into ``store`` as the image ``opts.as_ref``. Every instruction is
     checked before anything is built; a failing RUN leaves the layers of the instructions
     before it (cached for the next build) and no image ref."""
+    from ..oci.manifests import image_settings
     from .dockerfile import load_dockerfile
     from .image import write_image
-    from .ociimport import image_settings
 
     name, version = parse_ref(opts.as_ref)
     d = load_dockerfile(path)

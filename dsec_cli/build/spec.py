@@ -404,7 +404,8 @@ def load_spec(path: Path) -> Spec:
         for ref, n in d.strings(keys[dep_key][1], dep_key):
             try:
                 if ref.startswith(OCI_PREFIX):  # an OCI image, imported on demand
-                    from ..push.ocisource import parse_image_ref
+                    # the OCI sources are loaded for `oci:` references only
+                    from ..oci.sources import parse_image_ref
 
                     parse_image_ref(ref[len(OCI_PREFIX):])
                 else:

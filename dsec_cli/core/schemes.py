@@ -16,7 +16,7 @@ from .errors import UsageError
 SCHEMES: dict[str, tuple[str, str, str | None]] = {
     "file": ("dsec_cli.push.stores.file", "FileStore", None),
     "s3": ("dsec_cli.push.stores.s3", "S3Store", "s3"),
-    "oci": ("dsec_cli.push.stores.oci", "OCIStore", "oci"),
+    "oci": ("dsec_cli.oci.store", "OCIStore", "oci"),
 }
 
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]{0,31}\Z")  # RFC 3986, lower case

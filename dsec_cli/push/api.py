@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from ..core import validate
 from ..core.errors import UsageError
 from ..format.refs import delete_ref, get_ref
-from .retry import open_retrying
 from .stores import check_exists
+from .stores.retrying import open_retrying
 from .transfer import DEFAULT_JOBS, ProgressFn, TransferReport, copy_refs
 
 

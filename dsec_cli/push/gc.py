@@ -31,8 +31,8 @@ from ..core.errors import DsecError, NotFoundError
 from ..format.closure import closure
 from ..format.refs import get_ref
 from .lease import GcMarker, _ttl, read_leases
-from .retry import RetryingStore
 from .stores.base import ObjectInfo, Store
+from .stores.retrying import RetryingStore
 
 log = logging.getLogger(__name__)
 PENDING = "gc/pending"

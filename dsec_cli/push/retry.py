@@ -1,4 +1,5 @@
-"""Retries of transient store failures, written once for every store.
+"""Retries of transient store failures, written once for every store: the policy and the
+loop (`call`); `dsec_cli.push.stores.retrying.RetryingStore` applies them to every store.
 
 Only `TransientStoreError` (connection refused or reset, timeouts, 429, 5xx) is retried, a
 bounded number of times with exponential backoff and jitter; every other error (a missing
@@ -16,14 +17,12 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
+from ..core.config import env, net_timeouts
 from ..core.errors import StoreTimeoutError, StoreUnavailableError, TransientStoreError
-from .stores.base import ObjectInfo, Store
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,8 +39,6 @@ class RetryPolicy:
     def from_env(cls) -> RetryPolicy:
         """`DSEC_STORE_RETRIES` overrides the number of attempts (>= 1); the timeout budget
         is the configured connect + read timeout."""
-        from ..core.config import env, net_timeouts
-
         budget = net_timeouts().total
         raw = env("DSEC_STORE_RETRIES")
         if raw and raw.isdigit() and int(raw) >= 1:
@@ -77,74 +74,3 @@ def call(fn: Callable[[], T], what: str, policy: RetryPolicy | None = None) -> T
             log.info("%s: %s; retrying in %.2fs", what, e.message, pause)
             time.sleep(pause)
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-class RetryingStore(Store):
-    """Wraps a store so that each primitive is retried under a `RetryPolicy`.
-
-    The wrapped store is private: callers get the `Store` interface and nothing else, so no
-    code path can reach around the retries (store-specific extras are not forwarded)."""
-
-    policy: RetryPolicy
-    _inner: Store
-
-    def __init__(self, inner: Store, policy: RetryPolicy | None = None) -> None:
-        if isinstance(inner, RetryingStore):  # one layer of retries, never retries of retries
-            policy = policy or inner.policy
-            inner = inner._inner
-        super().__init__(inner.url)
-        self._inner = inner
-        self.policy = policy or RetryPolicy.from_env()
-        self.preferred_read_size = inner.preferred_read_size  # type: ignore[misc]
-        self.local = inner.local  # type: ignore[misc]
-
-    @classmethod
-    def from_url(cls, url: str, **options: object) -> RetryingStore:
-        return open_retrying(url, **options)
-
-    def _call(self, fn: Callable[[], T], what: str) -> T:
-        return call(fn, f"{what} ({self.url})", self.policy)
-
-    def _get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
-        return self._call(lambda: self._inner.get(key, start, length), f"reading {key}")
-
-    def _put(self, key: str, data: bytes) -> None:
-        self._call(lambda: self._inner.put(key, data), f"writing {key}")
-
-    def put_file(self, key: str, path: Path) -> None:
-        self._call(lambda: self._inner.put_file(key, path), f"writing {key}")
-
-    def _stat(self, key: str) -> ObjectInfo | None:
-        return self._call(lambda: self._inner.stat(key), f"checking {key}")
-
-    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
-        # listings are materialised so that a retry restarts them from the beginning
-        return iter(self._call(lambda: list(self._inner.list(prefix)), f"listing {prefix!r}"))
-
-    def _delete(self, key: str) -> None:
-        self._call(lambda: self._inner.delete(key), f"deleting {key}")
-
-    def staging_dir(self) -> Path:
-        return self._inner.staging_dir()
-
-    def missing(self) -> str:
-        return self._inner.missing()
-
-    @contextmanager
-    def write_batch(self) -> Iterator[None]:
-        with self._inner.write_batch():
-            yield
-
-    def close(self) -> None:
-        self._inner.close()
-
-
-def open_retrying(url: str | None = None, **options: object) -> RetryingStore:
-    """Open a store with retries, including the connection check some stores make on open.
-    `dsec_cli.push.stores.open_store` is this function."""
-    from .stores import open_backend
-
-    policy = RetryPolicy.from_env()  # resolved once: it reads the config files
-    store = call(lambda: open_backend(url, **options), f"opening {url or 'the default store'}",
-                 policy)
-    return RetryingStore(store, policy)

@@ -23,8 +23,8 @@ from ..core.errors import StoreError
 from ..format.closure import closure
 from ..format.refs import check_ref, commit_ref, get_ref
 from .lease import WriterLease
-from .retry import RetryingStore
 from .stores.base import Store
+from .stores.retrying import RetryingStore
 
 log = logging.getLogger(__name__)
 DEFAULT_JOBS = 8

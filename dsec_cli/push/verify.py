@@ -248,8 +248,8 @@ def verify_store(refs: Sequence[str] = (), *, store: str | None = None, deep: bo
                  endpoint_url: str | None = None, insecure: bool = False) -> VerifyReport:
     """Check a store by URL (default: the configured one); what `dsec verify` calls."""
     from .api import store_options
-    from .retry import open_retrying
     from .stores import check_exists
+    from .stores.retrying import open_retrying
 
     with open_retrying(store, **store_options(endpoint_url, insecure)) as s:
         check_exists(s)

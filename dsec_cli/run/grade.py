@@ -6,7 +6,7 @@ hidden tests), takes only the agent's changes on the task's patch surface, and r
 grader's command with its own limits, its own environment and no network. The result (one
 outcome per test, the reward, the log, the tamper audit of protected paths) is returned and
 appended to the node's grading journal; a job's sandbox has it journaled with its rollout's
-trajectory too (run/jobs.py). The fork is removed whatever happens; a grading
+trajectory too (run/jobs/). The fork is removed whatever happens; a grading
 process killed midway leaves a marker that `reconcile_grading` (run before every grade)
 acts on, and the fork's TTL bounds it in any case.
 """

@@ -41,7 +41,8 @@ from ..backends import (
 )
 from ..backends.agented import AgentBackend
 from ..core.errors import NotFoundError, SandboxError, UsageError
-from . import density, images, pins, reconcile, runconfig
+from ..oci import runconfig
+from . import density, images, pins, reconcile
 from .images import Image
 from .options import BACKEND_CHOICES, CreateOptions
 from .state import NodeDB, SandboxRecord, now

@@ -1,6 +1,6 @@
 """Crash recovery and node gc: `reconcile` makes the node database and the system agree
 (finishing half-done creates, marking dead sandboxes, removing mounts, dirs, cgroups and runc
-state nobody owns); `gc` applies job leases (run/jobs.py), removes expired and dead sandboxes
+state nobody owns); `gc` applies job leases (run/jobs/), removes expired and dead sandboxes
 and evicts cached layers past the budget, least recently used first."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def gc(node: Node, budget: int | None = None, dry_run: bool = False) -> dict[str
     # staging dirs (and overlay mounts) of builds killed during a `run` step
     report["stale_builds"] = clean_stale_staging(Path(load_config().data_dir) / "tmp",
                                                  dry_run=dry_run)
-    if (node.root / "jobs.db").exists():  # job leases: park, reclaim (run/jobs.py)
+    if (node.root / "jobs.db").exists():  # job leases: park, reclaim (run/jobs/)
         from .jobs import node_jobs
 
         report["jobs"] = node_jobs(node).sweep(dry_run)

@@ -73,7 +73,7 @@ def _parse_ref(ref: str, parse_ref: Any) -> tuple[str, str]:
 
 def _check_push(refs: list[str], url: str, replace: bool) -> None:
     from ..format.refs import check_ref
-    from ..push.retry import open_retrying
+    from ..push.stores.retrying import open_retrying
 
     with open_retrying(url) as dst:
         for r in refs:
@@ -82,7 +82,7 @@ def _check_push(refs: list[str], url: str, replace: bool) -> None:
 
 def _push(store: Any, refs: list[str], url: str, replace: bool) -> Any:
     """Copy a snapshot's refs to another store (what `dsec snapshot --push URL` does)."""
-    from ..push.retry import open_retrying
+    from ..push.stores.retrying import open_retrying
     from ..push.transfer import copy_refs
 
     with open_retrying(url) as dst:

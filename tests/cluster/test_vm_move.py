@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec_cli.backends.vm.qemu import _find_qemu
+from dsec_cli.backends.vm.qemuproc import find_qemu
 from dsec_cli.core.errors import UsageError
 from dsec_cli.run.node import CreateOptions
 
@@ -55,7 +55,7 @@ def test_parked_vm_thaws_on_another_node(client: SshCluster) -> None:
         # nothing of it on node1: no row, no files, no QEMU of node1's
         assert [s.id for s in n1.sandboxes()] == []
         assert not (state1 / "sandboxes" / local).exists()
-        pid = _find_qemu(local)
+        pid = find_qemu(local)
         assert pid is not None
         assert str(state2) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         assert not (state2 / "sandboxes" / local / "park.state").exists()
@@ -80,5 +80,5 @@ def test_parked_vm_thaws_on_another_node(client: SshCluster) -> None:
                 n.remove(sid)
             except Exception:
                 pass
-    assert _find_qemu(local) is None
+    assert find_qemu(local) is None
     assert not (state2 / "sandboxes" / local).exists()

@@ -23,9 +23,9 @@ from dsec_cli.core.errors import NotFoundError, UsageError
 from dsec_cli.core.schemes import SCHEMES
 from dsec_cli.format.refs import get_ref, list_refs, set_ref
 from dsec_cli.push import testing
-from dsec_cli.push.retry import RetryingStore
 from dsec_cli.push.stores import open_store
 from dsec_cli.push.stores.base import Store
+from dsec_cli.push.stores.retrying import RetryingStore
 
 from ..push.helpers import put_object, raw_layer
 

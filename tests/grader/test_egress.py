@@ -402,7 +402,7 @@ def test_vm_create_killed_midway_leaves_no_link_namespace_or_qemu(node: Any) -> 
     """kill -9 of a process creating a microvm with an allowlist, once its QEMU runs in the
     sandbox's namespace: the node's reconcile removes QEMU, the namespace, the link and the
     chains."""
-    from dsec_cli.backends.vm.qemu import _find_qemu
+    from dsec_cli.backends.vm.qemuproc import find_qemu
 
     code = ("import sys; from dsec_cli.api.sandboxes import Sandbox\n"
             "Sandbox(sys.argv[1], 'microvm', network='allowlist', egress=['host:9'])\n")
@@ -416,15 +416,15 @@ def test_vm_create_killed_midway_leaves_no_link_namespace_or_qemu(node: Any) -> 
             new = {r.id for r in node.db.all()} - before
             sid = next(iter(new), "")
             if sid and Path("/run/netns", egress.names(sid)["netns"]).exists() \
-                    and _find_qemu(sid) is not None:
+                    and find_qemu(sid) is not None:
                 break
             assert p.poll() is None, "the create ended before its QEMU was seen"
             time.sleep(0.1)
-        assert sid and _find_qemu(sid) is not None, "no QEMU started in the namespace"
+        assert sid and find_qemu(sid) is not None, "no QEMU started in the namespace"
         os.kill(p.pid, signal.SIGKILL)
     finally:
         p.kill()
         p.wait()
     assert sid not in {r.id for r in node.sandboxes()}  # reconciled: the create was aborted
-    assert _find_qemu(sid) is None
+    assert find_qemu(sid) is None
     assert _leftovers(sid) == []

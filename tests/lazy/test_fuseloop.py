@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from dsec_cli.run.lazy import kernelfs
+from dsec_cli.run.lazy import fuseproto, kernelfs
 from tests.cext import build_and_load
 
-_IN = kernelfs._IN
-_OUT = kernelfs._OUT
+_IN = fuseproto.IN_HEADER
+_OUT = fuseproto.OUT_HEADER
 SRC = Path(kernelfs.__file__).with_name("_fuseloop.c")
 
 
@@ -57,30 +57,30 @@ def _reply(peer: socket.socket) -> tuple[int, int, bytes]:
 
 def test_known_requests_are_answered_and_the_rest_handed_back(pair: Any) -> None:
     loop, peer = pair
-    loop.set_open(3, kernelfs.FOPEN_KEEP_CACHE | kernelfs.FOPEN_NOFLUSH, 0)
+    loop.set_open(3, fuseproto.FOPEN_KEEP_CACHE | fuseproto.FOPEN_NOFLUSH, 0)
     assert loop.set_data(3, b"hello world", False)
     assert not loop.set_data(3, b"other", False)  # set once: readers may hold the first
-    peer.send(_req(kernelfs.OPEN, 1, 3, b"\0" * 8))
-    peer.send(_req(kernelfs.READ, 2, 3, _read_body(6, 100)))
-    peer.send(_req(kernelfs.READ, 3, 3, _read_body(1 << 40, 100)))  # past the end: nothing
-    peer.send(_req(kernelfs.RELEASE, 4, 3, b"\0" * 24))
-    peer.send(_req(kernelfs.FORGET, 5, 3, b"\0" * 8))  # no reply
+    peer.send(_req(fuseproto.OPEN, 1, 3, b"\0" * 8))
+    peer.send(_req(fuseproto.READ, 2, 3, _read_body(6, 100)))
+    peer.send(_req(fuseproto.READ, 3, 3, _read_body(1 << 40, 100)))  # past the end: nothing
+    peer.send(_req(fuseproto.RELEASE, 4, 3, b"\0" * 24))
+    peer.send(_req(fuseproto.FORGET, 5, 3, b"\0" * 8))  # no reply
     assert loop.set_data(9, b"../target", False)  # a link: its data is its target
-    peer.send(_req(kernelfs.READLINK, 7, 9))
-    peer.send(_req(kernelfs.OPEN, 6, 4, b"\0" * 8))  # not in the table: handed back
+    peer.send(_req(fuseproto.READLINK, 7, 9))
+    peer.send(_req(fuseproto.OPEN, 6, 4, b"\0" * 8))  # not in the table: handed back
     got = loop.next()
-    assert got == _req(kernelfs.OPEN, 6, 4, b"\0" * 8)
-    assert _reply(peer) == (1, 0, struct.pack("<QIi", 0, kernelfs.FOPEN_KEEP_CACHE
-                                              | kernelfs.FOPEN_NOFLUSH, 0))
+    assert got == _req(fuseproto.OPEN, 6, 4, b"\0" * 8)
+    assert _reply(peer) == (1, 0, struct.pack("<QIi", 0, fuseproto.FOPEN_KEEP_CACHE
+                                              | fuseproto.FOPEN_NOFLUSH, 0))
     assert _reply(peer) == (2, 0, b"world")
     assert _reply(peer) == (3, 0, b"")
     assert _reply(peer) == (4, 0, b"")
     assert _reply(peer) == (7, 0, b"../target")
     c = loop.counters()
     assert (c["answered"], c["handed"], c["bytes_served"]) == (6, 1, 5)
-    assert c["by_op"] == {kernelfs.OPEN: 1, kernelfs.READ: 2, kernelfs.RELEASE: 1,
-                          kernelfs.FORGET: 1, kernelfs.READLINK: 1}
-    assert c["handed_by_op"] == {kernelfs.OPEN: 1}
+    assert c["by_op"] == {fuseproto.OPEN: 1, fuseproto.READ: 2, fuseproto.RELEASE: 1,
+                          fuseproto.FORGET: 1, fuseproto.READLINK: 1}
+    assert c["handed_by_op"] == {fuseproto.OPEN: 1}
 
 
 def test_lengths_from_the_request_are_checked(pair: Any) -> None:
@@ -88,19 +88,19 @@ def test_lengths_from_the_request_are_checked(pair: Any) -> None:
     assert loop.set_data(5, b"abc", False)
     # a READ too short to hold its offset and size, a header claiming more than was read,
     # and an inode past the table: all handed back whole, nothing read out of bounds
-    short = _req(kernelfs.READ, 1, 5, b"\0" * 8)
+    short = _req(fuseproto.READ, 1, 5, b"\0" * 8)
     peer.send(short)
     assert loop.next() == short
-    liar = _req(kernelfs.LOOKUP, 2, 5, b"x\0", claim=4096)
+    liar = _req(fuseproto.LOOKUP, 2, 5, b"x\0", claim=4096)
     peer.send(liar)
     assert loop.next() == liar
-    far = _req(kernelfs.READ, 3, 1 << 40, _read_body(0, 10))
+    far = _req(fuseproto.READ, 3, 1 << 40, _read_body(0, 10))
     peer.send(far)
     assert loop.next() == far
     peer.send(b"\0" * 10)  # shorter than a header: dropped
-    peer.send(_req(kernelfs.READ, 4, 5, _read_body(1, 1)))
-    peer.send(_req(kernelfs.STATFS, 5, 1))
-    assert loop.next() == _req(kernelfs.STATFS, 5, 1)
+    peer.send(_req(fuseproto.READ, 4, 5, _read_body(1, 1)))
+    peer.send(_req(fuseproto.STATFS, 5, 1))
+    assert loop.next() == _req(fuseproto.STATFS, 5, 1)
     assert _reply(peer) == (4, 0, b"b")
     assert loop.counters()["handed"] == 4
 
@@ -111,13 +111,13 @@ def test_listings_and_lookups_of_a_handed_over_directory(pair: Any) -> None:
     loop.set_names(2, [(b"a", entry)])
     recs = [b"R0" * 4, b"R1" * 8, b"R2" * 4]
     loop.set_listing(2, b"".join(recs), [0, 8, 24])
-    peer.send(_req(kernelfs.LOOKUP, 1, 2, b"a\0"))
-    peer.send(_req(kernelfs.LOOKUP, 2, 2, b"b\0"))  # no such child: a negative entry
-    peer.send(_req(kernelfs.READDIRPLUS, 3, 2, _read_body(0, 24)))  # whole records that fit
-    peer.send(_req(kernelfs.READDIRPLUS, 4, 2, _read_body(2, 4096)))
-    peer.send(_req(kernelfs.READDIRPLUS, 5, 2, _read_body(3, 4096)))  # the end
-    peer.send(_req(kernelfs.LOOKUP, 6, 3, b"a\0"))  # a directory not handed over
-    assert loop.next() == _req(kernelfs.LOOKUP, 6, 3, b"a\0")
+    peer.send(_req(fuseproto.LOOKUP, 1, 2, b"a\0"))
+    peer.send(_req(fuseproto.LOOKUP, 2, 2, b"b\0"))  # no such child: a negative entry
+    peer.send(_req(fuseproto.READDIRPLUS, 3, 2, _read_body(0, 24)))  # whole records that fit
+    peer.send(_req(fuseproto.READDIRPLUS, 4, 2, _read_body(2, 4096)))
+    peer.send(_req(fuseproto.READDIRPLUS, 5, 2, _read_body(3, 4096)))  # the end
+    peer.send(_req(fuseproto.LOOKUP, 6, 3, b"a\0"))  # a directory not handed over
+    assert loop.next() == _req(fuseproto.LOOKUP, 6, 3, b"a\0")
     assert _reply(peer) == (1, 0, entry)
     neg = _reply(peer)
     assert neg[:2] == (2, 0) and struct.unpack_from("<QQQQ", neg[2]) == (0, 0, 86400, 86400)
@@ -141,8 +141,8 @@ def test_a_reported_read_and_several_readers(pair: Any) -> None:
     for t in threads:
         t.start()
     for n in range(1, 9):
-        peer.send(_req(kernelfs.READ, n, n, _read_body(0, 10)))
-    peer.send(_req(kernelfs.READ, 9, 7, _read_body(0, 10)))  # read again: not reported
+        peer.send(_req(fuseproto.READ, n, n, _read_body(0, 10)))
+    peer.send(_req(fuseproto.READ, 9, 7, _read_body(0, 10)))  # read again: not reported
     replies = sorted(_reply(peer) for _ in range(9))
     assert [r[2] for r in replies] == [bytes([n]) * 10 for n in range(1, 9)] + [b"\7" * 10]
     peer.shutdown(socket.SHUT_RDWR)  # the peer gone: every reader returns
@@ -164,9 +164,9 @@ def test_slices_of_shared_bytes_and_the_budget(pair: Any) -> None:
             loop.set_data(*bad)
     assert not loop.set_data(3, b"x" * (1 << 20), False)  # past the budget: not taken
     assert loop.counters()["inline_bytes"] == len(chunk)
-    peer.send(_req(kernelfs.READ, 1, 1, _read_body(0, 100)))
-    peer.send(_req(kernelfs.READ, 2, 2, _read_body(1, 100)))
-    peer.send(_req(kernelfs.READ, 3, 3, _read_body(0, 100)))  # not taken: handed back
-    assert loop.next() == _req(kernelfs.READ, 3, 3, _read_body(0, 100))
+    peer.send(_req(fuseproto.READ, 1, 1, _read_body(0, 100)))
+    peer.send(_req(fuseproto.READ, 2, 2, _read_body(1, 100)))
+    peer.send(_req(fuseproto.READ, 3, 3, _read_body(0, 100)))  # not taken: handed back
+    assert loop.next() == _req(fuseproto.READ, 3, 3, _read_body(0, 100))
     assert _reply(peer) == (1, 0, b"234")
     assert _reply(peer) == (2, 0, b"6789")

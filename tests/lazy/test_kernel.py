@@ -163,7 +163,7 @@ def test_small_files_are_served_without_backing_files(s3_image: Published, mount
     a larger one gets its backing file; both read back what was stored, mmap included."""
     import mmap
 
-    from dsec_cli.run.lazy.kernelfs import INLINE_FILE
+    from dsec_cli.run.lazy.readahead import INLINE_FILE
 
     monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
     m = mounter(s3_image.url, s3_image.layer)
@@ -362,7 +362,7 @@ def test_compiled_loop_answers_the_hot_requests_of_a_walk(
     (opens, small files' reads from verified bytes handed over, releases, listings), with
     the same bytes as the source; the bytes it served are counted, and every file it
     opened is in the access profile."""
-    from dsec_cli.run.lazy.kernelfs import LOOKUP, OPEN, READ, READDIRPLUS, RELEASE
+    from dsec_cli.run.lazy.fuseproto import LOOKUP, OPEN, READ, READDIRPLUS, RELEASE
 
     monkeypatch.delenv("DSEC_LAZY_SERVER", raising=False)
     monkeypatch.delenv("DSEC_PY_FUSELOOP", raising=False)

@@ -57,8 +57,8 @@ def test_build_resolve_and_lazy_read_survive_transient_errors(
 
 
 def test_open_store_is_the_only_way_in(tmp_path: Path) -> None:
-    from dsec_cli.push.retry import RetryingStore
     from dsec_cli.push.stores import open_store
+    from dsec_cli.push.stores.retrying import RetryingStore
 
     st = open_store(str(tmp_path / "store"))
     assert isinstance(st, RetryingStore)

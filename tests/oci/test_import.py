@@ -460,15 +460,15 @@ def test_small_files_past_the_spool_memory_go_to_a_file(env: dict[str, str], tmp
     write_layout(Image([members]), tmp_path / "l")
     first = oci.import_image(str(tmp_path / "l"), as_ref="small@1")
     spilled: list[int] = []
-    real = ociimport._Spool.add
+    real = ociimport.layers.Spool.add
 
-    def add(self: ociimport._Spool, data: bytes) -> tuple[int, int]:
+    def add(self: ociimport.layers.Spool, data: bytes) -> tuple[int, int]:
         got = real(self, data)
         spilled.append(got[0])
         return got
 
-    monkeypatch.setattr(ociimport, "SPOOL_MEMORY", 50_000)
-    monkeypatch.setattr(ociimport._Spool, "add", add)
+    monkeypatch.setattr(ociimport.layers, "SPOOL_MEMORY", 50_000)
+    monkeypatch.setattr(ociimport.layers.Spool, "add", add)
     other = open_store((tmp_path / "other").as_uri())
     second = oci.import_image(str(tmp_path / "l"), as_ref="small@1", store=other.url)
     assert -1 in spilled and -2 in spilled  # some in memory, the rest in the file

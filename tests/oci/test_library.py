@@ -269,13 +269,13 @@ def test_an_images_layers_are_read_while_later_images_are_planned(
     write_layout(Image([[file("a.bin", BIG)]]), tmp_path / "a", tag="1")
     write_layout(Image([[file("b.txt", b"b")]]), tmp_path / "b", tag="1")
     reading = threading.Event()
-    stage = ociimport.stage_layer
+    stage = ociimport.schedule.stage_layer
 
     def staged(*a, **kw):  # type: ignore[no-untyped-def]
         reading.set()
         return stage(*a, **kw)
 
-    monkeypatch.setattr(ociimport, "stage_layer", staged)
+    monkeypatch.setattr(ociimport.schedule, "stage_layer", staged)
     seen: list[bool] = []
     _hold_plans(monkeypatch, str(tmp_path / "b"), reading, seen)
     run = oci.import_images([str(tmp_path / "a") + ":1", str(tmp_path / "b") + ":1"])
@@ -300,13 +300,13 @@ def test_images_planned_after_a_layer_failed_or_its_first_image_failed(
     bad_blob = json.loads(wrote["layers"])[1]
     good_diff = json.loads(wrote["diff_ids"])[0]
     failed, good_read = threading.Event(), threading.Event()
-    fail = ociimport._Run.fail
+    fail = ociimport.schedule._Run.fail
 
     def failing(self, diff_id, e):  # type: ignore[no-untyped-def]
         fail(self, diff_id, e)
         failed.set()
 
-    stage = ociimport.stage_layer
+    stage = ociimport.schedule.stage_layer
 
     def staged(store, source, desc, diff_id, **kw):  # type: ignore[no-untyped-def]
         if diff_id != good_diff:
@@ -317,8 +317,8 @@ def test_images_planned_after_a_layer_failed_or_its_first_image_failed(
         finally:
             good_read.set()  # ...and b is planned once it has been read
 
-    monkeypatch.setattr(ociimport._Run, "fail", failing)
-    monkeypatch.setattr(ociimport, "stage_layer", staged)
+    monkeypatch.setattr(ociimport.schedule._Run, "fail", failing)
+    monkeypatch.setattr(ociimport.schedule, "stage_layer", staged)
     seen: list[bool] = []
     _hold_plans(monkeypatch, str(tmp_path / "b"), good_read, seen)
     _hold_plans(monkeypatch, str(tmp_path / "c"), failed, seen)
@@ -363,7 +363,7 @@ def test_docker_save_tarballs_are_read_one_layer_at_a_time_each(
                 tf.addfile(ti, io.BytesIO(data))
     from contextlib import contextmanager
 
-    from dsec_cli.push.ocisource import ArchiveSource
+    from dsec_cli.oci.sources import ArchiveSource
 
     lock = threading.Lock()
     active: dict[int, int] = {}
@@ -409,7 +409,7 @@ def test_layers_read_lean_make_the_same_layers_and_check_both_digests(
     sources = [str(tmp_path / n) + ":1" for n in imgs]
     made = {}
     for beside in (0, 99):  # every layer lean; none
-        monkeypatch.setattr(ociimport, "LEAN_BESIDE", beside)
+        monkeypatch.setattr(ociimport.schedule, "LEAN_BESIDE", beside)
         store = (tmp_path / f"store-{beside}").as_uri()
         run = oci.import_images(sources, store=store)
         assert not run.failed
@@ -421,7 +421,7 @@ def test_layers_read_lean_make_the_same_layers_and_check_both_digests(
         images.export_image(f"{n}@1", tmp_path / f"tree-{n}", store=store)
         assert (tmp_path / f"tree-{n}/opt/big.bin").read_bytes() == BIG
 
-    monkeypatch.setattr(ociimport, "LEAN_BESIDE", 0)
+    monkeypatch.setattr(ociimport.schedule, "LEAN_BESIDE", 0)
     before = store_files(env)
     digests = write_layout(base_image(), tmp_path / "tampered", tamper=1)
     with pytest.raises(IntegrityError, match=json.loads(digests["layers"])[1]):
@@ -443,7 +443,7 @@ def test_images_ready_together_are_published_as_one_and_alone_if_that_fails(
     base = _base("1")
     write_layout(Image([base, [file("app/a.txt", b"a")]]), tmp_path / "a", tag="1")
     write_layout(Image([base, [file("app/b.txt", b"b")]]), tmp_path / "b", tag="1")
-    stage = ociimport.stage_layer
+    stage = ociimport.schedule.stage_layer
 
     def base_last(store, source, desc, diff_id, **kw):  # type: ignore[no-untyped-def]
         staged = stage(store, source, desc, diff_id, **kw)
@@ -451,7 +451,7 @@ def test_images_ready_together_are_published_as_one_and_alone_if_that_fails(
             threading.Event().wait(0.5)
         return staged
 
-    monkeypatch.setattr(ociimport, "stage_layer", base_last)
+    monkeypatch.setattr(ociimport.schedule, "stage_layer", base_last)
     seen = _refuse_batches(monkeypatch, [tmp_path / "a", tmp_path / "b"], refuse=2)
     run = oci.import_images([str(tmp_path / n) + ":1" for n in "ab"])
     # together (refused), then one at a time

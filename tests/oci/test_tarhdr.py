@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from dsec_cli.api import images, oci
-from dsec_cli.build import ociimport, tarhdr
+from dsec_cli.build import tarhdr
+from dsec_cli.oci import streams
 from tests.cext import build_and_load
 
 from .helpers import Image, base_image, device, directory, file, hardlink, symlink, write_layout
@@ -101,7 +102,7 @@ def _members(data: bytes, cls: type[tarfile.TarInfo]) -> list[Any]:
 def _stream_members(data: bytes, piece: int, read_data: bool) -> list[Any]:
     """Members as `StreamTarFile` reads them from a layer stream cut into ``piece``-byte
     pieces (headers and data then straddle pieces), each member's data read or skipped."""
-    ahead = ociimport._Prefetch(io.BytesIO(data), thread=False)
+    ahead = streams.Prefetch(io.BytesIO(data), thread=False)
     ahead.PIECE = piece
     out = []
     with tarhdr.StreamTarFile.open(fileobj=ahead, mode="r:",  # type: ignore[call-overload]

@@ -19,7 +19,7 @@ import pytest
 
 from dsec_cli.backends import _cgroups
 from dsec_cli.backends.vm import vmpark
-from dsec_cli.backends.vm.qemu import _default_state, _find_qemu, _proc_start
+from dsec_cli.backends.vm.qemuproc import default_state, find_qemu, proc_start
 from dsec_cli.core.errors import UsageError
 from dsec_cli.run.node import CreateOptions, Node
 from dsec_cli.run.state import SandboxRecord
@@ -55,7 +55,7 @@ def qemu_pid(node: Node, rec: SandboxRecord) -> int:
 
 
 def alive(pid: int) -> bool:
-    return _proc_start(pid) is not None
+    return proc_start(pid) is not None
 
 
 def same_inside(node: Node, rec: SandboxRecord) -> None:
@@ -87,7 +87,7 @@ def test_park_ends_qemu_and_thaw_brings_back_files_and_processes(
     assert out["status"] == "parked" and out["mechanism"] == "qemu-migrate-file"
     assert out["resident_before"] > 0 and out["state_bytes"] > 0
     # QEMU is gone and its memory with it; the guest is in the state file
-    assert not alive(pid) and _find_qemu(vm.id) is None
+    assert not alive(pid) and find_qemu(vm.id) is None
     empty_group(node, vm)
     state = sdir(node, vm) / vmpark.STATE
     assert state.stat().st_size == out["state_bytes"]
@@ -149,17 +149,17 @@ def test_a_thaw_killed_midway_is_recovered(node: Node, vm: SandboxRecord,
                                                "DSEC_DEBUG_DELAY_VM_THAW": "600"},
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for(lambda: _find_qemu(vm.id) is not None
-                 and node.lookup(vm.id).handle.get("pid") == _find_qemu(vm.id)
+        wait_for(lambda: find_qemu(vm.id) is not None
+                 and node.lookup(vm.id).handle.get("pid") == find_qemu(vm.id)
                  and _qemu_status(node, vm) == "paused", "the thaw to load the guest")
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait()
-    half = _find_qemu(vm.id)
+    half = find_qemu(vm.id)
     assert half is not None
     gc = dsec(node_env, "gc", "--node", "--json")  # node gc reconciles first
     assert b"park_recovered" in gc.stdout and vm.id.encode() in gc.stdout
-    assert not alive(half) and _find_qemu(vm.id) is None
+    assert not alive(half) and find_qemu(vm.id) is None
     assert state.is_file() and node.lookup(vm.id).status == "parked"
     empty_group(node, vm)
     node.thaw(vm.id)
@@ -173,8 +173,8 @@ def test_rm_of_a_parked_vm_leaves_nothing(node: Node, vm: SandboxRecord) -> None
     with pytest.raises(UsageError, match="parked"):
         node.snapshot(vm.id, "parked-snap@1")
     node.remove(vm.id)
-    assert not sdir(node, vm).exists() and _find_qemu(vm.id) is None
-    assert not Path(_default_state(vm.id, None)["run_dir"]).exists()
+    assert not sdir(node, vm).exists() and find_qemu(vm.id) is None
+    assert not Path(default_state(vm.id, None)["run_dir"]).exists()
     assert vm.id not in _cgroups.children(node.cgroup_parent)
     assert node.db.get(vm.id) is None
 
@@ -199,11 +199,11 @@ def test_a_q35_vm_parks_and_thaws_too(node: Node) -> None:
         bg = int(r.stdout.strip())
         pid = qemu_pid(node, rec)
         out = node.park(rec.id)
-        assert out["state_bytes"] > 0 and not alive(pid) and _find_qemu(rec.id) is None
+        assert out["state_bytes"] > 0 and not alive(pid) and find_qemu(rec.id) is None
         node.thaw(rec.id)
         r = node.exec(rec.id, ["sh", "-c", f"cat /root/kept; tr '\\0' ' ' < /proc/{bg}/cmdline"])
         assert r.exit_code == 0, r.stderr
         assert r.stdout.decode() == "q35\nsleep 100000 "
     finally:
         node.remove(rec.id)
-    assert _find_qemu(rec.id) is None and not sdir(node, rec).exists()
+    assert find_qemu(rec.id) is None and not sdir(node, rec).exists()

@@ -28,9 +28,10 @@ from typing import Any
 import pytest
 
 from dsec_cli.backends.base import Limits, RootfsSpec, SandboxHandle, SandboxSpec
-from dsec_cli.backends.vm import qemu
-from dsec_cli.backends.vm.qemu import MicroVMBackend, _default_state, _find_qemu
+from dsec_cli.backends.vm import qemuproc
+from dsec_cli.backends.vm.qemu import MicroVMBackend
 from dsec_cli.backends.vm.qemu_qmp import QMPError, qmp
+from dsec_cli.backends.vm.qemuproc import default_state, find_qemu
 from dsec_cli.core.errors import ConfigError, SandboxError, UsageError
 from dsec_cli.core.rundir import UnsafePathError, runtime_dir
 from dsec_cli.run import migrate
@@ -345,7 +346,7 @@ def test_a_planted_run_dir_is_refused_by_create_and_thaw(runtime: Path, tmp_path
                                                          how: str) -> None:
     sid = _sid()
     sdir = tmp_path / "sandbox"
-    st = _default_state(sid, str(sdir))
+    st = default_state(sid, str(sdir))
     assert st["run_dir"] == str(runtime / "vm" / sid)  # under the private runtime dir
     planted = _plant(runtime, sid, how, tmp_path)
     before = os.lstat(planted)
@@ -368,7 +369,7 @@ def test_a_planted_run_dir_is_refused_by_create_and_thaw(runtime: Path, tmp_path
     assert (after.st_uid, after.st_mode) == (before.st_uid, before.st_mode)  # left as it was
     target = tmp_path / "elsewhere" if how == "symlink" else planted
     assert _contents(target) == []  # no pidfile, no socket written there
-    assert _find_qemu(sid) is None
+    assert find_qemu(sid) is None
 
 
 def test_run_dir_sockets_must_fit_a_unix_address(monkeypatch: pytest.MonkeyPatch,
@@ -377,7 +378,7 @@ def test_run_dir_sockets_must_fit_a_unix_address(monkeypatch: pytest.MonkeyPatch
     deep.mkdir(mode=0o700)
     monkeypatch.setenv("DSEC_RUNTIME_DIR", str(deep))
     with pytest.raises(ConfigError, match="DSEC_RUNTIME_DIR"):
-        qemu.make_run_dir(_default_state("a" * 64, None))
+        qemuproc.make_run_dir(default_state("a" * 64, None))
 
 
 @pytest.mark.parametrize("how", ["world-writable dir", "other owner"])
@@ -398,7 +399,7 @@ def test_qmp_and_agent_sockets_not_ours_are_not_connected_to(runtime: Path, tmp_
     if how == "world-writable dir":
         os.chmod(d, 0o777)
     try:
-        st = _default_state(sid, str(tmp_path))
+        st = default_state(sid, str(tmp_path))
         with pytest.raises(QMPError, match="not a socket this user made"):
             qmp(st["qmp"], "quit", timeout=2)
         b = MicroVMBackend(tmp_path / "node", boot="cold")
@@ -438,7 +439,7 @@ def _plant_argv(sdir: Path, canary: Path) -> None:
 
 
 def _cmdline(sid: str) -> str:
-    pid = _find_qemu(sid)
+    pid = find_qemu(sid)
     assert pid is not None
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
@@ -472,4 +473,4 @@ def test_a_tampered_move_thaws_under_the_targets_own_command_line(
                 n.remove(sid)
             except UsageError:
                 pass
-    assert _find_qemu(sid) is None
+    assert find_qemu(sid) is None

@@ -167,7 +167,7 @@ def test_retries_of_timeouts_stay_within_the_budget(silent: SilentServer,
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("DSEC_STORE_RETRIES", "5")
     from dsec_cli.core.errors import StoreUnavailableError
-    from dsec_cli.push.retry import open_retrying
+    from dsec_cli.push.stores.retrying import open_retrying
 
     t0 = time.monotonic()
     with pytest.raises(StoreUnavailableError, match=f"127.0.0.1:{silent.port}.*gave up after"):

@@ -11,34 +11,24 @@ then SIGKILL, never leaving a QEMU process or a mount behind.
 
 `microvm` is QEMU's `-M microvm` (virtio-mmio, qboot, no PCI); `vm` is a q35 PC with
 SeaBIOS and virtio-pci. Both use KVM when it really runs guests (see qemu_accel), TCG
-otherwise.
+otherwise. The command line is built in `qemuargv`, the QEMU process and its run dir are
+`qemuproc`'s, the agent channel `qemuagent`'s; park to a file is `vmpark`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
-import re
 import shutil
-import signal
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ...core.config import env, load_config
-from ...core.errors import BackendError, ConfigError, SandboxError, UsageError
-from ...core.rundir import (
-    check_private,
-    open_beneath,
-    private_dir,
-    runtime_dir,
-    socket_is_ours,
-)
+from ...core.config import load_config
+from ...core.errors import BackendError, SandboxError, UsageError
 from .. import _cgroups, egress
 from ..agented import AgentBackend
 from ..base import (
@@ -52,45 +42,38 @@ from ..base import (
     SandboxSpec,
 )
 from ..sandbox_agent import agent_binary, agent_tag
-from ..sandbox_agent.client import AgentClient, AgentError
+from ..sandbox_agent.client import AgentClient
 from . import qemu_accel, vmimage, vmpark, vmsnap
 from .qemu_qmp import QMPError, qmp
+from .qemuagent import (
+    AGENT_RETRY,
+    RESTORED_RETRY,
+    console_tail,
+    identity_request,
+    open_agent,
+    ping_within,
+)
+from .qemuargv import DEFAULT_MEMORY, check_spec, guest_shape, qemu_argv, without
+from .qemuproc import (
+    TEMPLATE_SUFFIX,
+    default_state,
+    find_qemu,
+    make_run_dir,
+    proc_start,
+    qemu_name,
+    quit_qemu,
+    read_pidfile,
+    remove_run_dir,
+    template_id,
+    wait_gone,
+)
 from .vmkernel import Kernel, boot_image, build_initramfs, find_kernel
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MEMORY = 512 << 20
-MIN_MEMORY = 128 << 20
-#: how long one connection waits for the agent's answer before it is made again
-AGENT_RETRY = 10.0
-#: the same for a guest just restored: its agent may still be reopening its port after the
-#: template's connection went away, which can swallow the first request
-RESTORED_RETRY = 1.0
 BOOT_TIMEOUT = 180.0  # TCG on a loaded 2-core host boots in tens of seconds
 CONNECT_TIMEOUT = 60.0  # waiting for another process to release the agent connection
-#: the longest path a unix socket can be bound at (sun_path holds 108 bytes with its NUL)
-SOCKET_PATH_MAX = 107
 
-
-def _host_tsc_khz() -> int | None:
-    """Under TCG the guest reads the host's TSC; telling the guest kernel its rate skips
-    a calibration that hangs on microvm (no PIT or HPET to calibrate against)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("cpu MHz"):
-                return int(float(line.split(":")[1]) * 1000)
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _proc_start(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] == "Z" else int(fields[19])
 
 
 class QemuBackend(AgentBackend):
@@ -161,97 +144,15 @@ class QemuBackend(AgentBackend):
         return qemu_accel.accelerator(self._qemu_binary(), kernel or self._kernel(),
                                       self.vm_dir, self.vm_dir / "initramfs")
 
-    def _cmdline(self, spec: SandboxSpec, accel: str) -> str:
-        args = ["console=ttyS0", "panic=-1", "rdinit=/init", "dsec.root=erofs",
-                f"dsec.hostname={_safe_hostname(spec.hostname)}"]
-        if not env("DSEC_VM_VERBOSE"):  # the full kernel log, for boot problems
-            args.append("quiet")
-        if accel == "tcg":
-            khz = _host_tsc_khz()
-            if khz:
-                args += [f"tsc_early_khz={khz}", "tsc=reliable"]
-        if spec.network == "host":
-            args.append("dsec.net=1")
-        if spec.limits.pids:
-            args.append(f"dsec.pids={int(spec.limits.pids)}")
-        if _ksm_on():
-            # pages the guest frees are zeroed, so KSM merges them (with the zero page where
-            # use_zero_pages is set) instead of keeping each guest's garbage resident
-            args.append("init_on_free=1")
-        return " ".join(args)
-
-    def _validate(self, spec: SandboxSpec) -> None:
-        """Reject bad input before anything is created."""
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", spec.sandbox_id):
-            raise UsageError(f"invalid sandbox id {spec.sandbox_id!r}: use letters, digits, "
-                             "'.', '_' and '-' (at most 64)")
-        if spec.network not in ("none", "host", "allowlist"):
-            raise UsageError(f"unknown network policy {spec.network!r}: choose none, host or "
-                             "allowlist")
-        lim = spec.limits
-        if lim.memory is not None and lim.memory < MIN_MEMORY:
-            raise UsageError(f"memory limit {lim.memory} bytes is too small for a VM "
-                             "(minimum 128 MiB)")
-        if lim.pids is not None and lim.pids < 8:
-            raise UsageError(f"pids limit {lim.pids} is too small (minimum 8)")
-        if lim.cpus is not None and lim.cpus <= 0:
-            raise UsageError(f"cpu limit {lim.cpus} must be positive")
-        if lim.disk is not None and lim.disk < vmimage.MIN_DISK:
-            raise UsageError(f"disk limit {lim.disk} bytes is too small for a VM (minimum 16 MiB)")
-        for d in spec.rootfs.lower_dirs:
-            if not Path(d).is_dir():
-                raise UsageError(f"rootfs layer directory {str(d)!r} does not exist")
-        self._qemu_binary()
-
     def _argv(self, spec: SandboxSpec, st: dict[str, Any], kernel: Kernel, initramfs: Path,
               root: Path, disk: Path, snap: bool = False) -> list[str]:
-        lim = spec.limits
-        cpus = max(1, math.ceil(lim.cpus)) if lim.cpus else 1
-        mem = lim.memory or DEFAULT_MEMORY
-        accel = st["accel"]
-        # the -name argument is also how is_alive tells our QEMU from a reused pid
-        argv = [self._qemu_binary(), "-name", _qemu_name(spec.sandbox_id).decode(),
-                # guest RAM is QEMU's private anonymous memory, marked mergeable for KSM
-                "-M", f"{self.machine},mem-merge=on", "-accel", accel,
-                "-cpu", "host" if accel == "kvm" else "max",
-                "-smp", str(cpus), "-m", f"{mem >> 20}M",
-                "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-                "-daemonize", "-pidfile", st["pidfile"],
-                "-kernel", str(boot_image(kernel, self.vm_dir / "kernel")),
-                "-initrd", str(initramfs),
-                "-append", self._cmdline(spec, accel),
-                "-serial", f"file:{st['console']}",
-                "-qmp", f"unix:{st['qmp']},server=on,wait=off",
-                "-drive", f"if=none,id=root,file={root},format=raw,readonly=on",
-                "-device", f"{self.blk_dev},drive=root",
-                "-drive", f"if=none,id=disk,file={disk},format=raw",
-                "-device", f"{self.blk_dev},drive=disk",
-                "-chardev", f"socket,id=agent,path={st['agent_sock']},server=on,wait=off",
-                "-device", self.serial_dev,
-                "-device", "virtserialport,chardev=agent,name=dsec.agent",
-                # pages the guest frees are reported and dropped from QEMU's RAM: an idle
-                # VM's resident memory is what its guest really holds (docs/density.md)
-                "-device", f"{self.balloon_dev},free-page-reporting=on"]
-        if spec.network == "host":
-            argv += ["-netdev", "user,id=net0", "-device", f"{self.net_dev},netdev=net0"]
-        elif spec.network == "allowlist":
-            # the tap of the VM's own namespace, bridged to its filtered link (egress.py):
-            # QEMU is started in that namespace (`_launch`)
-            argv += ["-netdev", f"tap,id=net0,ifname={egress.TAP},script=no,downscript=no",
-                     "-device", f"{self.net_dev},netdev=net0"]
-        if snap:
-            # a new generation id per restore: where the guest's firmware tables expose it
-            # (q35), the kernel reseeds its CRNG the moment the guest resumes
-            argv += ["-device", "vmgenid,guid=auto",
-                     # the saved stream then carries no run state ("paused": the guest is
-                     # stopped to be saved), so a restore runs the guest once it is loaded
-                     # instead of waiting for a `cont`
-                     "-global", "migration.store-global-state=off"]
-        return argv
+        return qemu_argv(self, self._qemu_binary(), spec, st,
+                         boot_image(kernel, self.vm_dir / "kernel"), initramfs, root, disk, snap)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def create(self, spec: SandboxSpec) -> SandboxHandle:
-        self._validate(spec)
+        check_spec(spec)
+        self._qemu_binary()
         self._kernel()  # a missing kernel is bad input: refused before anything is made
         if self.boot == "snapshot":
             try:
@@ -262,7 +163,7 @@ class QemuBackend(AgentBackend):
         return self._create_cold(spec)
 
     def _state(self, spec: SandboxSpec) -> dict[str, Any]:
-        return {**_default_state(spec.sandbox_id, str(spec.state_dir)), "machine": self.name,
+        return {**default_state(spec.sandbox_id, str(spec.state_dir)), "machine": self.name,
                 "env": dict(spec.env), "workdir": spec.workdir, "network": spec.network,
                 "cgroup": f"{self.cgroup_parent}/{spec.sandbox_id}",
                 "guest": guest_shape(spec.limits, spec.hostname)}
@@ -296,7 +197,7 @@ class QemuBackend(AgentBackend):
             raise BackendError(f"QEMU could not start sandbox {spec.sandbox_id}: "
                                f"{proc.stderr.strip()[-1000:]}")
         pid = int(Path(st["pidfile"]).read_text().strip())
-        st["pid"], st["start_time"] = pid, _proc_start(pid)
+        st["pid"], st["start_time"] = pid, proc_start(pid)
         # QEMU (every thread, guest RAM charged from here on) in the sandbox's own group:
         # its CPU class, resident memory and reclamation act on it
         cg = _cgroups.Cgroup(st["cgroup"])
@@ -349,7 +250,7 @@ class QemuBackend(AgentBackend):
             if vmsnap.ready(tdir):
                 return tdir
             work = vmsnap.build_dir(self.vm_dir, spec.sandbox_id)
-            tspec = dataclasses.replace(spec, sandbox_id=_template_id(spec.sandbox_id),
+            tspec = dataclasses.replace(spec, sandbox_id=template_id(spec.sandbox_id),
                                         state_dir=work / "vm", hostname="sandbox", env={},
                                         egress=())
             out = work / "out"
@@ -361,7 +262,7 @@ class QemuBackend(AgentBackend):
                 time.sleep(0.5)  # let the agent see the port close and reopen it before the stop
                 vmsnap.save(h.state["qmp"], out / "state", self.boot_timeout)
                 qmp(h.state["qmp"], "quit", timeout=5)
-                _wait_gone(h.state["pid"], 30.0)
+                wait_gone(h.state["pid"], 30.0)
                 os.rename(h.state["disk"], out / "disk.ext4")
             finally:
                 self.destroy(h)
@@ -437,103 +338,22 @@ class QemuBackend(AgentBackend):
         argv = self._argv(spec, st, kernel, self._initramfs_file(kernel), root,
                           Path(st["disk"]), snap=restored)
         if restored and self.restore_without_kernel:
-            argv = _without(argv, ("-kernel", "-initrd", "-append"))
+            argv = without(argv, ("-kernel", "-initrd", "-append"))
         return argv
 
     def _restore_identity(self, handle: SandboxHandle, spec: SandboxSpec) -> None:
-        """The restored guest's first agent request: the agent itself gives the guest its
-        hostname, a CRNG reseeded from host randomness and a fresh machine id (what it must
-        not share with its template or its siblings); its answer is also the agent's first.
-        A connection that gets none in time is made again and sends the request again (the
-        request is idempotent, and each carries its own random bytes)."""
-        attempts = 0
+        self._wait_ready(handle, RESTORED_RETRY, identity_request(handle, spec.hostname))
 
-        def first(client: AgentClient) -> None:
-            nonlocal attempts
-            attempts += 1
-            # the guest's agent reads one stream across host connections: what an earlier
-            # connection sent may still be answered, so this one's request ids must not be
-            # the ones it used
-            client._next = attempts << 20
-            try:
-                client.identity(_safe_hostname(spec.hostname), os.urandom(16).hex(),
-                                os.urandom(256))
-            except AgentError as e:
-                raise SandboxError(f"giving restored sandbox {handle.sandbox_id} its "
-                                   f"identity failed: {e}") from e
-
-        self._wait_ready(handle, RESTORED_RETRY, first)
-
-    def _open_agent(self, handle: SandboxHandle, timeout: float,
-                    retry: float = AGENT_RETRY,
+    def _open_agent(self, handle: SandboxHandle, timeout: float, retry: float = AGENT_RETRY,
                     first: Callable[[AgentClient], None] | None = None) -> AgentClient:
-        """A client whose agent answered a ping within `timeout` (QEMU accepts one
-        connection on the port's socket at a time: a second process waits its turn, and a
-        guest still booting has not opened the port yet). A connection that gets no answer
-        is dropped and made again every few seconds: one left behind by a killed process can
-        stay unanswered while a new one is served. A shorter first ``retry`` doubles up to
-        the usual one, so a slow guest is still given time to answer. Fails early if QEMU
-        exits. ``first``, when given, is the first request instead of a ping."""
-        deadline = time.monotonic() + timeout
-        while True:
-            client = self._ping_within(handle, min(retry, deadline - time.monotonic()), first)
-            if client is not None:
-                return client
-            retry = min(retry * 2, AGENT_RETRY)
-            if not self._running(handle):
-                raise SandboxError("QEMU exited")
-            if time.monotonic() >= deadline:
-                raise SandboxError(f"the guest agent did not answer within {timeout:.0f}s "
-                                   "(still booting, or another process holds its connection)")
+        # each connection through the method, which benchmarks/bench_pools.py times
+        return open_agent(timeout, lambda wait, req: self._ping_within(handle, wait, req),
+                          lambda: self._running(handle), retry, first)
 
     def _ping_within(self, handle: SandboxHandle, wait: float,
                      first: Callable[[AgentClient], None] | None = None
                      ) -> AgentClient | None:
-        """One connection and one ping (or ``first``): the client if the agent answered
-        within `wait`."""
-        deadline = time.monotonic() + max(wait, 0.1)
-        if not socket_is_ours(handle.state["agent_sock"]):
-            raise SandboxError(f"the agent socket of sandbox {handle.sandbox_id} "
-                               f"({handle.state['agent_sock']}) is not one this user made in "
-                               "a private directory: not connecting to it")
-        try:
-            # the host end of the guest's virtio-serial port: only QEMU itself may serve it
-            client = AgentClient.connect_unix(
-                handle.state["agent_sock"], peer=lambda pid: pid == handle.state.get("pid"),
-                what=f"sandbox {handle.sandbox_id}")
-        except AgentError as e:
-            if isinstance(e.__cause__, BlockingIOError):
-                # QEMU's accept queue is full: it is busy (loading a restore's stream) and
-                # has not yet taken the connections given up on before this one
-                time.sleep(max(0.0, min(deadline - time.monotonic(), 0.1)))
-                return None
-            raise SandboxError(f"cannot reach the agent of sandbox {handle.sandbox_id}: {e}") \
-                from e
-        done = threading.Event()
-        error: list[BaseException] = []
-
-        def ping() -> None:
-            try:
-                if first is None:
-                    client.ping()
-                else:
-                    first(client)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                error.append(e)
-            done.set()
-
-        threading.Thread(target=ping, daemon=True).start()
-        while not done.wait(0.02):
-            if not self._running(handle) or time.monotonic() > deadline:
-                client.close()
-                done.wait(5)
-                return None
-        if error:
-            client.close()
-            if isinstance(error[0], SandboxError) and not isinstance(error[0], AgentError):
-                raise error[0]
-            raise SandboxError(f"the guest agent failed: {error[0]}")
-        return client
+        return ping_within(handle, wait, lambda: self._running(handle), first)
 
     def _wait_ready(self, handle: SandboxHandle, retry: float = AGENT_RETRY,
                     first: Callable[[AgentClient], None] | None = None) -> None:
@@ -541,37 +361,30 @@ class QemuBackend(AgentBackend):
             client = self._open_agent(handle, self.boot_timeout, retry, first)
         except SandboxError as e:
             raise BackendError(f"sandbox {handle.sandbox_id} did not boot: {e.message}; "
-                               f"console: {self._console_tail(handle)}") from e
+                               f"console: {console_tail(handle)}") from e
         self._keep_client(handle, client)
-
-    def _console_tail(self, handle: SandboxHandle, lines: int = 8) -> str:
-        try:
-            text = Path(handle.state["console"]).read_text(errors="replace")
-        except (OSError, KeyError):
-            return "(no console output)"
-        return " | ".join(text.strip().splitlines()[-lines:]) or "(no console output)"
 
     def destroy(self, handle: SandboxHandle) -> None:
         if not handle.sandbox_id.endswith(TEMPLATE_SUFFIX):
             # a template boot interrupted inside this sandbox's create (snapshot boot)
             work = vmsnap.build_dir(self.vm_dir, handle.sandbox_id)
-            self.destroy(SandboxHandle(_template_id(handle.sandbox_id), self.name,
+            self.destroy(SandboxHandle(template_id(handle.sandbox_id), self.name,
                                        {"state_dir": str(work / "vm")}))
             shutil.rmtree(work, ignore_errors=True)
-        st = {**_default_state(handle.sandbox_id, handle.state.get("state_dir")), **handle.state}
+        st = {**default_state(handle.sandbox_id, handle.state.get("state_dir")), **handle.state}
         self._drop_client(handle.sandbox_id)
         pid = st.get("pid")
         if pid is None:  # QEMU may have started before the handle was saved
-            pid = _read_pidfile(st) or _find_qemu(handle.sandbox_id)
+            pid = read_pidfile(st) or find_qemu(handle.sandbox_id)
         elif vmpark.saved(handle) and not self._is_our_qemu(handle, pid):
-            pid = _find_qemu(handle.sandbox_id)  # a thaw killed before its row was written
+            pid = find_qemu(handle.sandbox_id)  # a thaw killed before its row was written
         if pid and self._is_our_qemu(handle, pid):
             quit_qemu(st["qmp"], pid, 3.0)
         # a create killed while QEMU daemonized: the pid found may have been the parent,
         # which exits once its daemon child (same -name, no pid recorded) runs, so whatever
         # still carries this sandbox's name is ended as well
         for _ in range(3):
-            left = _find_qemu(handle.sandbox_id)
+            left = find_qemu(handle.sandbox_id)
             if left is None or not self._is_our_qemu(handle, left):
                 break
             quit_qemu(st["qmp"], left, 1.0)
@@ -595,8 +408,8 @@ class QemuBackend(AgentBackend):
         except OSError:
             return False
         argv0 = b"\0" + cmdline
-        return (b"\0" + _qemu_name(handle.sandbox_id) + b"\0" in argv0
-                and _proc_start(pid) is not None)
+        return (b"\0" + qemu_name(handle.sandbox_id) + b"\0" in argv0
+                and proc_start(pid) is not None)
 
     def is_alive(self, handle: SandboxHandle) -> bool:
         """QEMU runs the guest, or the guest is parked to a complete state file (vmpark)."""
@@ -712,135 +525,6 @@ class VMBackend(QemuBackend):
     serial_dev: ClassVar[str] = "virtio-serial-pci"
     balloon_dev: ClassVar[str] = "virtio-balloon-pci"
     net_dev: ClassVar[str] = "virtio-net-pci"
-
-
-def guest_shape(limits: Limits, hostname: str = "sandbox") -> dict[str, Any]:
-    """What of a guest's spec its QEMU command line holds besides paths (its CPUs, memory,
-    pids limit, hostname), kept in its handle state so a parked guest's command line is
-    built again (`QemuBackend.parked_argv`)."""
-    return {"cpus": limits.cpus, "memory": limits.memory, "pids": limits.pids,
-            "hostname": _safe_hostname(hostname)}
-
-
-def _default_state(sid: str, state_dir: str | None) -> dict[str, Any]:
-    """Where a sandbox's files are, derived from its id and state dir alone: what destroy
-    needs when a crash left no saved handle. The run dir (QMP and agent sockets, pidfile)
-    is ``<runtime dir>/vm/<id>`` (core/rundir.py): private to this user, short enough for
-    unix socket paths, and the same for the id whatever process asks."""
-    run = runtime_dir("vm") / sid
-    st: dict[str, Any] = {"run_dir": str(run), "pidfile": str(run / "qemu.pid"),
-                          "qmp": str(run / "qmp.sock"), "agent_sock": str(run / "agent.sock")}
-    if state_dir:
-        sdir = Path(state_dir)
-        st.update(state_dir=str(sdir), console=str(sdir / "console.log"),
-                  disk=str(sdir / "disk.ext4"), snap_mount=str(sdir / "snap-mnt"))
-    return st
-
-
-def make_run_dir(st: dict[str, Any]) -> Path:
-    """The sandbox's run dir, created private (0700, ours): one that is already there and
-    another user made or may enter is refused, never used (its sockets may be theirs, and
-    QEMU writes its pidfile as root)."""
-    for key in ("qmp", "agent_sock"):
-        if len(os.fsencode(st[key])) > SOCKET_PATH_MAX:
-            raise ConfigError(f"the socket path {st[key]} is longer than {SOCKET_PATH_MAX} "
-                              "bytes, the most a unix socket takes",
-                              hint="set DSEC_RUNTIME_DIR to a shorter directory")
-    return private_dir(st["run_dir"])
-
-
-def _read_pidfile(st: dict[str, Any]) -> int | None:
-    """The pid QEMU wrote, read only from a run dir of ours."""
-    try:
-        check_private(st["run_dir"])
-        fd = open_beneath(st["run_dir"], os.path.basename(st["pidfile"]),
-                          os.O_RDONLY | os.O_NONBLOCK)
-    except (OSError, ConfigError):
-        return None
-    with os.fdopen(fd) as f:
-        try:
-            return int(f.read(32).strip())
-        except (OSError, ValueError):
-            return None
-
-
-def remove_run_dir(run_dir: str) -> None:
-    """Remove a run dir that is ours; one another user made is left to them."""
-    try:
-        check_private(run_dir)
-    except ConfigError:
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
-
-
-TEMPLATE_SUFFIX = "-tpl"
-
-
-def _template_id(sid: str) -> str:
-    return sid + TEMPLATE_SUFFIX
-
-
-def _qemu_name(sid: str) -> bytes:
-    return f"dsec-{sid},process=dsec-{sid}".encode()
-
-
-def _find_qemu(sid: str) -> int | None:
-    """The pid of this sandbox's QEMU found by its -name, when no pid was recorded."""
-    name = _qemu_name(sid)
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if b"\0" + name + b"\0" in b"\0" + (entry / "cmdline").read_bytes():
-                    return int(entry.name)
-            except OSError:
-                continue
-    return None
-
-
-def _ksm_on() -> bool:
-    """Whether the host's same-page merging runs now (`dsec node setup --ksm`)."""
-    try:
-        return Path("/sys/kernel/mm/ksm/run").read_text().strip() == "1"
-    except OSError:
-        return False
-def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
-    """``argv`` less the given options and their values."""
-    out: list[str] = []
-    it = iter(argv)
-    for a in it:
-        if a in options:
-            next(it, None)
-        else:
-            out.append(a)
-    return out
-
-
-def _safe_hostname(name: str) -> str:
-    cleaned = "".join(ch for ch in name if ch.isalnum() or ch in "-.")[:63]
-    return cleaned or "sandbox"
-
-
-def quit_qemu(qmp_path: str, pid: int, grace: float) -> None:
-    """End a QEMU: asked to quit over QMP, killed if it has not gone within ``grace``."""
-    try:
-        qmp(qmp_path, "quit", timeout=2)
-    except QMPError:
-        pass
-    if not _wait_gone(pid, grace):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        _wait_gone(pid, 10.0)
-
-
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _proc_start(pid) is None:
-            return True
-        time.sleep(0.05)
-    return _proc_start(pid) is None
 
 
 __all__ = ["MicroVMBackend", "VMBackend", "QemuBackend"]

@@ -35,17 +35,34 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ...core.config import debug_delay
 from ...core.errors import BackendError, SandboxError, UsageError
 from ...core.files import fsync_path
 from .. import _cgroups, egress
 from ..base import Limits, SandboxHandle
 from . import vmsnap
 from .qemu_qmp import QMPError, qmp
+from .qemuagent import RESTORED_RETRY
+from .qemuargv import guest_shape
+from .qemuproc import default_state, find_qemu, make_run_dir, proc_start, quit_qemu
 
-if TYPE_CHECKING:
-    from .qemu import QemuBackend
+
+class QemuGuests(Protocol):
+    """What park and thaw use of a backend (`qemu.QemuBackend`)."""
+
+    boot_timeout: float
+
+    @property
+    def name(self) -> str: ...
+    def is_alive(self, handle: SandboxHandle) -> bool: ...
+    def acceleration(self) -> dict[str, str]: ...
+    def parked_argv(self, sid: str, st: dict[str, Any]) -> list[str]: ...
+    def _require_alive(self, handle: SandboxHandle) -> None: ...
+    def _is_our_qemu(self, handle: SandboxHandle, pid: int) -> bool: ...
+    def _drop_client(self, sid: str) -> None: ...
+    def _wait_ready(self, handle: SandboxHandle, retry: float) -> None: ...
 
 STATE = "park.state"
 ARGV = "park.json"
@@ -89,7 +106,7 @@ def rss(pid: int) -> int:
     return 0
 
 
-def park(b: QemuBackend, handle: SandboxHandle) -> dict[str, Any]:
+def park(b: QemuGuests, handle: SandboxHandle) -> dict[str, Any]:
     """Save the running guest to ``park.state`` and end its QEMU. Returns the figures:
     QEMU's resident bytes before, the state file's size. On failure the guest runs on."""
     st = handle.state
@@ -153,14 +170,12 @@ def _save(qmp_path: str, tmp: Path, timeout: float) -> None:
 
 
 def _end_qemu(st: dict[str, Any], pid: int | None) -> None:
-    from .qemu import _proc_start, quit_qemu
-
-    if pid is None or _proc_start(pid) is None:
+    if pid is None or proc_start(pid) is None:
         return
     quit_qemu(st["qmp"], pid, 10.0)
 
 
-def thaw(b: QemuBackend, handle: SandboxHandle, commit: Callable[[dict[str, Any]], None],
+def thaw(b: QemuGuests, handle: SandboxHandle, commit: Callable[[dict[str, Any]], None],
          cpu_class: str | None = None) -> dict[str, Any]:
     """Bring a parked guest back: from ``park.state`` into a new QEMU, or (after a crash
     between the save and QEMU's exit) the QEMU that still holds it stopped. ``commit`` is
@@ -177,10 +192,8 @@ def thaw(b: QemuBackend, handle: SandboxHandle, commit: Callable[[dict[str, Any]
                                                        f"{handle.sandbox_id}`")
             qmp(st["qmp"], "cont")
             return st
-        from .qemu import _default_state, make_run_dir
-
         # the run dir is this node's, wherever an older handle had it
-        st.update(_default_state(handle.sandbox_id, None))
+        st.update(default_state(handle.sandbox_id, None))
         run = make_run_dir(st)
         for name in ("qmp", "agent_sock", "pidfile"):
             (run / os.path.basename(st[name])).unlink(missing_ok=True)
@@ -202,28 +215,22 @@ def thaw(b: QemuBackend, handle: SandboxHandle, commit: Callable[[dict[str, Any]
         fsync_path(sdir)
         (sdir / ARGV).unlink(missing_ok=True)  # left by an older dsec's park
         qmp(st["qmp"], "cont")
-        from .qemu import RESTORED_RETRY
-
         b._wait_ready(new, RESTORED_RETRY)  # the agent channel, attached again
     return st
 
 
 def _pause_for_tests(point: str) -> None:
-    from ...core.config import debug_delay
-
     pause = debug_delay(point)  # tests stop a park or thaw here and kill it
     if pause:
         time.sleep(pause)
 
 
 def _start(st: dict[str, Any], argv: list[str], cpu_class: str | None) -> None:
-    from .qemu import _proc_start
-
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         raise BackendError(f"QEMU could not thaw the sandbox: {proc.stderr.strip()[-1000:]}")
     pid = int(Path(st["pidfile"]).read_text().strip())
-    st["pid"], st["start_time"] = pid, _proc_start(pid)
+    st["pid"], st["start_time"] = pid, proc_start(pid)
     cg = _cgroups.Cgroup(st["cgroup"])
     kept = cg.exists()  # the group outlives the park, with its CPU class set
     cg.create()
@@ -234,14 +241,12 @@ def _start(st: dict[str, Any], argv: list[str], cpu_class: str | None) -> None:
         Path(f"/proc/{pid}/oom_score_adj").write_text(str(_cgroups.OOM_SCORE_ADJ[cpu_class]))
 
 
-def recover(b: QemuBackend, handle: SandboxHandle) -> str | None:
+def recover(b: QemuGuests, handle: SandboxHandle) -> str | None:
     """After a crash (node reconcile): no half-written state file, and no QEMU beside a
     complete one. Skips a sandbox whose park or thaw is running now. What was done, or
     None."""
     if not handle.state.get("state_dir") or not Path(handle.state["state_dir"]).is_dir():
         return None
-    from .qemu import _find_qemu
-
     with _lock(handle, wait=False) as held:
         if not held:
             return None
@@ -252,7 +257,7 @@ def recover(b: QemuBackend, handle: SandboxHandle) -> str | None:
                 (sdir / name).unlink()
                 done = "partial state removed"
         if (sdir / STATE).is_file():
-            pid = _find_qemu(handle.sandbox_id)
+            pid = find_qemu(handle.sandbox_id)
             if pid is not None:
                 _end_qemu({**handle.state}, pid)
                 done = "QEMU beside a saved state ended"
@@ -269,15 +274,13 @@ MOVED_ENV_VARS = 4096
 MOVED_TEXT = 64 << 10
 
 
-def moved_state(b: QemuBackend, old: dict[str, Any], sid: str, sdir: Path, root: Path,
+def moved_state(b: QemuGuests, old: dict[str, Any], sid: str, sdir: Path, root: Path,
                 cgroup: str, limits: Limits) -> dict[str, Any]:
     """The handle state of a parked guest whose files were moved into ``sdir`` on this node
     (run/migrate.py). Every path, the accelerator and the guest's shape are this node's own
     (``limits`` are the moved record's, checked as a create's options are); of what the
     source node sent only plain data is kept, checked: the guest's environment, working
     dir and user, and whether it was restored from a saved boot (which devices it has)."""
-    from .qemu import _default_state, guest_shape
-
     what = f"the moved sandbox {sid}'s handle"
     unknown = sorted(str(k) for k in old if k not in MOVED_KEYS)
     if unknown:
@@ -289,7 +292,7 @@ def moved_state(b: QemuBackend, old: dict[str, Any], sid: str, sdir: Path, root:
     if network not in ("none", "host"):
         raise UsageError(f"{what}: network {str(network)[:40]!r} cannot move (none or host)")
     state: dict[str, Any] = {
-        **_default_state(sid, str(sdir)), "machine": b.name, "cgroup": cgroup,
+        **default_state(sid, str(sdir)), "machine": b.name, "cgroup": cgroup,
         "root_image": str(root), "network": network, "accel": b.acceleration()["accel"],
         "env": check_moved_env(old.get("env", {}), what),
         "workdir": _moved_workdir(old.get("workdir", "/"), what),

@@ -11,7 +11,7 @@ bounded by the node's cache budget like the chunk cache); the backing file is re
 kernel (``FUSE_DEV_IOC_BACKING_OPEN``) and the open is answered with its id, after which
 reads and mmaps of that file go to the backing file inside the kernel and never reach this
 process. Debian's libfuse (3.14) predates passthrough, hence the protocol spoken directly;
-the structures below are those of ``include/uapi/linux/fuse.h`` (protocol 7.40+).
+the structures (`fuseproto`) are those of ``include/uapi/linux/fuse.h`` (protocol 7.40+).
 
 The hot requests of a walk — every file's OPEN and RELEASE, a small file's READs, a
 directory's OPENDIR, READDIRPLUS and LOOKUPs, GETATTR, FORGET — are answered by a compiled
@@ -25,14 +25,15 @@ extension, or with ``DSEC_PY_FUSELOOP`` set, this module answers every request i
 A killed server closes ``/dev/fuse``: the kernel aborts the connection (readers get
 ``ENOTCONN``) and drops every backing id; cleanup detaches the mount as for the libfuse
 daemon.
+
+The wire structures are `fuseproto`'s, backing files `backing`'s, the read-ahead of small
+files and what the compiled loop is handed of their bytes `readahead`'s; this module answers
+the requests.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import fcntl
-import hashlib
 import logging
 import os
 import stat
@@ -41,11 +42,60 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import xxhash
-
 from ...core.config import env
+from . import backing
 from .cache import ChunkCache
 from .fs import LazyFS, Node, served_xattr, served_xattr_names
+from .fuseproto import (
+    ATTR,
+    ATTR_OUT,
+    BATCH_FORGET,
+    DESTROY,
+    DIRENT,
+    ENTRY_OUT,
+    F2_PASSTHROUGH,
+    F_ASYNC_READ,
+    F_BIG_WRITES,
+    F_CACHE_SYMLINKS,
+    F_DO_READDIRPLUS,
+    F_INIT_EXT,
+    F_MAX_PAGES,
+    FLUSH,
+    FOPEN_KEEP_CACHE,
+    FOPEN_NOFLUSH,
+    FOPEN_PASSTHROUGH,
+    FORGET,
+    GETATTR,
+    GETXATTR,
+    IN_HEADER,
+    INIT,
+    INIT_IN,
+    INIT_OUT,
+    LISTXATTR,
+    LOOKUP,
+    MAX_READ,
+    MAX_WRITE,
+    NO_REPLY,
+    OPEN,
+    OPEN_OUT,
+    OPENDIR,
+    OUT_HEADER,
+    READ,
+    READ_IN,
+    READDIR,
+    READDIRPLUS,
+    READLINK,
+    RELEASE,
+    RELEASEDIR,
+    REQUEST_BUFFER,
+    STATFS,
+    TIMEOUT,
+    libc_mount,
+    supported,
+    xattr_reply,
+)
+from .fuseproto import attr as node_attr
+from .readahead import INLINE_FILE, ReadAhead
 
 try:  # built by setup.py; without it the Python loop below answers every request
     from . import _fuseloop  # type: ignore[attr-defined]
@@ -54,67 +104,18 @@ except ImportError:  # pragma: no cover - depends on the build
 
 log = logging.getLogger(__name__)
 
-KERNEL_MIN = (6, 9)
-_IN = struct.Struct("<IIQQIIIHH")  # fuse_in_header
-_OUT = struct.Struct("<IiQ")  # fuse_out_header
-_ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr
-_ENTRY = struct.Struct("<QQQQII")  # fuse_entry_out, before its fuse_attr
-_ATTR_OUT = struct.Struct("<QII")  # fuse_attr_out, before its fuse_attr
-_OPEN_OUT = struct.Struct("<QIi")
-_READ_IN = struct.Struct("<QQII")
-_INIT_IN = struct.Struct("<IIIII")
-_INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")
-_DIRENT = struct.Struct("<QQII")
-_BACKING_MAP = struct.Struct("<iIQ")
-BACKING_OPEN = 0x4010E501  # _IOW(229, 1, struct fuse_backing_map)
-
-LOOKUP, FORGET, GETATTR, READLINK, OPEN, READ, STATFS, RELEASE = 1, 2, 3, 5, 14, 15, 17, 18
-GETXATTR, LISTXATTR, FLUSH, INIT, OPENDIR, READDIR, RELEASEDIR = 22, 23, 25, 26, 27, 28, 29
-INTERRUPT, DESTROY, BATCH_FORGET, READDIRPLUS = 36, 38, 42, 44
-_NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
-
-F_ASYNC_READ, F_BIG_WRITES, F_DO_READDIRPLUS = 1 << 0, 1 << 5, 1 << 13
-F_CACHE_SYMLINKS, F_MAX_PAGES, F_INIT_EXT = 1 << 23, 1 << 22, 1 << 30
-F2_PASSTHROUGH = 1 << (37 - 32)
-FOPEN_KEEP_CACHE, FOPEN_NOFLUSH, FOPEN_PASSTHROUGH = 1 << 1, 1 << 5, 1 << 7
-TIMEOUT = 86400  # a layer never changes: entries and attributes are cached for a day
-MAX_READ = 1 << 20
-MAX_WRITE = 4096  # nothing is written to a read-only mount: the smallest the kernel takes
-REQUEST_BUFFER = 64 << 10  # >= the kernel's minimum (8 KiB) and any lookup or xattr name
-SMALL_FILE = 256 << 10  # files up to this size bring their pack neighbours along
-#: files up to this size get no backing file: their few reads are answered from memory (making
-#: a named file can cost a millisecond or more on a contended ext4, more than the reads)
-INLINE_FILE = 128 << 10
-CONTENT_XATTR = "user.dsec.xxh3"  # a backing file's content hash, checked on reuse
 #: small files' bytes the compiled loop holds at most (verified chunks it keeps, or copies of
 #: files spanning chunks; past it, further small files are read here from the memory cache)
 LOOP_INLINE_BUDGET = 64 << 20
 #: threads reading /dev/fuse through the compiled loop (each answers in C without the GIL)
 LOOP_READERS = 2
 
+__all__ = ["PassthroughServer", "compiled_loop", "supported"]
+
 
 def compiled_loop() -> bool:
     """Whether new servers answer their hot requests in the compiled loop."""
     return _fuseloop is not None and not env("DSEC_PY_FUSELOOP")
-
-
-def supported() -> str | None:
-    """None when this kernel serves lazy reads by passthrough, else why not."""
-    try:
-        rel = tuple(int(x) for x in os.uname().release.split(".")[:2])
-    except ValueError:
-        return "kernel version not understood"
-    if rel < KERNEL_MIN:
-        return f"kernel {os.uname().release} predates FUSE passthrough (6.9)"
-    return None
-
-
-def _libc_mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(source.encode(), target.encode(), fstype.encode(), ctypes.c_ulong(flags),
-                  data.encode()) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"mount {target}: {os.strerror(e)}")
 
 
 class PassthroughServer:
@@ -133,19 +134,14 @@ class PassthroughServer:
             self.inodes.setdefault(node.ino, (path, node))
         self.backing: dict[int, int] = {}  # inode -> backing id, registered once per mount
         self.locks: dict[int, threading.Lock] = {}
-        self._order: dict[int, tuple[list[int], dict[int, int]]] = {}
-        # per layer, the last read-ahead window: its chunks and its last one in pack order
-        self._windows: dict[int, tuple[frozenset[int], int]] = {}
-        self.ahead = ThreadPoolExecutor(1, thread_name_prefix="ahead")
+        self.readahead = ReadAhead(fs, self.inodes)
         self.walks = ThreadPoolExecutor(1, thread_name_prefix="walk")  # `_walked`, in order
         self.lock = threading.Lock()
         self.fd = -1
         self.passthrough = False
         self.compiled = compiled_loop() if compiled is None else compiled
         self.loop: Any = None  # the compiled loop's tables, once mounted
-        self._small: dict[int, dict[int, list[int]]] = {}  # layer -> chunk -> small files
         self._handed: set[int] = set()  # directories whose listing the loop answers
-        self._held: set[bytes] = set()  # chunks whose bytes the loop serves small files from
 
     # -- lifecycle ----------------------------------------------------------------------------
     def sweep(self) -> None:
@@ -155,12 +151,13 @@ class PassthroughServer:
 
     def mount(self) -> None:
         self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-        _libc_mount("dsec-lazy", self.mountpoint, "fuse.dsec",
+        libc_mount("dsec-lazy", self.mountpoint, "fuse.dsec",
                     os.ST_RDONLY | os.ST_NOSUID | os.ST_NODEV,
                     f"fd={self.fd},rootmode=40000,user_id=0,group_id=0,allow_other,"
                     "default_permissions")
         if self.compiled:
             self.loop = _fuseloop.Loop(self.fd, max(self.inodes) + 1, LOOP_INLINE_BUDGET)
+            self.readahead.loop = self.loop
             rec = self.fs.recorder
             if rec is not None:
                 self.loop.record_until(rec.started + rec.window)
@@ -186,8 +183,8 @@ class PassthroughServer:
             if isinstance(got, int):  # a marked file or directory was read: followed up by
                 self.walks.submit(self._walked, got)  # another thread, this one reads on
                 continue
-            ln, op, unique, nodeid, _, _, _, _, _ = _IN.unpack_from(got)
-            if self._dispatch(op, unique, nodeid, memoryview(got)[_IN.size:ln]):
+            ln, op, unique, nodeid, _, _, _, _, _ = IN_HEADER.unpack_from(got)
+            if self._dispatch(op, unique, nodeid, memoryview(got)[IN_HEADER.size:ln]):
                 return
 
     def counters(self) -> dict[str, Any]:
@@ -220,8 +217,8 @@ class PassthroughServer:
                 if e.errno == errno.ENODEV:
                     return  # unmounted
                 raise
-            ln, op, unique, nodeid, _, _, _, _, _ = _IN.unpack_from(buf)
-            body = view[_IN.size:min(ln, n)]  # valid until the next read: copied for the pool
+            ln, op, unique, nodeid, _, _, _, _, _ = IN_HEADER.unpack_from(buf)
+            body = view[IN_HEADER.size:min(ln, n)]  # valid until the next read: copied for the pool
             if self._dispatch(op, unique, nodeid, body):
                 return
 
@@ -241,7 +238,7 @@ class PassthroughServer:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.ahead.shutdown(wait=False, cancel_futures=True)
+        self.readahead.close()
         self.walks.shutdown(wait=False, cancel_futures=True)
         if self.fd >= 0:
             os.close(self.fd)
@@ -251,7 +248,7 @@ class PassthroughServer:
     def _reply(self, unique: int, data: bytes = b"", err: int = 0) -> None:
         # one writev per reply: the kernel takes each whole, so threads need no lock
         try:
-            os.writev(self.fd, [_OUT.pack(_OUT.size + len(data), -err, unique), data])
+            os.writev(self.fd, [OUT_HEADER.pack(OUT_HEADER.size + len(data), -err, unique), data])
         except OSError as e:  # ENOENT: the request was interrupted meanwhile
             if e.errno not in (errno.ENOENT, errno.ENODEV):
                 raise
@@ -260,11 +257,11 @@ class PassthroughServer:
         try:
             h = self._ops.get(op)
             if h is None:
-                if op not in _NO_REPLY:
+                if op not in NO_REPLY:
                     self._reply(unique, err=errno.ENOSYS)
                 return
             out = h(self, nodeid, body)
-            if op not in _NO_REPLY:
+            if op not in NO_REPLY:
                 self._reply(unique, out)
         except OSError as e:
             self._reply(unique, err=e.errno or errno.EIO)
@@ -278,25 +275,18 @@ class PassthroughServer:
             raise OSError(errno.ENOENT, "no such inode")
         return got
 
-    def _attr(self, node: Node) -> bytes:
-        a = node.attrs
-        sec, ns = divmod(int(a["st_mtime"]), 10**9)  # LazyFS keeps times in ns (use_ns)
-        return _ATTR.pack(node.ino, a["st_size"], a["st_blocks"], sec, sec, sec, ns, ns, ns,
-                          a["st_mode"], a["st_nlink"], a["st_uid"], a["st_gid"],
-                          a.get("st_rdev", 0), 4096, 0)
-
     def _entry(self, node: Node | None) -> bytes:
         if node is None:  # negative entry, cached as long as a positive one
-            return _ENTRY.pack(0, 0, TIMEOUT, TIMEOUT, 0, 0) + bytes(_ATTR.size)
-        attr = self._attr(node)
+            return ENTRY_OUT.pack(0, 0, TIMEOUT, TIMEOUT, 0, 0) + bytes(ATTR.size)
+        attr = node_attr(node)
         if self.loop is not None:  # its GETATTRs are answered in the compiled loop
-            self.loop.set_attr(node.ino, _ATTR_OUT.pack(TIMEOUT, 0, 0) + attr)
-        return _ENTRY.pack(node.ino, 0, TIMEOUT, TIMEOUT, 0, 0) + attr
+            self.loop.set_attr(node.ino, ATTR_OUT.pack(TIMEOUT, 0, 0) + attr)
+        return ENTRY_OUT.pack(node.ino, 0, TIMEOUT, TIMEOUT, 0, 0) + attr
 
     # -- operations ---------------------------------------------------------------------------
     def _init(self, nodeid: int, body: memoryview) -> bytes:
-        major, minor, readahead, flags, flags2 = _INIT_IN.unpack_from(
-            bytes(body).ljust(_INIT_IN.size, b"\0"))
+        major, minor, readahead, flags, flags2 = INIT_IN.unpack_from(
+            bytes(body).ljust(INIT_IN.size, b"\0"))
         if major != 7:
             raise OSError(errno.EPROTO, f"FUSE protocol {major}")
         full = flags & F_INIT_EXT and minor >= 40 and flags2 & F2_PASSTHROUGH
@@ -305,7 +295,7 @@ class PassthroughServer:
         # listed sends no LOOKUPs; link targets stay in the page cache
         out_flags = (F_ASYNC_READ | F_BIG_WRITES | F_MAX_PAGES | F_DO_READDIRPLUS
                      | F_CACHE_SYMLINKS | (F_INIT_EXT if full else 0)) & (flags | F_INIT_EXT)
-        out = _INIT_OUT.pack(7, min(minor, 40), readahead, out_flags, 16, 12, MAX_WRITE, 1,
+        out = INIT_OUT.pack(7, min(minor, 40), readahead, out_flags, 16, 12, MAX_WRITE, 1,
                              MAX_READ // 4096, 0, F2_PASSTHROUGH if full else 0, 1)
         if not full:
             log.warning("lazy mount: the kernel did not offer FUSE passthrough")
@@ -322,7 +312,7 @@ class PassthroughServer:
         return self._entry(self.fs.nodes.get(f"{base}/{name}"))
 
     def _getattr(self, nodeid: int, body: memoryview) -> bytes:
-        out = _ATTR_OUT.pack(TIMEOUT, 0, 0) + self._attr(self._node(nodeid)[1])
+        out = ATTR_OUT.pack(TIMEOUT, 0, 0) + node_attr(self._node(nodeid)[1])
         if self.loop is not None:
             self.loop.set_attr(nodeid, out)
         return out
@@ -361,7 +351,7 @@ class PassthroughServer:
             self.fs.recorder.touch(node.layer, node.entry.path)
         if not self.passthrough or node.entry.size <= INLINE_FILE:
             # no FLUSH on close either: nothing is ever written
-            return _OPEN_OUT.pack(0, FOPEN_KEEP_CACHE | FOPEN_NOFLUSH, 0)
+            return OPEN_OUT.pack(0, FOPEN_KEEP_CACHE | FOPEN_NOFLUSH, 0)
         with self.lock:
             lock = self.locks.setdefault(node.ino, threading.Lock())
         with lock:  # two openers of one file assemble it once
@@ -370,166 +360,18 @@ class PassthroughServer:
                 bid = self.backing[node.ino] = self._register(node, path)
                 if self.loop is not None:  # its next opens are answered in the loop
                     self.loop.set_open(node.ino, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, bid)
-        return _OPEN_OUT.pack(0, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, bid)
+        return OPEN_OUT.pack(0, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, bid)
 
     def _register(self, node: Node, path: str) -> int:
         """The file's backing file in the node's file cache (assembled if missing or not
         matching the content hash it was stored with), registered with the kernel."""
         src = self.fs.sources[node.layer]
-        key = file_key(src.index, node.entry)
-        bfd = self._cached(key)
+        key = backing.file_key(src.index, node.entry)
+        bfd = backing.cached(self.files, key)
         if bfd is None:
-            self._fetch_with_neighbours(node)
-            tmp = self.files.tmp / f"{key.hex()}.{os.getpid()}.{threading.get_ident()}"
-            try:
-                h = xxhash.xxh3_128()
-                with open(tmp, "wb") as f:
-                    off, size = 0, node.entry.size
-                    while off < size:
-                        data = src.read(node.entry, off, 8 << 20)
-                        if not data:
-                            raise OSError(errno.EIO, "short read")
-                        f.write(data)
-                        h.update(data)
-                        off += len(data)
-                os.setxattr(tmp, CONTENT_XATTR, h.digest())
-            except Exception as e:
-                log.error("lazy mount: reading %s (layer %d, %d bytes at 0) failed: %s",
-                          node.entry.path, node.layer, node.entry.size, e)
-                tmp.unlink(missing_ok=True)
-                raise OSError(errno.EIO, str(e)) from e
-            # opened before it moves in: eviction may unlink it at once under a small budget
-            bfd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
-            self.files.adopt(key, tmp)
-        try:
-            arg = bytearray(_BACKING_MAP.pack(bfd, 0, 0))
-            bid = fcntl.ioctl(self.fd, BACKING_OPEN, arg, True)  # True: returns the id
-        finally:
-            os.close(bfd)  # the kernel holds its own reference
-        return int(bid)
-
-    def _fetch_with_neighbours(self, node: Node) -> None:
-        """A small file's chunks, fetched (when missing) with the chunks that follow them in
-        their pack in the same ranged read: the next files of a walk then come from memory or
-        the chunk cache. A larger file is fetched alone: one request is worth its bytes."""
-        if node.entry.size > SMALL_FILE:
-            return
-        src = self.fs.sources[node.layer]
-        own = [ci for ci, _, _ in node.entry.chunks]
-        if all(src.fetcher.in_memory(src.index.chunks[ci].chunk_id) for ci in own):
-            self._publish(node.layer, own)
-            return
-        following = self._following(node.layer, own)
-        src.fetcher.chunks(src.index, own, readahead=following)
-        if following:
-            with self.lock:
-                old = self._windows.get(node.layer)
-                self._windows[node.layer] = (frozenset(following), following[-1])
-            if old is not None:
-                self._arm(node.layer, old[0], False)
-        self._publish(node.layer, own + following)
-        # on a warm node the neighbours were not fetched (they are in the chunk cache):
-        # read them from the disk ahead of the walk, with the members of the file's chunk
-        # group stored before it (a walk's order is not quite the packing order)
-        before = [s for ci in own for s in src.fetcher.siblings(src.index, ci)
-                  if s not in own and s not in following]
-        ahead = list(dict.fromkeys(before + following))
-        src.fetcher.preload(src.index, ahead, then=lambda got: self._publish(node.layer, got))
-
-    def _sequential(self, node: Node) -> None:
-        """A read of a file in its layer's last read-ahead window is a walk in pack order:
-        the window after it is loaded now in the background (from memory, the chunk cache or
-        the store in coalesced reads), so the walk finds it in memory instead of waiting."""
-        w = self._windows.get(node.layer)
-        if w is None or not any(ci in w[0] for ci, _, _ in node.entry.chunks):
-            return
-        with self.lock:
-            if self._windows.get(node.layer) is not w:
-                return  # another read took this window's turn
-            del self._windows[node.layer]
-        self._arm(node.layer, w[0], False)
-        nxt = self._following(node.layer, [w[1]])
-        if nxt:
-            with self.lock:
-                self._windows.setdefault(node.layer, (frozenset(nxt), nxt[-1]))
-            self.ahead.submit(self._load_ahead, node.layer, nxt)
-
-    def _load_ahead(self, layer: int, idxs: list[int]) -> None:
-        src = self.fs.sources[layer]
-        if self.loop is not None:
-            # chunks in the node's chunk cache: read by the preloaders in parallel and handed
-            # to the loop as they arrive; the rest fetched from the store below
-            cached = [i for i in idxs if src.fetcher.cache.has(src.index.chunks[i].chunk_id)]
-            src.fetcher.preload(src.index, cached, then=lambda got: self._publish(layer, got))
-            idxs = sorted(set(idxs) - set(cached))
-        try:
-            src.fetcher.chunks(src.index, idxs, count_stall=False)
-        except Exception as e:  # readers fetch on demand, and get EIO only from their own fetch
-            log.warning("lazy mount: reading ahead in layer %d failed: %s", layer, e)
-            return
-        self._publish(layer, idxs)
-
-    # -- the compiled loop's tables ----------------------------------------------------------
-    def _small_files(self, layer: int) -> dict[int, list[int]]:
-        """Per chunk number, the inodes of the small files (answered from memory) of
-        ``layer`` that have bytes in it."""
-        with self.lock:
-            got = self._small.get(layer)
-            if got is None:
-                got = self._small[layer] = {}
-                for ino, (_, node) in self.inodes.items():
-                    e = node.entry
-                    if node.layer == layer and e.type == "reg" and 0 < e.size <= INLINE_FILE:
-                        for ci, _, _ in e.chunks:
-                            got.setdefault(ci, []).append(ino)
-        return got
-
-    def _publish(self, layer: int, idxs: list[int]) -> None:
-        """Hand the compiled loop the bytes of the small files stored in chunks ``idxs``
-        whose chunks are all in memory (decoded and verified by the fetcher): their reads are
-        then answered there. Files of the layer's read-ahead window are marked so that their
-        first read there still starts the next window (`_walked`)."""
-        if self.loop is None:
-            return
-        src = self.fs.sources[layer]
-        files = self._small_files(layer)
-        w = self._windows.get(layer)
-        done: set[int] = set()
-        for ci in idxs:
-            for ino in files.get(ci, ()):
-                if ino in done or self.loop.has_data(ino):
-                    continue
-                done.add(ino)
-                e = self.inodes[ino][1].entry
-                parts = []
-                for c, off, ln in e.chunks:
-                    data = src.fetcher.recall(src.index.chunks[c].chunk_id)
-                    if data is None:
-                        break
-                    parts.append((data, off, ln))
-                else:
-                    armed = w is not None and any(c in w[0] for c, _, _ in e.chunks)
-                    if len(parts) == 1:  # served from the chunk's bytes, not a copy: the
-                        data, off, ln = parts[0]  # chunk counts once against the budget
-                        cid = src.index.chunks[e.chunks[0][0]].chunk_id
-                        cost = 0 if cid in self._held else len(data)
-                    else:
-                        data = b"".join(d[o:o + n] for d, o, n in parts)
-                        off, ln, cost, cid = 0, len(data), len(data), None
-                    if not self.loop.set_data(ino, data, armed, off, ln, cost):
-                        return  # the loop's budget is spent: the rest is answered here
-                    if cid is not None:
-                        self._held.add(cid)
-
-    def _arm(self, layer: int, chunks: frozenset[int], on: bool) -> None:
-        """Whether reads of the small files in ``chunks`` answered by the loop are reported
-        (the window's read-ahead starts with the first of them)."""
-        if self.loop is None:
-            return
-        files = self._small_files(layer)
-        for ci in chunks:
-            for ino in files.get(ci, ()):
-                self.loop.set_notify(ino, on)
+            self.readahead.fetch_with_neighbours(node)
+            bfd = backing.assemble(src, node, self.files, key)
+        return backing.register(self.fd, bfd)
 
     def _walked(self, ino: int) -> None:
         """The loop answered a listing handed over ahead (its subdirectories' listings are
@@ -540,67 +382,16 @@ class PassthroughServer:
                 self._hand_over_dir(f"{'' if path == '/' else path}/{sub}")
             return
         try:
-            self._sequential(node)
+            self.readahead.sequential(node)
         except Exception as e:  # read-ahead only: readers fetch what is missing themselves
             log.warning("lazy mount: reading ahead after inode %d failed: %s", ino, e)
 
-    def _following(self, layer: int, own: list[int]) -> list[int]:
-        """Chunk numbers stored right after ``own`` in their pack, up to one preferred read."""
-        with self.lock:
-            order = self._order.get(layer)
-            if order is None:
-                ix = self.fs.sources[layer].index
-                seq = sorted(range(len(ix.chunks)),
-                             key=lambda i: (ix.chunks[i].pack, ix.chunks[i].offset))
-                order = self._order[layer] = (seq, {c: n for n, c in enumerate(seq)})
-        seq, pos = order
-        src = self.fs.sources[layer]
-        budget = src.fetcher.max_read
-        out: list[int] = []
-        pack, end = -1, 0  # the stored range read so far
-        for ci in seq[max(pos[c] for c in own) + 1:] if own else ():
-            loc = src.index.chunks[ci]
-            # the members of a chunk group overlap (each runs to the end of the group's
-            # frame): a member costs only the bytes it adds to the range
-            more = loc.offset + loc.clen - end if loc.pack == pack and loc.offset < end \
-                else loc.clen
-            budget -= max(more, 0)
-            if budget < 0:
-                break
-            out.append(ci)
-            end = max(end, loc.offset + loc.clen) if loc.pack == pack else loc.offset + loc.clen
-            pack = loc.pack
-        return out
-
-    def _cached(self, key: bytes) -> int | None:
-        """An open fd of the cached backing file, if it is there and its bytes still hash to
-        what was stored with them (a damaged file is removed and assembled again)."""
-        p = self.files.path_of(key)
-        try:
-            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        try:
-            want = os.getxattr(fd, CONTENT_XATTR)
-            h = xxhash.xxh3_128()
-            while chunk := os.read(fd, 4 << 20):
-                h.update(chunk)
-            if h.digest() == want:
-                os.utime(fd)  # its last use, for the cache's eviction order
-                return fd
-        except OSError:
-            pass
-        os.close(fd)
-        log.warning("lazy mount: backing file %s is damaged; assembling it again", p)
-        p.unlink(missing_ok=True)
-        return None
-
     def _read(self, nodeid: int, body: memoryview) -> bytes:
-        _, offset, size, _ = _READ_IN.unpack_from(body)
+        _, offset, size, _ = READ_IN.unpack_from(body)
         path, node = self._node(nodeid)
         try:
-            self._fetch_with_neighbours(node)
-            self._sequential(node)
+            self.readahead.fetch_with_neighbours(node)
+            self.readahead.sequential(node)
         except Exception as e:  # as LazyFS.read: logged, and the reader gets EIO
             log.error("lazy mount: reading %s (layer %d, %d bytes at %d) failed: %s",
                       node.entry.path, node.layer, size, offset, e)
@@ -622,10 +413,10 @@ class PassthroughServer:
         return True
 
     def _opendir(self, nodeid: int, body: memoryview) -> bytes:
-        return _OPEN_OUT.pack(0, FOPEN_KEEP_CACHE, 0)
+        return OPEN_OUT.pack(0, FOPEN_KEEP_CACHE, 0)
 
     def _readdir(self, nodeid: int, body: memoryview, plus: bool = False) -> bytes:
-        _, offset, size, _ = _READ_IN.unpack_from(body)
+        _, offset, size, _ = READ_IN.unpack_from(body)
         path, node = self._node(nodeid)
         if node.children is None:
             raise OSError(errno.ENOTDIR, "not a directory")
@@ -646,7 +437,7 @@ class PassthroughServer:
         for i in range(offset, len(names)):
             name, child = names[i]
             raw = os.fsencode(name)
-            rec = _DIRENT.pack(child.ino, i + 1, len(raw),
+            rec = DIRENT.pack(child.ino, i + 1, len(raw),
                                stat.S_IFMT(child.attrs["st_mode"]) >> 12) + raw
             if plus:  # "." and "..": no entry (node id 0), the kernel keeps its own
                 rec = self._entry(child if i >= 2 else None) + rec
@@ -673,7 +464,7 @@ class PassthroughServer:
         for i, (name, child) in enumerate(names):
             raw = os.fsencode(name)
             entry = self._entry(child if i >= 2 else None)
-            rec = entry + _DIRENT.pack(child.ino, i + 1, len(raw),
+            rec = entry + DIRENT.pack(child.ino, i + 1, len(raw),
                                        stat.S_IFMT(child.attrs["st_mode"]) >> 12) + raw
             rec += bytes(-len(rec) % 8)
             recs.append(rec)
@@ -700,7 +491,7 @@ class PassthroughServer:
         val = served_xattr(e, name)
         if val is None:
             raise OSError(errno.ENODATA, "no such attribute")
-        return _xattr_reply(val, size)
+        return xattr_reply(val, size)
 
     def _listxattr(self, nodeid: int, body: memoryview) -> bytes:
         if not self.xattrs:
@@ -708,7 +499,7 @@ class PassthroughServer:
         size = struct.unpack_from("<I", body)[0]
         e = self._node(nodeid)[1].entry
         names = served_xattr_names(e)
-        return _xattr_reply(b"".join(os.fsencode(n) + b"\0" for n in names), size)
+        return xattr_reply(b"".join(os.fsencode(n) + b"\0" for n in names), size)
 
     def _statfs(self, nodeid: int, body: memoryview) -> bytes:
         return struct.pack("<QQQQQIIII24x", 0, 0, 0, len(self.fs.nodes), 0, 4096, 255, 4096, 0)
@@ -724,18 +515,3 @@ class PassthroughServer:
             FORGET: _empty, BATCH_FORGET: _empty}
 
 
-def file_key(index: Any, entry: Any) -> bytes:
-    """A regular file's name in the node's file cache: a hash of its size and its chunk
-    extents by chunk id, so identical files of any layer share one backing file."""
-    h = hashlib.sha256(struct.pack("<Q", entry.size))
-    for ci, off, ln in entry.chunks:
-        h.update(index.chunks[ci].chunk_id + struct.pack("<QQ", off, ln))
-    return h.digest()[:16]
-
-
-def _xattr_reply(val: bytes, size: int) -> bytes:
-    if size == 0:
-        return struct.pack("<II", len(val), 0)
-    if len(val) > size:
-        raise OSError(errno.ERANGE, "buffer too small")
-    return val

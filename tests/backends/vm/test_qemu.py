@@ -223,18 +223,18 @@ def test_destroy_ends_a_qemu_no_record_holds(node_dir: Path) -> None:
     handle or pidfile holds (the pid recorded or found was its parent's, now gone): destroy
     ends whatever still carries the sandbox's QEMU name. A process with that name in its
     argv stands where the daemon child would."""
-    from dsec_cli.backends.vm.qemu import _find_qemu, _qemu_name
+    from dsec_cli.backends.vm.qemuproc import find_qemu, qemu_name
 
     backend = get_backend("microvm", state_dir=node_dir)
     sid = f"orphan{os.getpid()}"
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "-name",
-                              _qemu_name(sid).decode()])
+                              qemu_name(sid).decode()])
     try:
         gone = subprocess.Popen(["true"])
         gone.wait()
         backend.destroy(SandboxHandle(sid, "microvm", {"pid": gone.pid}))
         assert child.wait(timeout=60) == -signal.SIGKILL
-        assert _find_qemu(sid) is None
+        assert find_qemu(sid) is None
     finally:
         if child.poll() is None:
             child.kill()

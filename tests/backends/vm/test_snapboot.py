@@ -18,7 +18,8 @@ import pytest
 
 from dsec_cli.backends import ExecRequest, Limits, RootfsSpec, SandboxHandle, SandboxSpec
 from dsec_cli.backends.vm import vmsnap
-from dsec_cli.backends.vm.qemu import MicroVMBackend, VMBackend, _default_state
+from dsec_cli.backends.vm.qemu import MicroVMBackend, VMBackend
+from dsec_cli.backends.vm.qemuproc import default_state
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +129,7 @@ def test_kill_9_while_the_saved_boot_is_built_leaves_nothing(base_layer: Path,
     repo = str(Path(__file__).resolve().parents[3])
     code = CHILD.format(repo=repo, node=str(node_dir), sid=sid, layer=str(base_layer), mem=mem)
     child = subprocess.Popen([sys.executable, "-c", code])
-    pidfile = Path(_default_state(f"{sid}-tpl", None)["pidfile"])
+    pidfile = Path(default_state(f"{sid}-tpl", None)["pidfile"])
     try:
         deadline = time.monotonic() + 120
         while not pidfile.is_file() or not pidfile.read_text().strip():
@@ -145,7 +146,7 @@ def test_kill_9_while_the_saved_boot_is_built_leaves_nothing(base_layer: Path,
     b.destroy(SandboxHandle(sid, "microvm", {"state_dir": str(sdir)}))
     assert not Path(f"/proc/{qemu}").exists() or b"dsec-" not in Path(
         f"/proc/{qemu}/cmdline").read_bytes()
-    assert not list(Path(_default_state(sid, None)["run_dir"]).parent.glob(f"{sid}*"))
+    assert not list(Path(default_state(sid, None)["run_dir"]).parent.glob(f"{sid}*"))
     shutil.rmtree(sdir, ignore_errors=True)  # what the node does after the backend's destroy
     # the half-built template went with the sandbox, and none was ever published half-saved
     templates = node_dir / "vm" / "templates"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -36,9 +37,9 @@ import oras.container
 import requests
 import urllib3
 
-from ...core.config import NetTimeouts, net_timeouts
-from ...core.digests import parse_object_key, validate_key
-from ...core.errors import (
+from ..core.config import NetTimeouts, net_timeouts
+from ..core.digests import parse_object_key, validate_key
+from ..core.errors import (
     DsecError,
     IntegrityError,
     NotFoundError,
@@ -47,7 +48,8 @@ from ...core.errors import (
     TransientStoreError,
     UsageError,
 )
-from .base import ObjectInfo, Store
+from ..format.closure import closure
+from ..push.stores.base import ObjectInfo, Store
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 EMPTY_TYPE = "application/vnd.oci.empty.v1+json"
@@ -124,8 +126,6 @@ def _docker_config() -> dict[str, Any]:
     """The docker client's credentials: ``$DOCKER_CONFIG/config.json`` when that is set
     (as docker reads it), else ``~/.docker/config.json``; a file that cannot be read
     counts as no credentials."""
-    import os
-
     folder = os.environ.get("DOCKER_CONFIG") or os.path.expanduser("~/.docker")
     try:
         doc = json.loads(Path(folder, "config.json").read_text())
@@ -384,8 +384,6 @@ class OCIStore(Store):
 
     def _ref_closure(self, data: bytes, what: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The dsec manifest (as config) and every object it reaches, as descriptors."""
-        from ...format.closure import closure
-
         manifest = json.loads(data)["manifest"]
         keys = closure(self, manifest)
 

@@ -11,7 +11,7 @@ import pytest
 
 from dsec_cli.backends.base import UserIds
 from dsec_cli.core.errors import UsageError
-from dsec_cli.run import runconfig
+from dsec_cli.oci import runconfig
 
 PASSWD = b"root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n"
 GROUP = b"root:x:0:\napp:x:1000:\ndev:x:1500:app\nops:x:1600:other,app\n"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..core.errors import IntegrityError, NotFoundError, TransientStoreError, UsageError
+from ..push.retry import RetryPolicy, call
 
 MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
                   "application/vnd.docker.distribution.manifest.v2+json")
@@ -278,7 +279,7 @@ def _registry_client() -> Any:
     (where the import fails, each thread then meets the same clear error)."""
     with _client_import:
         try:
-            from .stores.oci import OCIStore
+            from .store import OCIStore
         except ImportError as e:  # oras is the optional extra `oci`
             raise UsageError(f"reading images from registries needs the oci extra: {e}",
                              hint="pip install 'dsec[oci]'") from None
@@ -299,13 +300,9 @@ class RegistrySource(Source):
         self.reference = ref.reference
         # the store's HTTP client: authentication, timeouts and error mapping, written once
         self.http = OCIStore(f"oci://{ref.host}/{ref.repo}", ref.host, ref.repo, insecure)
-        from .retry import RetryPolicy
-
         self.policy = RetryPolicy.from_env()  # resolved once: it reads the config files
 
     def _get(self, path: str, what: str, **kw: Any) -> Any:
-        from .retry import call
-
         return call(lambda: self.http._request("GET", f"{self.http.base}/{path}", what, **kw),
                     what, self.policy)
 
@@ -354,6 +351,7 @@ class _RawReader:
         self.raw = raw
 
     def read(self, n: int = -1) -> bytes:
+        # loaded with the registry client only (what `_registry_client` imports)
         import requests
         import urllib3
 

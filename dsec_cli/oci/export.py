@@ -29,14 +29,15 @@ from ..core.errors import UsageError
 from ..format.index import Entry
 from ..format.reader import ChunkReader
 from ..format.tree import parent_of
-from .materialize import (
+from ..push.materialize import (
     _add_tar_member,
     _reader_for,
     check_export_dir,
     dir_into_place,
     resolve_image,
 )
-from .stores.base import Store
+from ..push.stores.base import Store
+from .sources import parse_image_ref
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -81,7 +82,7 @@ class _BlobWriter:
         self.size = 0
         self.tick = tick
         if compression == "zstd":
-            import zstandard
+            import zstandard  # only for zstd layers: gzip is the default
 
             self.c: Any = zstandard.ZstdCompressor(level=3).compressobj()
         else:
@@ -208,8 +209,7 @@ def write_layout(store: Store, ref: str, dest: Path, *, compression: str = "gzip
 def push_layout(layout: Path, report: ExportReport, target: str, insecure: bool) -> None:
     """Upload a layout written by `write_layout` to ``host/repo:tag``: blobs the registry
     lacks, then the manifest under the tag."""
-    from .ocisource import parse_image_ref
-    from .stores.oci import OCIStore
+    from .store import OCIStore  # oras, the optional extra: loaded only to push
 
     ref = parse_image_ref(target)
     if ref.digest:
