@@ -249,10 +249,14 @@ class AsyncSandbox:
         self._rec = await self.node.lookup(self.id)
         return out
 
-    async def thaw(self, prefetch: bool = False) -> dict[str, Any]:
-        """As `Sandbox.thaw` (on its own node)."""
-        out = dict(await blocking(self._sync().thaw, prefetch))
-        self._rec = await self.node.lookup(self.id)
+    async def thaw(self, prefetch: bool = False, to: str | None = None) -> dict[str, Any]:
+        """As `Sandbox.thaw`: with ``to``, a parked VM moves to that node first (this
+        object then names it there)."""
+        sync = self._sync()
+        out = dict(await blocking(sync.thaw, prefetch, to))
+        if to is not None:
+            self.node = _async(sync.node)
+        self._rec = await self.node.lookup(sync.id)
         return out
 
     async def set_egress(self, rules: list[str]) -> dict[str, Any]:
