@@ -26,13 +26,13 @@ from typing import Any, Literal
 
 from ..backends.base import ExecResult
 from ..backends.sandbox_agent.aio import AsyncOutputCallback, AsyncStdin
-from ..core import validate
 from ..core.errors import UsageError
 from ..run.aio import AsyncNode, async_node, blocking
 from ..run.contract import NodeAPI
 from ..run.node import local_node
+from ..run.options import CreateOptions
 from .process import DEFAULT_KEEP, AsyncProcess
-from .sandboxes import Sandbox, create_options, removal_at_exit, target
+from .sandboxes import Sandbox, new_sandbox_options, removal_at_exit, target
 from .sandboxes import create as create_sync
 
 __all__ = ["AsyncSandbox", "ExecResult", "close_sessions"]
@@ -95,29 +95,17 @@ class AsyncSandbox:
         made. ``node``: a cluster node's name, ``"auto"``, or None/``"local"``.
         ``remove_at_exit``: removed when the object is collected or the interpreter exits
         (whichever is first), from any thread, without the event loop."""
-        sb = await cls._create(image, backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
-                               network=network, env=env, workdir=workdir,
-                               state_dir=state_dir, store=store, node=node, disk=disk,
-                               cpu_class=cpu_class, egress=egress, user=user)
+        opts = new_sandbox_options(image, node, backend, cpus=cpus, memory=memory, pids=pids,
+                                   ttl=ttl, network=network, env=env, workdir=workdir,
+                                   disk=disk, cpu_class=cpu_class, user=user, egress=egress)
+        sb = await cls._create(image, opts, node, state_dir, store)
         if remove_at_exit:
             sb._finalizer = removal_at_exit(sb, sb._sync().node, sb.id)
         return sb
 
     @classmethod
-    async def _create(cls, image: str | Path, backend: str, *, cpus: float | None,
-                      memory: int | str | None, pids: int | None, ttl: float | str | None,
-                      network: Literal["none", "host", "allowlist"],
-                      env: dict[str, str] | None, workdir: str | None,
-                      state_dir: str | Path | None, store: str | None, node: str | None,
-                      disk: int | str | None, cpu_class: str | None,
-                      egress: list[str] | None, user: str | None) -> AsyncSandbox:
-        if isinstance(image, str):
-            validate.image(image, "image")
-        validate.node_option(node, "node")
-        opts = create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
-                              network=network, env=env, workdir=workdir, disk=disk,
-                              cpu_class=cpu_class, user=user)
-        opts.egress = list(egress or [])
+    async def _create(cls, image: str | Path, opts: CreateOptions, node: str | None,
+                      state_dir: str | Path | None, store: str | None) -> AsyncSandbox:
         if node == "auto":  # placement asks every node: the threaded fan-out, awaited
             sync_node, rec = await blocking(create_sync, image, opts, node, state_dir, store)
             return cls(rec, _async(sync_node))

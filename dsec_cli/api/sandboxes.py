@@ -28,7 +28,7 @@ from ..run.options import CPU_CLASS_CHOICES as CPU_CLASSES  # cpu_class= values
 from ..run.state import SandboxRecord
 
 __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "CreateOptions", "NodeAPI",
-           "run",
+           "run", "new_sandbox_options",
            "list_sandboxes", "gc_node", "create_many", "create", "create_options", "target",
            "exec_in", "command_for", "copy", "ps", "remove", "pause", "resume", "snapshot",
            "fork", "park", "thaw", "top", "CPU_CLASSES", "drop_connections"]
@@ -86,13 +86,9 @@ class Sandbox:
         (NAME, UID, NAME:GROUP, UID:GID; default: the image's user). ``remove_at_exit``:
         the sandbox is removed when this object is garbage collected or the interpreter
         exits, whichever comes first (otherwise it lives until removed or its ttl)."""
-        if isinstance(image, str):
-            validate.image(image, "image")
-        validate.node_option(node, "node")
-        opts = create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
-                              network=network, env=env, workdir=workdir, disk=disk,
-                              cpu_class=cpu_class, user=user)
-        opts.egress = list(egress or [])
+        opts = new_sandbox_options(image, node, backend, cpus=cpus, memory=memory, pids=pids,
+                                   ttl=ttl, network=network, env=env, workdir=workdir,
+                                   disk=disk, cpu_class=cpu_class, user=user, egress=egress)
         self.node, self._rec = create(image, opts, node, state_dir, store)
         self._finalizer = removal_at_exit(self, self.node, self.id) if remove_at_exit else None
 
@@ -248,6 +244,18 @@ class Sandbox:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+
+def new_sandbox_options(image: str | Path, node: str | None, backend: str, *,
+                        egress: list[str] | None = None, **options: Any) -> CreateOptions:
+    """The checked image, node and options of a new `Sandbox` or `AsyncSandbox` (the
+    keywords of `create_options`), before anything is made."""
+    if isinstance(image, str):
+        validate.image(image, "image")
+    validate.node_option(node, "node")
+    opts = create_options(backend, **options)
+    opts.egress = list(egress or [])  # checked against the network by `CreateOptions`
+    return opts
 
 
 def removal_at_exit(owner: object, node: NodeAPI, sandbox_id: str) -> weakref.finalize:

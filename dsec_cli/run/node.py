@@ -190,13 +190,11 @@ class Node:
         if img is None:
             img = self.resolve_image(image) if fetch == "eager" else \
                 images.lazy(self.store(), self.cache_root, self.sandboxes_dir / sid, image)
-        limits = Limits(cpus=opts.cpus, memory=opts.memory, pids=opts.pids, disk=opts.disk,
-                        cpu_class=opts.cpu_class)
+        limits = Limits(**opts.limits())
         env = {**img.env, **opts.env}
         workdir = opts.workdir or img.workdir or "/"
         spec_row: dict[str, Any] = {
-            "limits": {"cpus": opts.cpus, "memory": opts.memory, "pids": opts.pids,
-                       "disk": opts.disk, "cpu_class": opts.cpu_class},
+            "limits": opts.limits(),
             "network": opts.network, "env": env, "workdir": workdir,
             "layer_digests": img.layer_digests, "from_store": img.from_store, "fetch": fetch,
             **runconfig.image_command(img.annotations)}
