@@ -31,8 +31,10 @@ from ..run.aio import AsyncNode, async_node, blocking
 from ..run.contract import NodeAPI
 from ..run.node import local_node
 from ..run.options import CreateOptions
+from .options import new_sandbox_options
 from .process import DEFAULT_KEEP, AsyncProcess
-from .sandboxes import Sandbox, new_sandbox_options, removal_at_exit, target
+from .routing import target
+from .sandboxes import Sandbox, removal_at_exit
 from .sandboxes import create as create_sync
 
 __all__ = ["AsyncSandbox", "ExecResult", "close_sessions"]

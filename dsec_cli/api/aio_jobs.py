@@ -40,12 +40,11 @@ from .jobs import (
     _jobs,
     _MemberState,
     _RolloutDoc,
-    _secs,
     _step_argv,
     _write_step,
     settings,
 )
-from .sandboxes import create_options
+from .options import create_options, secs
 
 __all__ = ["AsyncJob", "AsyncRollout", "AsyncGroup", "AsyncMember", "journaled_exec"]
 
@@ -420,7 +419,7 @@ class AsyncJob:
         return dict(await self._jobs.get(self.name))
 
     async def renew(self, ttl: float | str | None = None) -> dict[str, Any]:
-        t = _secs(ttl, "ttl")
+        t = secs(ttl, "ttl")
         for _, jobs in self._all_jobs()[1:]:
             await jobs.renew(name=self.name, ttl=t)
         return dict(await self._jobs.renew(self.name, t))

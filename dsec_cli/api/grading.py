@@ -20,6 +20,7 @@ from ..push.stores.base import Store
 from ..run.grade import GradeResult
 from ..run.node import Node
 from .images import _store
+from .routing import target
 
 __all__ = ["GitCheck", "GradeResult", "git_scrub_layer", "git_check", "grade", "start_task"]
 
@@ -77,8 +78,6 @@ def git_check(ref: str, path: str, store: str | Store | None = None) -> GitCheck
 
 def _node(sandbox_id: str, state_dir: str | Path | None) -> Any:
     """This node, or the cluster node (a `RemoteNode`) a ``NODE/ID`` sandbox is on."""
-    from .sandboxes import target
-
     return target(sandbox_id, None, state_dir)
 
 

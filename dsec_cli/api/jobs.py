@@ -32,21 +32,13 @@ from ..core import validate
 from ..core.errors import DsecError, UsageError
 from ..run.jobs import JobSettings, NodeJobs, check_name, node_jobs
 from ..run.node import local_node
-from .sandboxes import create_options
+from .options import create_options, secs
 
 __all__ = ["Job", "Rollout", "Group", "Member", "JobSettings", "list_jobs", "start_job",
            "renew_job", "park_job", "thaw_job", "remove_job", "journal", "grades", "replay",
            "job_rollouts"]
 
 log = logging.getLogger(__name__)
-
-
-def _secs(v: float | str | None, what: str) -> float | None:
-    if v is None:
-        return None
-    if isinstance(v, int | float):
-        return float(v)
-    return validate.duration(v, what)
 
 
 def _jobs(state_dir: str | Path | None = None, store: str | None = None) -> NodeJobs:
@@ -95,7 +87,7 @@ def settings(ttl: float | str | None = None, park_grace: float | str | None = No
     out: dict[str, Any] = {}
     for name, v in (("ttl", ttl), ("park_grace", park_grace), ("reclaim_grace", reclaim_grace),
                     ("retain", retain), ("snapshot_seconds", snapshot_interval)):
-        s = _secs(v, prefix + name.replace("_", "-"))
+        s = secs(v, prefix + name.replace("_", "-"))
         if s is not None:
             out[name] = s
     if max_concurrent is not None:
@@ -396,7 +388,7 @@ class Job:
         return self._jobs.get(self.name)
 
     def renew(self, ttl: float | str | None = None) -> dict[str, Any]:
-        t = _secs(ttl, "ttl")
+        t = secs(ttl, "ttl")
         for _, jobs in self._all_jobs()[1:]:
             jobs.renew(self.name, t)
         return self._jobs.renew(self.name, t)
@@ -595,7 +587,7 @@ def job_rollouts(name: str, state_dir: str | Path | None = None) -> list[dict[st
 
 def renew_job(name: str, ttl: float | str | None = None,
               state_dir: str | Path | None = None) -> dict[str, Any]:
-    return _jobs(state_dir).renew(name, _secs(ttl, "--ttl"))
+    return _jobs(state_dir).renew(name, secs(ttl, "--ttl"))
 
 
 def park_job(name: str, state_dir: str | Path | None = None) -> dict[str, Any]:

@@ -26,6 +26,9 @@ from ..run.contract import NodeAPI
 from ..run.node import CreateOptions, Node, local_node
 from ..run.options import CPU_CLASS_CHOICES as CPU_CLASSES  # cpu_class= values
 from ..run.state import SandboxRecord
+from .options import create_options, new_sandbox_options
+from .options import size as _size
+from .routing import target
 
 __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "CreateOptions", "NodeAPI",
            "run", "new_sandbox_options",
@@ -47,15 +50,6 @@ def __getattr__(name: str) -> Any:
 
         return getattr(fnpool, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _size(v: int | str | None, what: str) -> int | None:
-    return None if v is None else v if isinstance(v, int) else validate.size(v, what)
-
-
-def _secs(v: float | str | None, what: str) -> float | None:
-    return None if v is None else float(v) if isinstance(v, int | float) \
-        else validate.duration(v, what)
 
 
 class Sandbox:
@@ -246,18 +240,6 @@ class Sandbox:
         self.remove()
 
 
-def new_sandbox_options(image: str | Path, node: str | None, backend: str, *,
-                        egress: list[str] | None = None, **options: Any) -> CreateOptions:
-    """The checked image, node and options of a new `Sandbox` or `AsyncSandbox` (the
-    keywords of `create_options`), before anything is made."""
-    if isinstance(image, str):
-        validate.image(image, "image")
-    validate.node_option(node, "node")
-    opts = create_options(backend, **options)
-    opts.egress = list(egress or [])  # checked against the network by `CreateOptions`
-    return opts
-
-
 def removal_at_exit(owner: object, node: NodeAPI, sandbox_id: str) -> weakref.finalize:
     """Remove ``sandbox_id`` when ``owner`` is collected or, at the latest, when the
     interpreter exits: a finalizer runs at exit before modules are torn down, where a
@@ -365,45 +347,6 @@ def shell_join(argv: list[str]) -> str:
 
 
 # -- routing and the functions the CLI calls ----------------------------------------------------
-def target(sandbox_id: str | None = None, node: str | None = None,
-           state_dir: str | Path | None = None, store: str | None = None) -> NodeAPI:
-    """The node holding a sandbox (named in a ``NODE/ID`` id, or by ``node``), or this one."""
-    validate.node_option(node, "--node")
-    if sandbox_id is not None:
-        validate.sandbox_id(sandbox_id)
-    if node or (sandbox_id and "/" in sandbox_id):
-        from ..run.cluster.api import node_for
-
-        return node_for(sandbox_id, node, state_dir)
-    return local_node(state_dir, store)
-
-
-def create_options(backend: str = "container", *, cpus: float | None = None,
-                   memory: int | str | None = None, pids: int | None = None,
-                   ttl: float | str | None = None, network: str = "none",
-                   env: dict[str, str] | None = None, workdir: str | None = None,
-                   fetch: str = "auto", disk: int | str | None = None,
-                   cpu_class: str | None = None, prefix: str = "",
-                   user: str | None = None, egress: list[str] | None = None) -> CreateOptions:
-    """Checked create options; errors name each option with ``prefix`` (``--`` for flags).
-    ``egress``: what network ``allowlist`` lets out (``host:PORT``, ``IPV4:PORT``)."""
-    validate.positive_float(cpus, prefix + "cpus", validate.MAX_CPUS)
-    validate.positive_int(pids, prefix + "pids", maximum=validate.MAX_PIDS)
-    rules = list(egress or [])
-    if rules:
-        from ..backends.egress import parse_rule
-
-        for rule in rules:
-            parse_rule(rule)  # each bad rule is named
-        if network != "allowlist":
-            raise UsageError(f"{prefix}egress {rules[0]!r} needs {prefix}network allowlist")
-    return CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, prefix + "memory"),
-                         pids=pids, ttl=_secs(ttl, prefix + "ttl"),
-                         network=network, env=dict(env or {}),  # type: ignore[arg-type]
-                         workdir=workdir, fetch=fetch, disk=_size(disk, prefix + "disk"),
-                         cpu_class=cpu_class, user=user, egress=rules)
-
-
 def create(image: str | Path, opts: CreateOptions, node: str | None = None,
            state_dir: str | Path | None = None, store: str | None = None
            ) -> tuple[NodeAPI, SandboxRecord | Any]:
