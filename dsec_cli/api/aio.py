@@ -26,15 +26,15 @@ from typing import Any, Literal
 
 from ..backends.base import ExecResult
 from ..backends.sandbox_agent.aio import AsyncOutputCallback, AsyncStdin
-from ..core.errors import UsageError
-from ..run.aio import AsyncNode, async_node, blocking
+from ..run.aio import AsyncNode, async_node, blocking, close_connections
 from ..run.contract import NodeAPI
+from ..run.fork import check_count
 from ..run.node import local_node
 from ..run.options import CreateOptions
 from .options import new_sandbox_options
 from .process import DEFAULT_KEEP, AsyncProcess
 from .routing import target
-from .sandboxes import Sandbox, removal_at_exit
+from .sandboxes import Sandbox, _user_kw, exec_argv, refuse_key, removal_at_exit
 from .sandboxes import create as create_sync
 
 __all__ = ["AsyncSandbox", "ExecResult", "close_sessions"]
@@ -137,7 +137,7 @@ class AsyncSandbox:
         In a job's sandbox on this node the exec is a journaled step, as with `Sandbox`
         (its output comes once the step is committed); ``key`` then makes it run at most
         once (a retry is served from the journal)."""
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        argv = exec_argv(cmd)
         if isinstance(self.node, AsyncNode) and \
                 (self._job is not False or key is not None):
             res = await self._journaled(argv, key, stdin=stdin, env=env, cwd=cwd,
@@ -145,19 +145,11 @@ class AsyncSandbox:
                                         capture_limit=capture_limit, user=user)
             if res is not None:
                 return res
-        if key is not None:
-            raise UsageError("exec key= needs a sandbox owned by a job on this node",
-                             hint="make it with `AsyncJob.sandbox` or `dsec run --job`")
-        if user is None:
-            return await self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=stdin,
-                                        timeout=timeout, on_output=on_output,
-                                        capture_limit=capture_limit)
-        if not isinstance(self.node, AsyncNode):
-            raise UsageError("an exec's user can be given only on this node's sandboxes",
-                             hint="create the sandbox with the user instead")
+        refuse_key(key, "AsyncJob")
+        extra = _user_kw(None if isinstance(self.node, AsyncNode) else self.node, user)
         return await self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=stdin,
                                     timeout=timeout, on_output=on_output,
-                                    capture_limit=capture_limit, user=user)
+                                    capture_limit=capture_limit, **extra)
 
     async def spawn(self, cmd: str | list[str], *, env: dict[str, str] | None = None,
                     cwd: str | None = None, user: str | None = None,
@@ -216,8 +208,6 @@ class AsyncSandbox:
 
     async def fork(self, n: int) -> list[AsyncSandbox]:
         """As `Sandbox.fork`: ``n`` copies of this sandbox's files, on its node."""
-        from ..run.fork import check_count
-
         out = await self.node.fork(self.id, check_count(n))
         return [AsyncSandbox(r, self.node) for r in out["copies"]]
 
@@ -278,7 +268,6 @@ class AsyncSandbox:
 async def close_sessions() -> None:
     """Close the running loop's agent connections and cluster sessions (the ssh processes
     exit). Call it before the loop ends, as `asyncio.run` does not wait for them."""
-    from ..run.aio import close_connections
     from ..run.cluster.aio import close_channels
 
     await close_connections()
