@@ -27,9 +27,10 @@ from typing import Any, Protocol
 
 from ..backends.base import ExecResult
 from ..core.errors import DsecError
-from ..run.aio import async_node, blocking, executor
+from ..run.aio import _whole, async_node, blocking, executor
 from ..run.jobs import NodeJobs, Step, StepRunning, check_name, node_jobs
 from ..run.node import Node
+from ..run.options import CreateOptions
 from .jobs import (
     _beat_every,
     _beat_failed,
@@ -209,8 +210,6 @@ async def journaled_exec(node: Node, sandbox_id: str, argv: list[str], *,
     if rid is None:
         return None
     refuse_step_user(kw.get("user"), "user=")
-    from ..run.aio import _whole
-
     # the journal keeps the stdin to replay it, and the whole output (a result served
     # again must be the same): the caller gets it once the step is committed
     stdin = await _whole(kw.get("stdin"))
@@ -522,7 +521,6 @@ class AsyncJob:
         the shared executor), each journaled on its node."""
         from ..run.cluster.api import create_many
         from ..run.cluster.jobs import RemoteJobs as ThreadedRemoteJobs
-        from ..run.node import CreateOptions
 
         def make(i: int, node: Any) -> Any:
             rj = ThreadedRemoteJobs(node)

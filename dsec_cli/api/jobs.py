@@ -33,6 +33,7 @@ from ..core import validate
 from ..core.errors import DsecError, UsageError
 from ..run.jobs import JobSettings, NodeJobs, check_name, node_jobs
 from ..run.node import local_node
+from ..run.options import CreateOptions
 from .options import create_options, secs
 
 __all__ = ["Job", "Rollout", "Group", "Member", "JobSettings", "list_jobs", "start_job",
@@ -540,7 +541,6 @@ class Job:
                 list(ex.map(lambda m: self._create_member(m, image, opts, name), members))
             return
         from ..run.cluster.api import create_many
-        from ..run.node import CreateOptions
 
         def make(i: int, node: Any) -> Any:
             rj = self._remote_jobs(node)

@@ -158,8 +158,6 @@ def local_node(state_dir: str | Path | None = None, store: str | None = None) ->
     """The process-wide Node for a state dir (shared so agent connections stay warm); a
     long-lived process (the command server) gets a new one when the state dir was removed
     and made again."""
-    from ..core.config import load_config
-
     key = str(Path(state_dir or load_config().state_dir).absolute()) + "|" + (store or "")
     with _nodes_lock:
         n = _nodes.get(key)
