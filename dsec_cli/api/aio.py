@@ -157,11 +157,8 @@ class AsyncSandbox:
         """Start a command (a list, or a string for `sh -c`) and leave it running: the
         `AsyncProcess` keeps its output as it arrives (up to ``keep`` bytes) for `read`,
         iteration or `wait`, takes stdin with `write`, and ends it with `kill`."""
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        if user is not None and not isinstance(self.node, AsyncNode):
-            raise UsageError("an exec's user can be given only on this node's sandboxes",
-                             hint="create the sandbox with the user instead")
-        return AsyncProcess(self, argv, env=env, cwd=cwd, user=user, keep=keep)
+        _user_kw(None if isinstance(self.node, AsyncNode) else self.node, user)
+        return AsyncProcess(self, exec_argv(cmd), env=env, cwd=cwd, user=user, keep=keep)
 
     async def _journaled(self, argv: list[str], key: str | None,
                          **kw: Any) -> ExecResult | None:
