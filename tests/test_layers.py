@@ -146,12 +146,6 @@ KNOWN_CYCLES: dict[frozenset[str], str] = {
     frozenset({"dsec_cli.build.builder", "dsec_cli.build.dockerfile_build"}):
         "dockerfile_build returns the builder's BuildReport, and the builder dispatches "
         "Dockerfile specs to it",
-    frozenset({"dsec_cli.run.node", "dsec_cli.run.reaper"}):
-        "Node.create starts the reaper of sandboxes with a TTL, which removes them through "
-        "a Node",
-    frozenset({"dsec_cli.api.grading", "dsec_cli.api.images", "dsec_cli.api.jobs",
-               "dsec_cli.api.sandboxes"}):
-        "the API modules call one another's entry points",
     frozenset({"dsec_cli.cli", "dsec_cli.cli.build_io", "dsec_cli.cli.fast",
                "dsec_cli.cli.group", "dsec_cli.cli.render", "dsec_cli.cli.sandbox_io"}):
         "the commands' helpers reach the entry point's shared objects, imported late to "

@@ -26,13 +26,15 @@ from typing import Any, Literal
 
 from ..backends.base import ExecResult
 from ..backends.sandbox_agent.aio import AsyncOutputCallback, AsyncStdin
-from ..core import validate
-from ..core.errors import UsageError
-from ..run.aio import AsyncNode, async_node, blocking
+from ..run.aio import AsyncNode, async_node, blocking, close_connections
 from ..run.contract import NodeAPI
+from ..run.fork import check_count
 from ..run.node import local_node
+from ..run.options import CreateOptions
+from .options import new_sandbox_options
 from .process import DEFAULT_KEEP, AsyncProcess
-from .sandboxes import Sandbox, create_options, removal_at_exit, target
+from .routing import target
+from .sandboxes import Sandbox, _user_kw, exec_argv, refuse_key, removal_at_exit
 from .sandboxes import create as create_sync
 
 __all__ = ["AsyncSandbox", "ExecResult", "close_sessions"]
@@ -95,29 +97,17 @@ class AsyncSandbox:
         made. ``node``: a cluster node's name, ``"auto"``, or None/``"local"``.
         ``remove_at_exit``: removed when the object is collected or the interpreter exits
         (whichever is first), from any thread, without the event loop."""
-        sb = await cls._create(image, backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
-                               network=network, env=env, workdir=workdir,
-                               state_dir=state_dir, store=store, node=node, disk=disk,
-                               cpu_class=cpu_class, egress=egress, user=user)
+        opts = new_sandbox_options(image, node, backend, cpus=cpus, memory=memory, pids=pids,
+                                   ttl=ttl, network=network, env=env, workdir=workdir,
+                                   disk=disk, cpu_class=cpu_class, user=user, egress=egress)
+        sb = await cls._create(image, opts, node, state_dir, store)
         if remove_at_exit:
             sb._finalizer = removal_at_exit(sb, sb._sync().node, sb.id)
         return sb
 
     @classmethod
-    async def _create(cls, image: str | Path, backend: str, *, cpus: float | None,
-                      memory: int | str | None, pids: int | None, ttl: float | str | None,
-                      network: Literal["none", "host", "allowlist"],
-                      env: dict[str, str] | None, workdir: str | None,
-                      state_dir: str | Path | None, store: str | None, node: str | None,
-                      disk: int | str | None, cpu_class: str | None,
-                      egress: list[str] | None, user: str | None) -> AsyncSandbox:
-        if isinstance(image, str):
-            validate.image(image, "image")
-        validate.node_option(node, "node")
-        opts = create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
-                              network=network, env=env, workdir=workdir, disk=disk,
-                              cpu_class=cpu_class, user=user)
-        opts.egress = list(egress or [])
+    async def _create(cls, image: str | Path, opts: CreateOptions, node: str | None,
+                      state_dir: str | Path | None, store: str | None) -> AsyncSandbox:
         if node == "auto":  # placement asks every node: the threaded fan-out, awaited
             sync_node, rec = await blocking(create_sync, image, opts, node, state_dir, store)
             return cls(rec, _async(sync_node))
@@ -147,7 +137,7 @@ class AsyncSandbox:
         In a job's sandbox on this node the exec is a journaled step, as with `Sandbox`
         (its output comes once the step is committed); ``key`` then makes it run at most
         once (a retry is served from the journal)."""
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        argv = exec_argv(cmd)
         if isinstance(self.node, AsyncNode) and \
                 (self._job is not False or key is not None):
             res = await self._journaled(argv, key, stdin=stdin, env=env, cwd=cwd,
@@ -155,19 +145,11 @@ class AsyncSandbox:
                                         capture_limit=capture_limit, user=user)
             if res is not None:
                 return res
-        if key is not None:
-            raise UsageError("exec key= needs a sandbox owned by a job on this node",
-                             hint="make it with `AsyncJob.sandbox` or `dsec run --job`")
-        if user is None:
-            return await self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=stdin,
-                                        timeout=timeout, on_output=on_output,
-                                        capture_limit=capture_limit)
-        if not isinstance(self.node, AsyncNode):
-            raise UsageError("an exec's user can be given only on this node's sandboxes",
-                             hint="create the sandbox with the user instead")
+        refuse_key(key, "AsyncJob")
+        extra = _user_kw(None if isinstance(self.node, AsyncNode) else self.node, user)
         return await self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=stdin,
                                     timeout=timeout, on_output=on_output,
-                                    capture_limit=capture_limit, user=user)
+                                    capture_limit=capture_limit, **extra)
 
     async def spawn(self, cmd: str | list[str], *, env: dict[str, str] | None = None,
                     cwd: str | None = None, user: str | None = None,
@@ -175,11 +157,8 @@ class AsyncSandbox:
         """Start a command (a list, or a string for `sh -c`) and leave it running: the
         `AsyncProcess` keeps its output as it arrives (up to ``keep`` bytes) for `read`,
         iteration or `wait`, takes stdin with `write`, and ends it with `kill`."""
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        if user is not None and not isinstance(self.node, AsyncNode):
-            raise UsageError("an exec's user can be given only on this node's sandboxes",
-                             hint="create the sandbox with the user instead")
-        return AsyncProcess(self, argv, env=env, cwd=cwd, user=user, keep=keep)
+        _user_kw(None if isinstance(self.node, AsyncNode) else self.node, user)
+        return AsyncProcess(self, exec_argv(cmd), env=env, cwd=cwd, user=user, keep=keep)
 
     async def _journaled(self, argv: list[str], key: str | None,
                          **kw: Any) -> ExecResult | None:
@@ -226,8 +205,6 @@ class AsyncSandbox:
 
     async def fork(self, n: int) -> list[AsyncSandbox]:
         """As `Sandbox.fork`: ``n`` copies of this sandbox's files, on its node."""
-        from ..run.fork import check_count
-
         out = await self.node.fork(self.id, check_count(n))
         return [AsyncSandbox(r, self.node) for r in out["copies"]]
 
@@ -249,10 +226,14 @@ class AsyncSandbox:
         self._rec = await self.node.lookup(self.id)
         return out
 
-    async def thaw(self, prefetch: bool = False) -> dict[str, Any]:
-        """As `Sandbox.thaw` (on its own node)."""
-        out = dict(await blocking(self._sync().thaw, prefetch))
-        self._rec = await self.node.lookup(self.id)
+    async def thaw(self, prefetch: bool = False, to: str | None = None) -> dict[str, Any]:
+        """As `Sandbox.thaw`: with ``to``, a parked VM moves to that node first (this
+        object then names it there)."""
+        sync = self._sync()
+        out = dict(await blocking(sync.thaw, prefetch, to))
+        if to is not None:
+            self.node = _async(sync.node)
+        self._rec = await self.node.lookup(sync.id)
         return out
 
     async def set_egress(self, rules: list[str]) -> dict[str, Any]:
@@ -284,7 +265,6 @@ class AsyncSandbox:
 async def close_sessions() -> None:
     """Close the running loop's agent connections and cluster sessions (the ssh processes
     exit). Call it before the loop ends, as `asyncio.run` does not wait for them."""
-    from ..run.aio import close_connections
     from ..run.cluster.aio import close_channels
 
     await close_connections()

@@ -20,32 +20,38 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from ..backends.base import ExecResult
-from ..core.errors import DsecError, UsageError
-from ..run.aio import async_node, blocking, executor
+from ..core.errors import DsecError
+from ..run.aio import _whole, async_node, blocking, executor
 from ..run.jobs import NodeJobs, Step, StepRunning, check_name, node_jobs
 from ..run.node import Node
+from ..run.options import CreateOptions
 from .jobs import (
+    _beat_every,
+    _beat_failed,
     _check_written,
     _doc_settings,
-    _group_where,
+    _group_plan,
     _GroupMembers,
     _is_lost,
     _jobs,
+    _live_sandbox,
     _MemberState,
     _RolloutDoc,
-    _secs,
-    _step_argv,
+    _SlotWait,
+    _step,
+    _wanted,
     _write_step,
+    refuse_step_user,
     settings,
+    step_output,
 )
-from .sandboxes import create_options
+from .options import create_options, secs
 
 __all__ = ["AsyncJob", "AsyncRollout", "AsyncGroup", "AsyncMember", "journaled_exec"]
 
@@ -203,10 +209,7 @@ async def journaled_exec(node: Node, sandbox_id: str, argv: list[str], *,
     rid = await blocking(owned)
     if rid is None:
         return None
-    if kw.get("user") is not None:
-        raise UsageError("a job's steps run as its sandbox's user: user= is not taken here")
-    from ..run.aio import _whole
-
+    refuse_step_user(kw.get("user"), "user=")
     # the journal keeps the stdin to replay it, and the whole output (a result served
     # again must be the same): the caller gets it once the step is committed
     stdin = await _whole(kw.get("stdin"))
@@ -214,24 +217,18 @@ async def journaled_exec(node: Node, sandbox_id: str, argv: list[str], *,
                                         stdin=stdin, timeout=kw.get("timeout"), key=key)
     on_output = kw.get("on_output")
     if on_output is not None:  # the output, once the step is committed (as the sync path)
-        for kind, data in (("stdout", res.stdout), ("stderr", res.stderr)):
-            if data:
-                r = on_output(kind, data)
-                if asyncio.iscoroutine(r):
-                    await r
+        for kind, data in step_output(res):
+            r = on_output(kind, data)
+            if asyncio.iscoroutine(r):
+                await r
     return res
 
 
 class AsyncRollout(_RolloutDoc):
     """One sandbox of an `AsyncJob`: its execs are journaled steps (as `Rollout`)."""
 
-    def __init__(self, job: AsyncJob, doc: dict[str, Any], jobs: Any = None,
-                 node: str | None = None, ticket: str | None = None) -> None:
-        self.job = job
-        self._doc = doc
-        self._jobs: AsyncJobs = jobs if jobs is not None else job._jobs
-        self.node = node
-        self._ticket = ticket
+    job: AsyncJob
+    _jobs: AsyncJobs
 
     async def info(self) -> dict[str, Any]:
         self._doc = dict(await self._jobs.rollout(rid=self.id))
@@ -241,8 +238,7 @@ class AsyncRollout(_RolloutDoc):
                    stdin: bytes | str | None = None, env: dict[str, str] | None = None,
                    cwd: str | None = None, timeout: float | None = None) -> ExecResult:
         """As `Rollout.exec`: the rollout's next step; a retried ``key`` runs nothing."""
-        argv = _step_argv(cmd)
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        argv, data = _step(cmd, stdin)
         res, step = await self._jobs.exec(self.id, argv, env=env, cwd=cwd, stdin=data,
                                           timeout=timeout, key=key)
         self._doc["sandbox"] = step["sandbox"]
@@ -255,9 +251,7 @@ class AsyncRollout(_RolloutDoc):
         _check_written(path, res)
 
     async def read_file(self, path: str) -> bytes:
-        if not self.sandbox_id:
-            raise UsageError(f"rollout {self.id} has no live sandbox")
-        return bytes(await self._jobs.read_file(self.sandbox_id, path))
+        return bytes(await self._jobs.read_file(_live_sandbox(self), path))
 
     async def journal(self, output: bool = True) -> list[dict[str, Any]]:
         return list(await self._jobs.journal(self.id, output))
@@ -284,17 +278,9 @@ class AsyncRollout(_RolloutDoc):
 
 @dataclass
 class AsyncMember(_MemberState):
-    """One member of an `AsyncGroup` (as `Member`): ``ok``, ``queued`` or
-    ``infra_failure`` (could not be created; a task failure is a rollout's exit code)."""
+    """One member of an `AsyncGroup` (as `Member`, see `_MemberState`)."""
 
-    index: int
-    status: Literal["ok", "queued", "infra_failure"]
     rollout: AsyncRollout | None = None
-    error: str | None = None
-    ticket: str | None = None
-    #: seconds from the group call until this member was created (or failed)
-    seconds: float | None = None
-    _t0: float = field(default_factory=time.monotonic, repr=False)
     _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     async def wait(self, timeout: float | None = None) -> AsyncMember:
@@ -381,13 +367,12 @@ class AsyncJob:
 
     async def _heartbeat(self) -> None:
         while True:
-            await asyncio.sleep(max(self._settings.get("ttl", 60.0) / 3, 0.2))
+            await asyncio.sleep(_beat_every(self._settings))
             for where, jobs in self._all_jobs():
                 try:
                     await jobs.renew(name=self.name)
                 except Exception as e:  # a missed beat is retried; the grace covers it
-                    log.warning("job %s: heartbeat to %s failed: %s", self.name,
-                                where or "this node", e)
+                    _beat_failed(self.name, where, e)
 
     async def _find_remote(self) -> None:
         """Cluster nodes that hold the job (each configured node is asked; one that does not
@@ -420,7 +405,7 @@ class AsyncJob:
         return dict(await self._jobs.get(self.name))
 
     async def renew(self, ttl: float | str | None = None) -> dict[str, Any]:
-        t = _secs(ttl, "ttl")
+        t = secs(ttl, "ttl")
         for _, jobs in self._all_jobs()[1:]:
             await jobs.renew(name=self.name, ttl=t)
         return dict(await self._jobs.renew(self.name, t))
@@ -449,7 +434,7 @@ class AsyncJob:
         out = []
         for where, jobs in self._all_jobs():
             for d in await jobs.rollouts(name=self.name):
-                if status is None or d["status"] == status:
+                if _wanted(d, status):
                     out.append(AsyncRollout(self, dict(d), jobs, where,
                                             d.get("ticket") if where else None))
         return out
@@ -471,13 +456,9 @@ class AsyncJob:
         return AsyncRollout(self, doc)
 
     async def _wait_slot(self, ticket: str, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        wait = _SlotWait(self.name, timeout)
         while not await self._jobs.admit(ticket):
-            if self._closed:
-                raise DsecError(f"job {self.name} was closed while this rollout was queued")
-            if deadline is not None and time.monotonic() > deadline:
-                raise DsecError(f"job {self.name}: no slot within {timeout} s "
-                                f"(max_concurrent {self._settings.get('max_concurrent')})")
+            wait.check(self._closed, lambda: self._settings.get("max_concurrent"))
             await asyncio.sleep(0.05)
 
     async def group(self, n: int, image: str | Path, backend: str = "container", *,
@@ -487,9 +468,7 @@ class AsyncJob:
         that cannot be created is an ``infra_failure``, members past the cap are ``queued``
         and created as slots free (`AsyncMember.wait`). ``node``: None/``local``, ``auto``
         (placed over the cluster) or a cluster node's name."""
-        where = _group_where(n, node, nodes)
-        opts = asdict(create_options(backend, **options))
-        name = secrets.token_hex(4)
+        where, opts, name = _group_plan(n, backend, node, nodes, options)
         members = [AsyncMember(i, "queued") for i in range(n)]
         for m in members:
             m.ticket = await self._jobs.acquire(self.name)
@@ -542,7 +521,6 @@ class AsyncJob:
         the shared executor), each journaled on its node."""
         from ..run.cluster.api import create_many
         from ..run.cluster.jobs import RemoteJobs as ThreadedRemoteJobs
-        from ..run.node import CreateOptions
 
         def make(i: int, node: Any) -> Any:
             rj = ThreadedRemoteJobs(node)
@@ -572,10 +550,9 @@ class AsyncJob:
             m._finish()
 
     async def _infra_failure(self, m: AsyncMember, e: Any) -> None:
-        log.warning("job %s: group member %d could not be created: %s", self.name, m.index, e)
-        m.status, m.error = "infra_failure", str(e)
-        if m.ticket:
-            await self._jobs.release_slot(m.ticket)
+        ticket = m.failed(self.name, e)
+        if ticket:
+            await self._jobs.release_slot(ticket)
 
     async def close(self) -> None:
         """Stop the heartbeat task and the queued members' tasks (the sandboxes stay,

@@ -14,19 +14,23 @@ from pathlib import Path
 from typing import Any
 
 from ..build.gitscrub import GitCheck, check, scrub
+from ..core import validate
+from ..core.config import load_config
 from ..core.digests import parse_ref
 from ..core.errors import UsageError
+from ..format.refs import resolve
 from ..push.stores.base import Store
 from ..run.grade import GradeResult
+from ..run.grade import grade as _grade
+from ..run.grade import start_task as _start
 from ..run.node import Node
 from .images import _store
+from .routing import target
 
 __all__ = ["GitCheck", "GradeResult", "git_scrub_layer", "git_check", "grade", "start_task"]
 
 
 def _scratch(st: Store) -> Path:
-    from ..core.config import load_config
-
     tmp = Path(load_config().data_dir) / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix="git-", dir=tmp))
@@ -37,7 +41,6 @@ def git_scrub_layer(ref: str, path: str, *, base: str = "HEAD", as_ref: str,
     """A new layer ``as_ref``: the layer (or image) ``ref`` with the git repository at
     ``path`` reduced to one commit holding ``base``'s tree. The original is left as it is."""
     from ..build.layer import build_layer_from_dir
-    from ..format.refs import resolve
     from ..push.materialize import export
 
     try:
@@ -77,8 +80,6 @@ def git_check(ref: str, path: str, store: str | Store | None = None) -> GitCheck
 
 def _node(sandbox_id: str, state_dir: str | Path | None) -> Any:
     """This node, or the cluster node (a `RemoteNode`) a ``NODE/ID`` sandbox is on."""
-    from .sandboxes import target
-
     return target(sandbox_id, None, state_dir)
 
 
@@ -88,8 +89,6 @@ def grade(sandbox_id: str, grader: str, *, timeout: float | str | None = None,
     layers and the hidden tests): only the agent's changes on the task's patch surface are
     taken; the grader's command runs with its own limits and no network. The fork is
     removed whatever happens. A cluster sandbox (``NODE/ID``) is graded on its node."""
-    from ..core import validate
-    from ..run.grade import grade as _grade
 
     validate.image(grader, "--grader")
     secs = None if timeout is None else float(timeout) if isinstance(timeout, int | float) \
@@ -102,7 +101,6 @@ def grade(sandbox_id: str, grader: str, *, timeout: float | str | None = None,
 
 def start_task(sandbox_id: str, state_dir: str | Path | None = None) -> dict[str, Any]:
     """Record the protected paths' digests now: grading reports what changed since."""
-    from ..run.grade import start_task as _start
 
     node = _node(sandbox_id, state_dir)
     if not isinstance(node, Node):

@@ -87,7 +87,7 @@ def inspect(ref: str, store: str | Store | None = None, *, files: bool = False
     """The manifest of a layer or image, with index statistics (and the file list); or, for
     a sandbox id, the sandbox's state as its node reports it."""
     if "@" not in ref and len(ref.removeprefix("sha256:")) != 64:
-        from .sandboxes import target
+        from .routing import target  # loads the node: only for a sandbox's image
 
         return target(ref).describe(ref)
     st = _store(store)

@@ -22,6 +22,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,21 +33,14 @@ from ..core import validate
 from ..core.errors import DsecError, UsageError
 from ..run.jobs import JobSettings, NodeJobs, check_name, node_jobs
 from ..run.node import local_node
-from .sandboxes import create_options
+from ..run.options import CreateOptions
+from .options import create_options, secs
 
 __all__ = ["Job", "Rollout", "Group", "Member", "JobSettings", "list_jobs", "start_job",
            "renew_job", "park_job", "thaw_job", "remove_job", "journal", "grades", "replay",
            "job_rollouts"]
 
 log = logging.getLogger(__name__)
-
-
-def _secs(v: float | str | None, what: str) -> float | None:
-    if v is None:
-        return None
-    if isinstance(v, int | float):
-        return float(v)
-    return validate.duration(v, what)
 
 
 def _jobs(state_dir: str | Path | None = None, store: str | None = None) -> NodeJobs:
@@ -87,6 +81,39 @@ def _group_where(n: int, node: str | None, nodes: list[str] | None) -> list[str]
     return where
 
 
+class _SlotWait:
+    """A rollout queued for a slot of the job's concurrency cap: when to give up."""
+
+    def __init__(self, job: str, timeout: float | None) -> None:
+        self.job, self.timeout = job, timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    def check(self, closed: bool, cap: Callable[[], Any]) -> None:
+        """Raise once the job was closed or the wait ran out (``cap``: the job's cap)."""
+        if closed:
+            raise DsecError(f"job {self.job} was closed while this rollout was queued")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise DsecError(f"job {self.job}: no slot within {self.timeout} s "
+                            f"(max_concurrent {cap()})")
+
+
+def _beat_every(job_settings: dict[str, Any]) -> float:
+    """Seconds between heartbeats: three per lease."""
+    return max(job_settings.get("ttl", 60.0) / 3, 0.2)
+
+
+def _beat_failed(job: str, where: str | None, e: Exception) -> None:
+    log.warning("job %s: heartbeat to %s failed: %s", job, where or "this node", e)
+
+
+def _group_plan(n: int, backend: str, node: str | None, nodes: list[str] | None,
+                options: dict[str, Any]) -> tuple[list[str] | None, dict[str, Any], str]:
+    """A group's placement (`_group_where`), its members' checked options (bad options fail
+    the whole call) and its name."""
+    where = _group_where(n, node, nodes)
+    return where, asdict(create_options(backend, **options)), secrets.token_hex(4)
+
+
 def settings(ttl: float | str | None = None, park_grace: float | str | None = None,
              reclaim_grace: float | str | None = None, retain: float | str | None = None,
              max_concurrent: int | None = None, snapshot_every: int | None = None,
@@ -95,7 +122,7 @@ def settings(ttl: float | str | None = None, park_grace: float | str | None = No
     out: dict[str, Any] = {}
     for name, v in (("ttl", ttl), ("park_grace", park_grace), ("reclaim_grace", reclaim_grace),
                     ("retain", retain), ("snapshot_seconds", snapshot_interval)):
-        s = _secs(v, prefix + name.replace("_", "-"))
+        s = secs(v, prefix + name.replace("_", "-"))
         if s is not None:
             out[name] = s
     if max_concurrent is not None:
@@ -107,10 +134,15 @@ def settings(ttl: float | str | None = None, park_grace: float | str | None = No
 
 
 class _RolloutDoc:
-    """What `Rollout` and `AsyncRollout` read from their rollout's row."""
+    """What `Rollout` and `AsyncRollout` hold and read from their rollout's row."""
 
-    _doc: dict[str, Any]
-    node: str | None
+    def __init__(self, job: Any, doc: dict[str, Any], jobs: Any = None,
+                 node: str | None = None, ticket: str | None = None) -> None:
+        self.job = job
+        self._doc = doc
+        self._jobs = jobs if jobs is not None else job._jobs  # this node's or a cluster node's
+        self.node = node  # a cluster node's name; None: this node
+        self._ticket = ticket  # the home node's admission ticket (remote rollouts)
 
     @property
     def id(self) -> str:
@@ -134,8 +166,21 @@ class _RolloutDoc:
                 f"status={self.status!r}{where})")
 
 
-def _step_argv(cmd: str | list[str]) -> list[str]:
-    return ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+def _step(cmd: str | list[str], stdin: bytes | str | None) -> tuple[list[str], bytes | None]:
+    """A step's argv (a string runs under `sh -c`) and stdin bytes."""
+    argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+    return argv, stdin.encode() if isinstance(stdin, str) else stdin
+
+
+def _live_sandbox(ro: _RolloutDoc) -> str:
+    if not ro.sandbox_id:
+        raise UsageError(f"rollout {ro.id} has no live sandbox")
+    return ro.sandbox_id
+
+
+def _wanted(doc: dict[str, Any], status: str | None) -> bool:
+    """A rollout `rollouts(status)` lists (None: every one)."""
+    return status is None or doc["status"] == status
 
 
 def _write_step(path: str) -> list[str]:
@@ -153,13 +198,7 @@ def _check_written(path: str, res: ExecResult) -> None:
 class Rollout(_RolloutDoc):
     """One sandbox of a job: its execs are journaled steps (on the node holding it)."""
 
-    def __init__(self, job: Job, doc: dict[str, Any], jobs: Any = None,
-                 node: str | None = None, ticket: str | None = None) -> None:
-        self.job = job
-        self._doc = doc
-        self._jobs = jobs if jobs is not None else job._jobs  # NodeJobs or RemoteJobs
-        self.node = node  # a cluster node's name; None: this node
-        self._ticket = ticket  # the home node's admission ticket (remote rollouts)
+    job: Job
 
     def info(self) -> dict[str, Any]:
         self._doc = self._jobs.rollout(self.id)
@@ -170,8 +209,7 @@ class Rollout(_RolloutDoc):
              cwd: str | None = None, timeout: float | None = None) -> ExecResult:
         """Run a command as the rollout's next step. With ``key``, a retried call (from this
         process or a resumed trainer) returns the journaled result and runs nothing."""
-        argv = _step_argv(cmd)
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        argv, data = _step(cmd, stdin)
         res, step = self._jobs.exec(self.id, argv, env=env, cwd=cwd, stdin=data,
                                         timeout=timeout, key=key)
         self._doc["sandbox"] = step["sandbox"]  # a rebuild (see `replay`) may have moved it
@@ -184,9 +222,7 @@ class Rollout(_RolloutDoc):
         _check_written(path, res)
 
     def read_file(self, path: str) -> bytes:
-        if not self.sandbox_id:
-            raise UsageError(f"rollout {self.id} has no live sandbox")
-        return bytes(self._jobs.node.get_file(self.sandbox_id, path))
+        return bytes(self._jobs.node.get_file(_live_sandbox(self), path))
 
     def journal(self, output: bool = True) -> list[dict[str, Any]]:
         """The rollout's steps in order (see `dsec journal`)."""
@@ -213,16 +249,22 @@ class Rollout(_RolloutDoc):
             self._ticket = None
 
 
+@dataclass
 class _MemberState:
-    """What `Member` and `AsyncMember` say of themselves."""
+    """What `Member` and `AsyncMember` hold and say of themselves: ``status`` is ``ok``
+    (``rollout`` set), ``queued`` (past the job's concurrency cap; `wait` for it) or
+    ``infra_failure`` (the sandbox could not be created: ``error`` says why; a task failure
+    is a rollout's own exit code)."""
 
     index: int
-    status: str
-    error: str | None
-    rollout: Any
-    seconds: float | None
-    _t0: float
-    _done: Any
+    status: Literal["ok", "queued", "infra_failure"]
+    rollout: Any = None
+    error: str | None = None
+    ticket: str | None = None
+    #: seconds from the group call until this member was created (or failed)
+    seconds: float | None = None
+    _t0: float = field(default_factory=time.monotonic, repr=False)
+    _done: Any = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -232,6 +274,12 @@ class _MemberState:
         if self.seconds is None:  # a create made on another thread timed itself there
             self.seconds = time.monotonic() - self._t0
         self._done.set()
+
+    def failed(self, job: str, e: object) -> str | None:
+        """This member could not be created (logged); the slot ticket to give back."""
+        log.warning("job %s: group member %d could not be created: %s", job, self.index, e)
+        self.status, self.error = "infra_failure", str(e)
+        return self.ticket
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "status": self.status, "error": self.error,
@@ -257,18 +305,9 @@ class _GroupMembers(Generic[_M]):
 
 @dataclass
 class Member(_MemberState):
-    """One member of a group: ``status`` is ``ok`` (``rollout`` set), ``queued`` (past the
-    job's concurrency cap; `wait` for it) or ``infra_failure`` (the sandbox could not be
-    created: ``error`` says why; a task failure is a rollout's own exit code)."""
+    """One member of a group (see `_MemberState`)."""
 
-    index: int
-    status: Literal["ok", "queued", "infra_failure"]
     rollout: Rollout | None = None
-    error: str | None = None
-    ticket: str | None = None
-    #: seconds from the group call until this member was created (or failed)
-    seconds: float | None = None
-    _t0: float = field(default_factory=time.monotonic, repr=False)
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def wait(self, timeout: float | None = None) -> Member:
@@ -384,19 +423,18 @@ class Job:
             return [(None, self._jobs), *self._remote.items()]
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(max(self._settings.get("ttl", 60.0) / 3, 0.2)):
+        while not self._stop.wait(_beat_every(self._settings)):
             for where, jobs in self._all_jobs():
                 try:
                     jobs.renew(self.name)
                 except Exception as e:  # a missed beat is retried; the grace covers it
-                    log.warning("job %s: heartbeat to %s failed: %s", self.name,
-                                where or "this node", e)
+                    _beat_failed(self.name, where, e)
 
     def info(self) -> dict[str, Any]:
         return self._jobs.get(self.name)
 
     def renew(self, ttl: float | str | None = None) -> dict[str, Any]:
-        t = _secs(ttl, "ttl")
+        t = secs(ttl, "ttl")
         for _, jobs in self._all_jobs()[1:]:
             jobs.renew(self.name, t)
         return self._jobs.renew(self.name, t)
@@ -440,7 +478,7 @@ class Job:
         """The job's rollouts on every node holding some (default: those with a sandbox)."""
         return [Rollout(self, d, jobs, where, d.get("ticket") if where else None)
                 for where, jobs in self._all_jobs() for d in jobs.rollouts(self.name)
-                if status is None or d["status"] == status]
+                if _wanted(d, status)]
 
     def sandbox(self, image: str | Path, backend: str = "container", *,
                 group: str | None = None, index: int | None = None,
@@ -458,13 +496,9 @@ class Job:
         return Rollout(self, doc)
 
     def _wait_slot(self, ticket: str, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        wait = _SlotWait(self.name, timeout)
         while not self._jobs.admit(ticket):
-            if self._stop.is_set():
-                raise DsecError(f"job {self.name} was closed while this rollout was queued")
-            if deadline is not None and time.monotonic() > deadline:
-                raise DsecError(f"job {self.name}: no slot within {timeout} s "
-                                f"(max_concurrent {self.info()['max_concurrent']})")
+            wait.check(self._stop.is_set(), lambda: self.info()["max_concurrent"])
             time.sleep(0.05)
 
     def group(self, n: int, image: str | Path, backend: str = "container", *,
@@ -477,9 +511,7 @@ class Job:
         ``node``: None or ``local`` for this node; ``auto`` spreads the members over the
         cluster's nodes (or ``nodes``) by placement, as `create_many` does, and a cluster
         node's name puts them all there. Each member is journaled on its node."""
-        where = _group_where(n, node, nodes)
-        opts = asdict(create_options(backend, **options))  # bad options fail the whole call
-        name = secrets.token_hex(4)
+        where, opts, name = _group_plan(n, backend, node, nodes, options)
         members = [Member(i, "queued") for i in range(n)]
         for m in members:
             m.ticket = self._jobs.acquire(self.name)
@@ -509,7 +541,6 @@ class Job:
                 list(ex.map(lambda m: self._create_member(m, image, opts, name), members))
             return
         from ..run.cluster.api import create_many
-        from ..run.node import CreateOptions
 
         def make(i: int, node: Any) -> Any:
             rj = self._remote_jobs(node)
@@ -535,10 +566,9 @@ class Job:
                 self._infra_failure(m, r.error)
 
     def _infra_failure(self, m: Member, e: Any) -> None:
-        log.warning("job %s: group member %d could not be created: %s", self.name, m.index, e)
-        m.status, m.error = "infra_failure", str(e)
-        if m.ticket:
-            self._jobs.release_slot(m.ticket)
+        ticket = m.failed(self.name, e)
+        if ticket:
+            self._jobs.release_slot(ticket)
         m._finish()
 
     def _create_member(self, m: Member, image: str, opts: dict[str, Any], name: str) -> None:
@@ -546,11 +576,9 @@ class Job:
             doc = self._jobs.add_rollout(self.name, image, opts, name, m.index, m.ticket)
             m.rollout, m.status = Rollout(self, doc), "ok"
         except Exception as e:  # reported per member, never failing the group
-            log.warning("job %s: group member %d could not be created: %s",
-                        self.name, m.index, e)
-            m.status, m.error = "infra_failure", str(e)
-            if m.ticket:
-                self._jobs.release_slot(m.ticket)
+            ticket = m.failed(self.name, e)
+            if ticket:
+                self._jobs.release_slot(ticket)
         finally:
             m._finish()
 
@@ -595,7 +623,7 @@ def job_rollouts(name: str, state_dir: str | Path | None = None) -> list[dict[st
 
 def renew_job(name: str, ttl: float | str | None = None,
               state_dir: str | Path | None = None) -> dict[str, Any]:
-    return _jobs(state_dir).renew(name, _secs(ttl, "--ttl"))
+    return _jobs(state_dir).renew(name, secs(ttl, "--ttl"))
 
 
 def park_job(name: str, state_dir: str | Path | None = None) -> dict[str, Any]:
@@ -651,8 +679,7 @@ def journaled_exec(node: Any, sandbox_id: str, argv: list[str], **kw: Any
     sid = node.lookup(sandbox_id).id
     if not jobs.db.q("SELECT 1 FROM rollouts WHERE sandbox=?", (sid,)):
         return None
-    if kw.get("user") is not None:
-        raise UsageError("a job's steps run as its sandbox's user: --user is not taken here")
+    refuse_step_user(kw.get("user"))
     stdin = kw.get("stdin")
     if stdin is not None and not isinstance(stdin, bytes):
         stdin = b"".join(stdin)  # the journal keeps the stdin to replay it
@@ -662,10 +689,23 @@ def journaled_exec(node: Any, sandbox_id: str, argv: list[str], **kw: Any
                        timeout=kw.get("timeout"), key=kw.get("key"))
     on_output = kw.get("on_output")
     if on_output is not None:
-        for kind, data in (("stdout", res.stdout), ("stderr", res.stderr)):
-            if data:
-                on_output(kind, data)
+        for kind, data in step_output(res):
+            on_output(kind, data)
     return res
+
+
+def refuse_step_user(user: str | None, spelled: str = "--user") -> None:
+    """A job's steps run as its sandbox's user (replay runs them again as that user)."""
+    if user is not None:
+        raise UsageError(f"a job's steps run as its sandbox's user: {spelled} is not taken "
+                         "here")
+
+
+def step_output(res: ExecResult) -> list[tuple[str, bytes]]:
+    """A journaled step's output as an exec's callback gets it: whole, once the step is
+    committed (the journal keeps it whole: a result served again must be the same)."""
+    return [(kind, data) for kind, data in (("stdout", res.stdout), ("stderr", res.stderr))
+            if data]
 
 
 def _holder(rollout: str, state_dir: str | Path | None) -> tuple[Any, str]:

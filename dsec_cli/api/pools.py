@@ -12,7 +12,7 @@ from typing import Any
 
 from ..run.node import finish_pool_refills, local_node
 from ..run.pool import parse_size_arg
-from .sandboxes import create_options
+from .options import create_options
 
 __all__ = ["list_pools", "set_pool", "drain_pools", "fill_pools", "finish_refills"]
 

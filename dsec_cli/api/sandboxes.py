@@ -23,12 +23,17 @@ from ..core import validate
 from ..core.errors import NotFoundError, UsageError
 from ..oci import runconfig
 from ..run.contract import NodeAPI
+from ..run.fork import check_count
 from ..run.node import CreateOptions, Node, local_node
+from ..run.node import drop_connections as drop_node_connections
 from ..run.options import CPU_CLASS_CHOICES as CPU_CLASSES  # cpu_class= values
 from ..run.state import SandboxRecord
+from .options import create_options, new_sandbox_options
+from .options import size as _size
+from .routing import target
 
 __all__ = ["Sandbox", "ExecResult", "FunctionPool", "FunctionCallError", "CreateOptions", "NodeAPI",
-           "run",
+           "run", "new_sandbox_options", "exec_argv", "refuse_key",
            "list_sandboxes", "gc_node", "create_many", "create", "create_options", "target",
            "exec_in", "command_for", "copy", "ps", "remove", "pause", "resume", "snapshot",
            "fork", "park", "thaw", "top", "CPU_CLASSES", "drop_connections"]
@@ -47,15 +52,6 @@ def __getattr__(name: str) -> Any:
 
         return getattr(fnpool, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _size(v: int | str | None, what: str) -> int | None:
-    return None if v is None else v if isinstance(v, int) else validate.size(v, what)
-
-
-def _secs(v: float | str | None, what: str) -> float | None:
-    return None if v is None else float(v) if isinstance(v, int | float) \
-        else validate.duration(v, what)
 
 
 class Sandbox:
@@ -86,13 +82,9 @@ class Sandbox:
         (NAME, UID, NAME:GROUP, UID:GID; default: the image's user). ``remove_at_exit``:
         the sandbox is removed when this object is garbage collected or the interpreter
         exits, whichever comes first (otherwise it lives until removed or its ttl)."""
-        if isinstance(image, str):
-            validate.image(image, "image")
-        validate.node_option(node, "node")
-        opts = create_options(backend, cpus=cpus, memory=memory, pids=pids, ttl=ttl,
-                              network=network, env=env, workdir=workdir, disk=disk,
-                              cpu_class=cpu_class, user=user)
-        opts.egress = list(egress or [])
+        opts = new_sandbox_options(image, node, backend, cpus=cpus, memory=memory, pids=pids,
+                                   ttl=ttl, network=network, env=env, workdir=workdir,
+                                   disk=disk, cpu_class=cpu_class, user=user, egress=egress)
         self.node, self._rec = create(image, opts, node, state_dir, store)
         self._finalizer = removal_at_exit(self, self.node, self.id) if remove_at_exit else None
 
@@ -139,7 +131,7 @@ class Sandbox:
         ``user`` overrides the sandbox's user for this command. In a job's sandbox on this
         node the exec is a journaled step (as `dsec exec`), and ``key`` makes it run at most
         once."""
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        argv = exec_argv(cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         extra = _user_kw(self.node, user)
         if isinstance(self.node, Node) and (self.node.root / "jobs.db").exists():
@@ -150,9 +142,7 @@ class Sandbox:
                                  capture_limit=capture_limit, **extra)
             if res is not None:
                 return res
-        if key is not None:
-            raise UsageError("exec key= needs a sandbox owned by a job on this node",
-                             hint="make it with `Job.sandbox` or `dsec run --job`")
+        refuse_key(key, "Job")
         return self.node.exec(self.id, argv, env=env, cwd=cwd, stdin=data, timeout=timeout,
                               on_output=on_output, capture_limit=capture_limit, **extra)
 
@@ -266,12 +256,25 @@ def _remove_quietly(node: NodeAPI, sandbox_id: str) -> None:
         log.warning("could not remove sandbox %s: %s", sandbox_id, e)
 
 
-def _user_kw(node: NodeAPI, user: str | None) -> dict[str, str]:
-    """``user=`` for an exec or file access on this node; refused for a cluster node's
-    sandbox (which acts as its sandbox's user)."""
+def exec_argv(cmd: str | list[str]) -> list[str]:
+    """What an exec runs: a list as given, a string under `sh -c`."""
+    return ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+
+
+def refuse_key(key: str | None, job_class: str) -> None:
+    """An exec reached here is no job's step: a ``key`` (run at most once) is refused."""
+    if key is not None:
+        raise UsageError("exec key= needs a sandbox owned by a job on this node",
+                         hint=f"make it with `{job_class}.sandbox` or `dsec run --job`")
+
+
+def _user_kw(node: NodeAPI | None, user: str | None) -> dict[str, str]:
+    """``user=`` for an exec or file access on this node (``node`` None: the asyncio face
+    of this node); refused for a cluster node's sandbox (which acts as its sandbox's
+    user)."""
     if user is None:
         return {}
-    if not isinstance(node, Node):
+    if node is not None and not isinstance(node, Node):
         raise UsageError("a user (for an exec or a file) can be given only on this node's "
                          "sandboxes",
                          hint="create the sandbox with the user instead")
@@ -357,45 +360,6 @@ def shell_join(argv: list[str]) -> str:
 
 
 # -- routing and the functions the CLI calls ----------------------------------------------------
-def target(sandbox_id: str | None = None, node: str | None = None,
-           state_dir: str | Path | None = None, store: str | None = None) -> NodeAPI:
-    """The node holding a sandbox (named in a ``NODE/ID`` id, or by ``node``), or this one."""
-    validate.node_option(node, "--node")
-    if sandbox_id is not None:
-        validate.sandbox_id(sandbox_id)
-    if node or (sandbox_id and "/" in sandbox_id):
-        from ..run.cluster.api import node_for
-
-        return node_for(sandbox_id, node, state_dir)
-    return local_node(state_dir, store)
-
-
-def create_options(backend: str = "container", *, cpus: float | None = None,
-                   memory: int | str | None = None, pids: int | None = None,
-                   ttl: float | str | None = None, network: str = "none",
-                   env: dict[str, str] | None = None, workdir: str | None = None,
-                   fetch: str = "auto", disk: int | str | None = None,
-                   cpu_class: str | None = None, prefix: str = "",
-                   user: str | None = None, egress: list[str] | None = None) -> CreateOptions:
-    """Checked create options; errors name each option with ``prefix`` (``--`` for flags).
-    ``egress``: what network ``allowlist`` lets out (``host:PORT``, ``IPV4:PORT``)."""
-    validate.positive_float(cpus, prefix + "cpus", validate.MAX_CPUS)
-    validate.positive_int(pids, prefix + "pids", maximum=validate.MAX_PIDS)
-    rules = list(egress or [])
-    if rules:
-        from ..backends.egress import parse_rule
-
-        for rule in rules:
-            parse_rule(rule)  # each bad rule is named
-        if network != "allowlist":
-            raise UsageError(f"{prefix}egress {rules[0]!r} needs {prefix}network allowlist")
-    return CreateOptions(backend=backend, cpus=cpus, memory=_size(memory, prefix + "memory"),
-                         pids=pids, ttl=_secs(ttl, prefix + "ttl"),
-                         network=network, env=dict(env or {}),  # type: ignore[arg-type]
-                         workdir=workdir, fetch=fetch, disk=_size(disk, prefix + "disk"),
-                         cpu_class=cpu_class, user=user, egress=rules)
-
-
 def create(image: str | Path, opts: CreateOptions, node: str | None = None,
            state_dir: str | Path | None = None, store: str | None = None
            ) -> tuple[NodeAPI, SandboxRecord | Any]:
@@ -526,8 +490,6 @@ def _no_prefetch_with_to(prefetch: bool) -> None:
 def receive_moved(sandbox_id: str, stream: Any, state_dir: str | Path | None = None) -> None:
     """This node's receiving end of a move: a parked VM's files read as a tar stream."""
     from ..run.migrate import receive
-    from ..run.node import local_node
-
     receive(local_node(state_dir), sandbox_id, stream)
 
 
@@ -556,8 +518,6 @@ def top(state_dir: str | Path | None = None, node: str | None = None,
 def fork(sandbox_id: str, n: int, node: str | None = None,
          state_dir: str | Path | None = None) -> dict[str, Any]:
     """``n`` copies of a sandbox's files (`Sandbox.fork`); ``copies`` holds their records."""
-    from ..run.fork import check_count
-
     check_count(n)
     return target(sandbox_id, node, state_dir).fork(sandbox_id, n)
 
@@ -566,6 +526,4 @@ def drop_connections() -> None:
     """Close the connections to sandboxes this process keeps open for later calls (a
     long-lived process serving short commands calls it between them: a VM's agent takes one
     connection at a time)."""
-    from ..run.node import drop_connections as drop
-
-    drop()
+    drop_node_connections()

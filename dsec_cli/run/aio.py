@@ -25,7 +25,8 @@ from ..backends import ExecRequest, ExecResult, SandboxHandle, UserIds
 from ..backends.agented import CgroupAgentBackend, exec_async
 from ..backends.sandbox_agent.aio import AsyncAgentClient, AsyncOutputCallback, AsyncStdin
 from ..backends.sandbox_agent.client import AgentError
-from .node import CreateOptions, Node, check_exec, sandbox_path
+from .lifecycle import check_exec, sandbox_path
+from .node import CreateOptions, Node
 from .state import SandboxRecord
 
 __all__ = ["AsyncNode", "async_node", "blocking", "close_connections", "executor",
@@ -176,11 +177,12 @@ class AsyncNode:
                                   capture_limit=capture_limit, user=user)
         req = ExecRequest(list(argv), dict(env or {}), cwd, stdin,  # type: ignore[arg-type]
                           timeout, capture_limit, await self._agent_user(rec, b, h, user))
-        try:
-            return await exec_async(client, h, req, on_output)
-        except AgentError:
-            self._lost(rec.id, client)
-            raise
+        with self.node.working(rec.id):  # as `Node.exec`: the idle time counts from here
+            try:
+                return await exec_async(client, h, req, on_output)
+            except AgentError:
+                self._lost(rec.id, client)
+                raise
 
     async def _agent_user(self, rec: SandboxRecord, b: Any, h: SandboxHandle,
                          user: str | None) -> UserIds | None:

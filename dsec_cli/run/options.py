@@ -1,12 +1,17 @@
 """What a sandbox is created with (`CreateOptions`) and its validation: every option is
-checked before anything is reserved or made, with an error naming the flag."""
+checked before anything is reserved or made, with an error naming the flag.
+
+`CreateOptions` is the one list of sandbox options. What else names them derives from it
+(the node protocol sends the dataclass, a job's row stores it) or is checked against it
+(`tests/api/test_options.py`): the keywords of `Sandbox(...)`, `AsyncSandbox.create` and
+`create_options`, and the flags of `dsec run`."""
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 from ..backends import _cgroups, _rootfs
 from ..core.errors import UsageError
@@ -16,6 +21,12 @@ CPU_CLASS_CHOICES = tuple(_cgroups.CPU_CLASSES)  # latency | batch | idle (docs/
 MIN_MEMORY = 8 << 20
 MIN_DISK = _rootfs.MIN_DISK
 MAX_SIZE = 1 << 60
+#: the options that are a sandbox's resource limits (`backends.Limits`, ``spec["limits"]``)
+LIMIT_FIELDS = ("cpus", "memory", "pids", "disk", "cpu_class")
+#: options the SDK's sandbox constructors leave to the node (``dsec run --fetch``, config)
+NODE_CHOSEN = ("fetch", "record_seconds")
+#: `dsec run` flags not spelled ``--NAME`` (underscores as dashes)
+FLAGS = {"cpu_class": "--class"}
 
 
 @dataclass
@@ -34,6 +45,15 @@ class CreateOptions:
     record_seconds: float | None = None  # lazy: profile reads this long (default 30 s)
     cpu_class: str | None = None  # latency | batch | idle; None: batch, nothing written
     user: str | None = None  # who commands run as (NAME, UID, NAME:GROUP...): else the image's
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every option, in the order of the dataclass."""
+        return tuple(f.name for f in fields(cls))
+
+    def limits(self) -> dict[str, Any]:
+        """The resource limits, as `backends.Limits` takes them and the state row keeps them."""
+        return {k: getattr(self, k) for k in LIMIT_FIELDS}
 
     def validate(self) -> None:
         if self.backend not in BACKEND_CHOICES:

@@ -45,7 +45,7 @@ from .options import CreateOptions
 from .state import SandboxRecord, now
 
 if TYPE_CHECKING:
-    from .node import Node
+    from .lifecycle import NodeCore
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ Admit = Callable[[CreateOptions], Callable[[], None]]
 class Pools:
     """The warm pools of one node, and this process's refill thread."""
 
-    def __init__(self, node: Node, raw: dict[str, Any] | None = None) -> None:
+    def __init__(self, node: NodeCore, raw: dict[str, Any] | None = None) -> None:
         self.node = node
         self.settings = PoolSettings.parse(raw)
         self.admit: Admit | None = None
@@ -373,7 +373,7 @@ class Pools:
         try:
             if self.admit is not None:
                 release = self.admit(opts)
-            self.node._make(row.digest, None, opts, "eager", pool_key=row.key)
+            self.node.make(row.digest, None, opts, "eager", pool_key=row.key)
             return True
         except DsecError as e:
             log.warning("pool %s: could not make a member: %s", row.key, e)

@@ -21,12 +21,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..core.errors import DsecError, NotFoundError
-
-if TYPE_CHECKING:
-    from .node import Node
+from .lifecycle import NodeCore
+from .state import now
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +45,7 @@ def _try_lock(root: Path) -> int | None:
     return fd
 
 
-def ensure(node: Node) -> None:
+def ensure(node: NodeCore) -> None:
     """Make sure a reaper runs for this node (called after a row with a TTL is committed)."""
     fd = _try_lock(node.root)
     if fd is None:
@@ -62,11 +60,9 @@ def ensure(node: Node) -> None:
                          start_new_session=True, close_fds=True)  # outlives the creator
 
 
-def reap(node: Node, t: float | None = None) -> tuple[list[str], float | None]:
+def reap(node: NodeCore, t: float | None = None) -> tuple[list[str], float | None]:
     """Remove the sandboxes expired at ``t`` (default: now); returns their ids and the
     next expiry among those left (None: no sandbox has a TTL)."""
-    from .state import now
-
     t = now() if t is None else t
     removed, nxt = [], None
     for r in node.db.all():
@@ -87,15 +83,14 @@ def reap(node: Node, t: float | None = None) -> tuple[list[str], float | None]:
 
 
 def serve(state_dir: str, store: str) -> None:
-    """The reaper's loop (its own process, see the module's docstring)."""
-    from .node import Node
-
+    """The reaper's loop (its own process, see the module's docstring): it removes, so the
+    node's lifecycle core is all it needs."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reaper: %(message)s")
     root = Path(state_dir)
     held = _try_lock(root)
     if held is None:
         return
-    node = Node(state_dir, store)
+    node = NodeCore(state_dir, store)
     try:
         while held is not None:
             removed, nxt = reap(node)
@@ -111,4 +106,3 @@ def serve(state_dir: str, store: str) -> None:
     finally:
         if held is not None:
             os.close(held)
-        node.close()

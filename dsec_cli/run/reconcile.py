@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..backends import SandboxHandle, _cgroups, _rootfs
+from ..core.config import load_config, parse_duration, parse_size
 from ..core.errors import NotFoundError
 from ..core.files import remove_tree
-from .density import recover_parked
+from .density import reclaim_idle, recover_parked
 from .images import unmount_lazy
 from .pins import unpin
 from .state import now
@@ -72,13 +73,10 @@ def reconcile(node: Node) -> dict[str, list[str]]:
 def gc(node: Node, budget: int | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Remove expired and dead sandboxes, then evict unleased cached layers, least
     recently used first, until the cache fits the budget."""
-    from ..core.config import parse_duration, parse_size
-
     report: dict[str, Any] = {"removed": [], "evicted": [], "freed_bytes": 0}
     if not dry_run:
         report.update(node.reconcile())
     from ..build.steps import clean_stale_staging
-    from ..core.config import load_config
 
     # staging dirs (and overlay mounts) of builds killed during a `run` step
     report["stale_builds"] = clean_stale_staging(Path(load_config().data_dir) / "tmp",
@@ -109,8 +107,6 @@ def gc(node: Node, budget: int | None = None, dry_run: bool = False) -> dict[str
                     pass  # removed concurrently
     idle = load_config().idle_reclaim
     if idle:  # the idle-reclaim policy (density.py): memory back from idle sandboxes
-        from .density import reclaim_idle
-
         report["reclaimed"] = reclaim_idle(node, parse_duration(idle, "idle_reclaim"), dry_run)
     budget = budget if budget is not None else parse_size(node.cache_budget, "cache budget")
     from ..push.materialize import LayerCache

@@ -4,6 +4,7 @@ same `Sandbox` method gives, and concurrent execs wait in the event loop, not in
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -348,3 +349,43 @@ def test_agent_socket_of_another_process_is_refused(tmp_path: Path) -> None:
     import os
 
     assert seen == [os.getpid()]
+
+
+@pytest.mark.parametrize("backend", ["fncall", "container"])
+def test_async_exec_counts_as_activity(backend: str, node_env: dict[str, str]) -> None:
+    """An exec over the loop's agent connection marks the sandbox active, as `Node.exec`
+    does: `dsec top` and idle reclaim do not take a sandbox driven from asyncio for idle."""
+    from dsec_cli.run import density
+    from dsec_cli.run.node import local_node
+
+    async def main() -> None:
+        async with await AsyncSandbox.create(IMAGE, backend) as sb:
+            active = local_node().sandboxes_dir / sb.id / density.ACTIVE
+            active.touch()
+            os.utime(active, (1_000_000, 1_000_000))  # idle since 1970
+            assert (await sb.exec("true")).exit_code == 0
+            assert time.time() - active.stat().st_mtime < 60
+            idle = {r["id"]: r["idle_seconds"] for r in local_node().top()}
+            assert idle[sb.id] < 60
+        await close_sessions()
+
+    asyncio.run(main())
+
+
+def test_async_thaw_takes_to_as_sandbox_thaw_does(node_env: dict[str, str]) -> None:
+    """``thaw(to=...)`` moves a parked VM as `Sandbox.thaw` does, with its checks: no
+    ``prefetch`` beside it, and no move to the node it is on."""
+    from types import SimpleNamespace
+
+    from dsec_cli.run.aio import AsyncNode
+    from dsec_cli.run.node import local_node
+
+    async def main() -> None:
+        rec = SimpleNamespace(id="abc123", backend="microvm", image=IMAGE, status="parked")
+        sb = AsyncSandbox(rec, AsyncNode(local_node()))
+        with pytest.raises(UsageError, match="--prefetch does not go with --to"):
+            await sb.thaw(prefetch=True, to="node2")
+        with pytest.raises(UsageError, match="already on node local"):
+            await sb.thaw(to="local")
+
+    asyncio.run(main())

@@ -27,12 +27,10 @@ from .client import (
     CHUNK,
     EXEC_F_STDIN,
     KILL_GRACE,
-    PUT_F_APPEND,
     T_DATA,
     T_EXEC,
     T_GET,
     T_PING,
-    T_PUT,
     T_RESULT,
     T_SIGNAL,
     T_STDIN,
@@ -41,11 +39,12 @@ from .client import (
     PeerCheck,
     _encode_exec,
     _result,
-    _s,
     check_file_result,
     check_peer,
+    file_reply,
     file_request,
     kill_listener,
+    put_requests,
 )
 from .frames import HEADER as _HDR
 from .frames import MAX_FRAME, FrameReader
@@ -270,10 +269,7 @@ class AsyncAgentClient:
     async def put_file(self, path: str, data: bytes, mode: int = 0o644,
                        user: UserIds | None = None) -> None:
         """As `AgentClient.put_file`: as the agent, or with `user`'s ids."""
-        for off in range(0, max(len(data), 1), CHUNK):
-            flags = PUT_F_APPEND if off else 0
-            kind, payload = file_request(T_PUT, struct.pack(">II", mode, flags) + _s(path)
-                                         + data[off:off + CHUNK], user)
+        for kind, payload in put_requests(path, data, mode, user):
             rid, q = self._open()
             await self._send(kind, rid, payload)
             code, msg = await self._wait_result(rid, q)
@@ -287,10 +283,7 @@ class AsyncAgentClient:
         sink: list[bytes] = []
         code, msg = await self._wait_result(rid, q, sink)
         check_file_result(code, msg, path, user)
-        if not sink or len(sink[0]) < 4:
-            raise AgentError("the sandbox agent sent a malformed file reply")
-        (mode,) = struct.unpack(">I", sink[0][:4])
-        return b"".join(sink[1:]), mode
+        return file_reply(sink)
 
     async def get_file(self, path: str, user: UserIds | None = None) -> bytes:
         return (await self.get_file_with_mode(path, user))[0]

@@ -23,7 +23,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -94,6 +94,25 @@ def file_request(kind: int, payload: bytes, user: UserIds | None) -> tuple[int, 
     if user is None:
         return kind, payload
     return (T_PUT_AS if kind == T_PUT else T_GET_AS), _user_ids(user) + payload
+
+
+def put_requests(path: str, data: bytes, mode: int, user: UserIds | None
+                 ) -> Iterator[tuple[int, bytes]]:
+    """The requests of a put_file, each a frame's kind and payload: the first creates or
+    truncates the file, each further one appends the next CHUNK bytes (for the thread and
+    the asyncio client alike)."""
+    for off in range(0, max(len(data), 1), CHUNK):
+        flags = PUT_F_APPEND if off else 0
+        yield file_request(T_PUT, struct.pack(">II", mode, flags) + _s(path)
+                           + data[off:off + CHUNK], user)
+
+
+def file_reply(sink: list[bytes]) -> tuple[bytes, int]:
+    """A get's content and mode from its data frames (the first holds the mode)."""
+    if not sink or len(sink[0]) < 4:
+        raise AgentError("the sandbox agent sent a malformed file reply")
+    (mode,) = struct.unpack(">I", sink[0][:4])
+    return b"".join(sink[1:]), mode
 
 
 def check_file_result(code: int, msg: str, path: str, user: UserIds | None) -> None:
@@ -511,10 +530,7 @@ class AgentClient:
                  user: UserIds | None = None) -> None:
         """Create or truncate the file (and its missing parents) and write `data`: as the
         agent (root), or with `user`'s ids, so permissions apply and what is made is theirs."""
-        for off in range(0, max(len(data), 1), CHUNK):
-            flags = PUT_F_APPEND if off else 0
-            kind, payload = file_request(T_PUT, struct.pack(">II", mode, flags) + _s(path)
-                                         + data[off:off + CHUNK], user)
+        for kind, payload in put_requests(path, data, mode, user):
             rid, req = self._open()
             self._send(kind, rid, payload)
             code, msg = self._wait_result(rid, req)
@@ -574,10 +590,7 @@ class AgentClient:
         sink: list[bytes] = []
         code, msg = self._wait_result(rid, req, sink)
         check_file_result(code, msg, path, user)
-        if not sink or len(sink[0]) < 4:
-            raise AgentError("the sandbox agent sent a malformed file reply")
-        (mode,) = struct.unpack(">I", sink[0][:4])
-        return b"".join(sink[1:]), mode
+        return file_reply(sink)
 
     def get_file(self, path: str, user: UserIds | None = None) -> bytes:
         return self.get_file_with_mode(path, user)[0]

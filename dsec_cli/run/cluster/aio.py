@@ -12,7 +12,6 @@ retried only for opening a channel and for read-only requests; a node's lines ar
 from __future__ import annotations
 
 import asyncio
-import base64
 import inspect
 import itertools
 import logging
@@ -24,29 +23,30 @@ from ...backends.sandbox_agent.aio import AsyncOutputCallback, AsyncStdin
 from ...core.config import net_timeouts
 from ...core.errors import DsecError, NodeUnreachableError
 from ..aio import _whole, blocking
-from ..node import CreateOptions, check_exec
-from ..state import SandboxRecord
+from ..lifecycle import check_exec
+from ..options import CreateOptions
 from .errors import NodeCommandError
 from .protocol import (
     PROTOCOL_VERSION,
     Lines,
-    b64,
     decode,
     encode,
-    error_from_wire,
-    from_wire,
-    to_wire,
-    unb64,
 )
 from .remote import (
     READ_CHUNK,
     STDERR_KEPT,
     Attempts,
+    Call,
     NodeEntry,
+    NodeRequests,
     RemoteRecord,
+    T,
+    event_of,
+    no_answer,
     refuse_user,
+    result_of,
+    session_failure,
 )
-from .ssh import classify
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +123,7 @@ class AsyncChannel:
             rc: int | None = await asyncio.wait_for(self.proc.wait(), 2)
         except TimeoutError:
             rc = None
-        text = b"".join(self._stderr).decode(errors="replace")
-        if rc == 127:
-            text += "\ncommand not found"
-        err = classify(self.name, text)
-        return err if isinstance(err, DsecError) else NodeUnreachableError(str(err))
+        return session_failure(self.name, self._stderr, rc)
 
     async def call(self, op: str, args: dict[str, Any] | None = None, *,
                    timeout: float | None = None,
@@ -152,19 +148,16 @@ class AsyncChannel:
                 try:
                     msg = await asyncio.wait_for(q.get(), left)
                 except TimeoutError:
-                    raise NodeUnreachableError(
-                        f"{self.name}: no answer to {op} within {timeout:g}s") from None
+                    raise no_answer(self.name, op, timeout) from None
                 if msg is _EOF:
                     raise await self.failure()
-                if "event" in msg:
-                    if on_event is not None:
-                        r = on_event(str(msg["event"]), unb64(msg.get("data", "")))
-                        if inspect.isawaitable(r):
-                            await r
-                    continue
-                if msg.get("ok"):
-                    return msg.get("result")
-                raise error_from_wire(msg.get("error") or {}, self.name)
+                event = event_of(msg)
+                if event is None:
+                    return result_of(msg, self.name)
+                if on_event is not None:
+                    r = on_event(*event)
+                    if inspect.isawaitable(r):
+                        await r
         finally:
             self._pending.pop(rid, None)
 
@@ -216,11 +209,9 @@ async def close_channels() -> None:
         await ch.close()
 
 
-class AsyncRemoteNode:
-    """`RemoteNode`'s sandbox operations as coroutines, over the loop's channel."""
-
-    def __init__(self, entry: NodeEntry, timeout: float = 30.0) -> None:
-        self.entry, self.name, self.timeout = entry, entry.name, timeout
+class AsyncRemoteNode(NodeRequests):
+    """`RemoteNode`'s sandbox operations as coroutines, over the loop's channel: the same
+    requests (`NodeRequests`), awaited."""
 
     async def call(self, op: str, args: dict[str, Any] | None = None, *,
                    timeout: float | None = None,
@@ -244,50 +235,33 @@ class AsyncRemoteNode:
                     raise
                 await asyncio.sleep(wait)
 
-    def _rec(self, doc: Any) -> RemoteRecord:
-        rec = from_wire(SandboxRecord, doc)
-        return RemoteRecord(f"{self.name}/{rec.id}", self.name, rec)
-
-    @staticmethod
-    def local_id(sid: str) -> str:
-        return sid.rsplit("/", 1)[-1]
+    async def send(self, c: Call[T], on_event: AsyncOutputCallback | None = None) -> T:
+        return c.shape(await self.call(c.op, c.args, timeout=c.timeout, on_event=on_event))
 
     async def create(self, image: str, opts: CreateOptions | None = None) -> RemoteRecord:
-        doc = await self.call("create", {"image": image,
-                                         "opts": to_wire(opts or CreateOptions())})
-        return self._rec(doc)
+        return await self.send(self.create_call(image, opts))
 
     async def lookup(self, sid: str) -> RemoteRecord:
-        return self._rec(await self.call("lookup", {"id": self.local_id(sid)},
-                                         timeout=self.timeout))
+        return await self.send(self.lookup_call(sid))
 
     async def describe(self, sid: str) -> dict[str, Any]:
-        doc = dict(await self.call("describe", {"id": self.local_id(sid)},
-                                   timeout=self.timeout))
-        return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}",
-                "node": self.name}
+        return await self.send(self.describe_call(sid))
 
     async def pause(self, sid: str) -> RemoteRecord:
-        return self._rec(await self.call("pause", {"id": self.local_id(sid)}))
+        return await self.send(self._on("pause", sid, self._rec))
 
     async def resume(self, sid: str) -> RemoteRecord:
-        return self._rec(await self.call("resume", {"id": self.local_id(sid)}))
+        return await self.send(self._on("resume", sid, self._rec))
 
     async def remove(self, sid: str) -> RemoteRecord:
-        return self._rec(await self.call("remove", {"id": self.local_id(sid)}))
+        return await self.send(self._on("remove", sid, self._rec))
 
     async def snapshot(self, sid: str, ref: str, push: str | None = None, *,
                        replace: bool = False) -> dict[str, Any]:
-        out = dict(await self.call("snapshot", {"id": self.local_id(sid), "ref": ref,
-                                                "push": push, "replace": replace}))
-        out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
-        return out
+        return await self.send(self.snapshot_call(sid, ref, push, replace))
 
     async def fork(self, sid: str, n: int) -> dict[str, Any]:
-        out = dict(await self.call("fork", {"id": self.local_id(sid), "n": n}))
-        out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
-        out["copies"] = [self._rec(d) for d in out.get("copies", [])]
-        return out
+        return await self.send(self.fork_call(sid, n))
 
     async def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
                    cwd: str | None = None, stdin: AsyncStdin = None,
@@ -296,25 +270,19 @@ class AsyncRemoteNode:
         refuse_user(user)
         check_exec(argv, timeout)
         data = await _whole(stdin)  # the protocol sends stdin whole
-        r = await self.call("exec", {
-            "id": self.local_id(sid), "argv": list(argv), "env": env or {}, "cwd": cwd,
-            "stdin": None if data is None else b64(data), "timeout": timeout,
-            "stream": on_output is not None, "capture_limit": capture_limit},
-            on_event=on_output)
-        return from_wire(ExecResult, r)
+        return await self.send(self.exec_call(sid, argv, env, cwd, data, timeout,
+                                              on_output is not None, capture_limit), on_output)
 
     async def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644,
                        user: str | None = None) -> None:
         """As the sandbox's user on its node (the node service's default)."""
         refuse_user(user)
-        await self.call("put", {"id": self.local_id(sid), "path": path, "data": b64(data),
-                                "mode": mode})
+        await self.send(self.put_call(sid, path, data, mode))
 
     async def get_file_with_mode(self, sid: str, path: str, user: str | None = None
                                  ) -> tuple[bytes, int]:
         refuse_user(user)
-        r = await self.call("get", {"id": self.local_id(sid), "path": path})
-        return base64.b64decode(r["data"]), int(r["mode"])
+        return await self.send(self.get_call(sid, path))
 
     async def get_file(self, sid: str, path: str, user: str | None = None) -> bytes:
         return (await self.get_file_with_mode(sid, path, user))[0]

@@ -25,6 +25,7 @@ from ..contract import NodeAPI
 from ..node import CreateOptions, local_node
 from .errors import CapacityError
 from .placement import FastPlacer, NodeView, Placer
+from .protocol import error_from_wire
 from .registry import get_node, load_nodes
 from .remote import RemoteNode
 
@@ -130,8 +131,6 @@ def _views(image: str | None, nodes: list[RemoteNode] | None = None
             views.append(NodeView.from_info(r.node, r.value, image))
         else:
             if r.ok:  # the node cannot resolve the image in its store: keep the error's class
-                from .protocol import error_from_wire
-
                 err = error_from_wire(r.value["image_error"], r.node)
                 err.message = f"{r.node}: cannot use {image}: " + \
                     str(r.value["image_error"].get("message"))

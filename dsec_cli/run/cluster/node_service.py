@@ -32,6 +32,7 @@ from ...core import validate
 from ...core.errors import UsageError
 from ...core.rundir import peer_uid
 from ..density import host_facts
+from ..fork import check_count, copy_options
 from ..node import CreateOptions, Node, local_node
 from .admission import Admission
 from .protocol import (
@@ -176,8 +177,6 @@ class NodeService:
                              or 0.0)
 
     def fork(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
-        from ..fork import check_count, copy_options
-
         n = check_count(args["n"])
         opts = copy_options(self.node.lookup(str(args["id"])))
         # the copies count against the node's capacity as n creates would

@@ -14,6 +14,7 @@ Whatever a node sends is read through `protocol.Lines`: a line past its bound is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -29,12 +30,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Generic, TypeVar
 
 from ...backends.base import ExecResult, OutputCallback
 from ...core.config import env, net_timeouts
 from ...core.errors import ConfigError, DsecError, NodeUnreachableError, UsageError
-from ..node import CreateOptions
+from ..options import CreateOptions
 from ..state import SandboxRecord
 from .errors import NodeCommandError
 from .protocol import (
@@ -52,6 +53,8 @@ from .protocol import (
 from .ssh import SshTarget, classify, control_dir
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: read-only requests: safe to send again after a connection broke mid-request
 IDEMPOTENT = frozenset({"hello", "info", "lookup", "describe", "get", "ps"})
@@ -119,6 +122,34 @@ class NodeEntry:
 
 
 _EOF = object()
+
+
+def session_failure(name: str, stderr: list[bytes], rc: int | None) -> DsecError:
+    """Why a ``dsec agent --stdio`` session ended, from ssh's exit status and its last
+    messages (for the thread and the asyncio channel alike)."""
+    text = b"".join(stderr).decode(errors="replace")
+    if rc == 127:
+        text += "\ncommand not found"
+    err = classify(name, text)
+    return err if isinstance(err, DsecError) else NodeUnreachableError(str(err))
+
+
+def event_of(msg: dict[str, Any]) -> tuple[str, bytes] | None:
+    """A reply line that is an output event of the request: its stream and bytes."""
+    if "event" not in msg:
+        return None
+    return str(msg["event"]), unb64(msg.get("data", ""))
+
+
+def result_of(msg: dict[str, Any], name: str) -> Any:
+    """A request's final reply: its result, or the node's error raised as on the node."""
+    if msg.get("ok"):
+        return msg.get("result")
+    raise error_from_wire(msg.get("error") or {}, name)
+
+
+def no_answer(name: str, op: str, timeout: float | None) -> NodeUnreachableError:
+    return NodeUnreachableError(f"{name}: no answer to {op} within {timeout:g}s")
 
 
 # -- the resident node service: where its forwarded socket is, and starting it ----------------
@@ -384,11 +415,7 @@ class Channel:
             rc = self.proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
             rc = None
-        text = b"".join(self._stderr).decode(errors="replace")
-        if rc == 127:
-            text += "\ncommand not found"
-        err = classify(self.name, text)
-        return err if isinstance(err, DsecError) else NodeUnreachableError(str(err))
+        return session_failure(self.name, self._stderr, rc)
 
     def call(self, op: str, args: dict[str, Any] | None = None, *,
              timeout: float | None = None, on_event: OutputCallback | None = None) -> Any:
@@ -414,17 +441,14 @@ class Channel:
                 try:
                     msg = q.get(timeout=left)
                 except queue.Empty:
-                    raise NodeUnreachableError(
-                        f"{self.name}: no answer to {op} within {timeout:g}s") from None
+                    raise no_answer(self.name, op, timeout) from None
                 if msg is _EOF:
                     raise self.failure()
-                if "event" in msg:
-                    if on_event is not None:
-                        on_event(str(msg["event"]), unb64(msg.get("data", "")))
-                    continue
-                if msg.get("ok"):
-                    return msg.get("result")
-                raise error_from_wire(msg.get("error") or {}, self.name)
+                event = event_of(msg)
+                if event is None:
+                    return result_of(msg, self.name)
+                if on_event is not None:
+                    on_event(*event)
         finally:
             with self._plock:
                 self._pending.pop(rid, None)
@@ -508,14 +532,121 @@ class RemoteRecord:
         return {**self.record.public(), "id": self.id, "node": self.node}
 
 
-class RemoteNode:
-    """The node contract (`dsec_cli.run.contract.NodeAPI`) for one remote node: ids given to
-    it may be ``NODE/ID`` or the node-local part."""
+def _same(answer: Any) -> Any:
+    return answer
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request to a node service: its op and arguments, its bound (None: the session's
+    own), and how its answer becomes the result."""
+
+    op: str
+    args: dict[str, Any]
+    shape: Callable[[Any], T]
+    timeout: float | None = None
+
+
+class NodeRequests:
+    """The node protocol's requests for one node, decided once and I/O-free: each
+    ``*_call`` method says what is sent and how the answer is shaped (ids qualified by the
+    node). `RemoteNode` sends them from threads, `AsyncRemoteNode` from an event loop."""
 
     def __init__(self, entry: NodeEntry, timeout: float = 30.0) -> None:
         self.entry = entry
         self.name = entry.name
         self.timeout = timeout  # bound for opening and for read-only requests
+
+    def _rec(self, doc: Any) -> RemoteRecord:
+        rec = from_wire(SandboxRecord, doc)
+        return RemoteRecord(f"{self.name}/{rec.id}", self.name, rec)
+
+    @staticmethod
+    def local_id(sid: str) -> str:
+        return sid.rsplit("/", 1)[-1]
+
+    def _on(self, op: str, sid: str, shape: Callable[[Any], T], **args: Any) -> Call[T]:
+        """A request about sandbox ``sid``."""
+        return Call(op, {"id": self.local_id(sid), **args}, shape)
+
+    def _named(self, sid: str) -> Callable[[Any], dict[str, Any]]:
+        """An answer whose ``id`` is the sandbox's, qualified by the node."""
+        def shape(doc: Any) -> dict[str, Any]:
+            doc = dict(doc)
+            return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}"}
+
+        return shape
+
+    def _of_sandbox(self, sid: str) -> Callable[[Any], dict[str, Any]]:
+        """An answer whose ``sandbox`` is the sandbox's, qualified by the node."""
+        def shape(doc: Any) -> dict[str, Any]:
+            out = dict(doc)
+            out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
+            return out
+
+        return shape
+
+    def info_call(self, image: str | None, timeout: float | None) -> Call[dict[str, Any]]:
+        return Call("info", {"image": image}, dict, timeout or self.timeout)
+
+    def create_call(self, image: str, opts: CreateOptions | None) -> Call[RemoteRecord]:
+        return Call("create", {"image": image, "opts": to_wire(opts or CreateOptions())},
+                    self._rec)
+
+    def lookup_call(self, sid: str) -> Call[RemoteRecord]:
+        return dataclasses.replace(self._on("lookup", sid, self._rec), timeout=self.timeout)
+
+    def exec_call(self, sid: str, argv: list[str], env: dict[str, str] | None,
+                  cwd: str | None, stdin: bytes | None, timeout: float | None, stream: bool,
+                  capture_limit: int | None) -> Call[ExecResult]:
+        """An exec; ``stdin`` whole (the protocol sends it in one message)."""
+        return self._on("exec", sid, lambda r: from_wire(ExecResult, r), argv=list(argv),
+                        env=env or {}, cwd=cwd, stdin=None if stdin is None else b64(stdin),
+                        timeout=timeout, stream=stream, capture_limit=capture_limit)
+
+    def put_call(self, sid: str, path: str, data: bytes, mode: int) -> Call[Any]:
+        return self._on("put", sid, _same, path=path, data=b64(data), mode=mode)
+
+    def get_call(self, sid: str, path: str) -> Call[tuple[bytes, int]]:
+        return self._on("get", sid, lambda r: (unb64(r["data"]), int(r["mode"])), path=path)
+
+    def describe_call(self, sid: str) -> Call[dict[str, Any]]:
+        def shape(doc: Any) -> dict[str, Any]:
+            return {**self._named(sid)(doc), "node": self.name}
+
+        return dataclasses.replace(self._on("describe", sid, shape), timeout=self.timeout)
+
+    def park_call(self, sid: str) -> Call[dict[str, Any]]:
+        return self._on("park", sid, self._named(sid))
+
+    def thaw_call(self, sid: str, prefetch: bool) -> Call[dict[str, Any]]:
+        # prefetch only when asked: a node older than the option still thaws
+        return self._on("thaw", sid, self._named(sid),
+                        **({"prefetch": True} if prefetch else {}))
+
+    def snapshot_call(self, sid: str, ref: str, push: str | None, replace: bool
+                      ) -> Call[dict[str, Any]]:
+        return self._on("snapshot", sid, self._of_sandbox(sid), ref=ref, push=push,
+                        replace=replace)
+
+    def fork_call(self, sid: str, n: int) -> Call[dict[str, Any]]:
+        def shape(doc: Any) -> dict[str, Any]:
+            out = self._of_sandbox(sid)(doc)
+            out["copies"] = [self._rec(d) for d in out.get("copies", [])]
+            return out
+
+        return self._on("fork", sid, shape, n=n)
+
+    def top_call(self, interval: float) -> Call[list[dict[str, Any]]]:
+        def shape(rows: Any) -> list[dict[str, Any]]:
+            return [{**r, "id": f"{self.name}/{r['id']}", "node": self.name} for r in rows]
+
+        return Call("top", {"interval": interval}, shape, self.timeout + interval)
+
+
+class RemoteNode(NodeRequests):
+    """The node contract (`dsec_cli.run.contract.NodeAPI`) for one remote node: ids given to
+    it may be ``NODE/ID`` or the node-local part."""
 
     def call(self, op: str, args: dict[str, Any] | None = None, *,
              timeout: float | None = None, on_event: OutputCallback | None = None) -> Any:
@@ -538,24 +669,18 @@ class RemoteNode:
                     raise
                 time.sleep(wait)
 
-    def _rec(self, doc: Any) -> RemoteRecord:
-        rec = from_wire(SandboxRecord, doc)
-        return RemoteRecord(f"{self.name}/{rec.id}", self.name, rec)
-
-    @staticmethod
-    def local_id(sid: str) -> str:
-        return sid.rsplit("/", 1)[-1]
+    def send(self, c: Call[T], on_event: OutputCallback | None = None) -> T:
+        return c.shape(self.call(c.op, c.args, timeout=c.timeout, on_event=on_event))
 
     # -- the Node API ---------------------------------------------------------------------------
     def info(self, image: str | None = None, timeout: float | None = None) -> dict[str, Any]:
-        return dict(self.call("info", {"image": image}, timeout=timeout or self.timeout))
+        return self.send(self.info_call(image, timeout))
 
     def create(self, image: str, opts: CreateOptions | None = None) -> RemoteRecord:
-        doc = self.call("create", {"image": image, "opts": to_wire(opts or CreateOptions())})
-        return self._rec(doc)
+        return self.send(self.create_call(image, opts))
 
     def lookup(self, sid: str) -> RemoteRecord:
-        return self._rec(self.call("lookup", {"id": self.local_id(sid)}, timeout=self.timeout))
+        return self.send(self.lookup_call(sid))
 
     def exec(self, sid: str, argv: list[str], *, env: dict[str, str] | None = None,
              cwd: str | None = None, stdin: bytes | Iterable[bytes] | None = None,
@@ -564,79 +689,60 @@ class RemoteNode:
         refuse_user(user)
         if stdin is not None and not isinstance(stdin, bytes | bytearray):
             stdin = b"".join(stdin)  # a chunk iterator (piped CLI stdin): sent whole
-        r = self.call("exec", {"id": self.local_id(sid), "argv": list(argv), "env": env or {},
-                               "cwd": cwd, "stdin": None if stdin is None else b64(stdin),
-                               "timeout": timeout, "stream": on_output is not None,
-                               "capture_limit": capture_limit},
-                      on_event=on_output)
-        return from_wire(ExecResult, r)
+        return self.send(self.exec_call(
+            sid, argv, env, cwd, stdin, timeout, on_output is not None, capture_limit),
+            on_output)
 
     def put_file(self, sid: str, path: str, data: bytes, mode: int = 0o644,
                  user: str | None = None) -> None:
         """As the sandbox's user on its node (the node service's default)."""
         refuse_user(user)
-        self.call("put", {"id": self.local_id(sid), "path": path, "data": b64(data),
-                          "mode": mode})
+        self.send(self.put_call(sid, path, data, mode))
 
     def get_file_with_mode(self, sid: str, path: str, user: str | None = None
                            ) -> tuple[bytes, int]:
         refuse_user(user)
-        r = self.call("get", {"id": self.local_id(sid), "path": path})
-        return unb64(r["data"]), int(r["mode"])
+        return self.send(self.get_call(sid, path))
 
     def get_file(self, sid: str, path: str, user: str | None = None) -> bytes:
         return self.get_file_with_mode(sid, path, user)[0]
 
     def remove(self, sid: str) -> RemoteRecord:
-        return self._rec(self.call("remove", {"id": self.local_id(sid)}))
+        return self.send(self._on("remove", sid, self._rec))
 
     def pause(self, sid: str) -> RemoteRecord:
-        return self._rec(self.call("pause", {"id": self.local_id(sid)}))
+        return self.send(self._on("pause", sid, self._rec))
 
     def resume(self, sid: str) -> RemoteRecord:
-        return self._rec(self.call("resume", {"id": self.local_id(sid)}))
+        return self.send(self._on("resume", sid, self._rec))
 
     def park(self, sid: str) -> dict[str, Any]:
-        doc = dict(self.call("park", {"id": self.local_id(sid)}))
-        return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}"}
+        return self.send(self.park_call(sid))
 
     def thaw(self, sid: str, prefetch: bool = False) -> dict[str, Any]:
-        args: dict[str, Any] = {"id": self.local_id(sid)}
-        if prefetch:  # only when asked: a node older than the option still thaws
-            args["prefetch"] = True
-        doc = dict(self.call("thaw", args))
-        return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}"}
+        return self.send(self.thaw_call(sid, prefetch))
 
     def park_export(self, sid: str) -> dict[str, Any]:
-        return dict(self.call("park_export", {"id": self.local_id(sid)}))
+        return self.send(self._on("park_export", sid, dict))
 
     def park_incoming(self, sid: str) -> str:
-        return str(self.call("park_incoming", {"id": self.local_id(sid)}))
+        return self.send(self._on("park_incoming", sid, str))
 
     def park_import(self, exported: dict[str, Any]) -> RemoteRecord:
         return self._rec(self.call("park_import", {"exported": exported}))
 
     def top(self, interval: float = 0.0) -> list[dict[str, Any]]:
-        rows = self.call("top", {"interval": interval}, timeout=self.timeout + interval)
-        return [{**r, "id": f"{self.name}/{r['id']}", "node": self.name} for r in rows]
+        return self.send(self.top_call(interval))
 
     def describe(self, sid: str) -> dict[str, Any]:
-        doc = dict(self.call("describe", {"id": self.local_id(sid)}, timeout=self.timeout))
-        return {**doc, "id": f"{self.name}/{doc.get('id', self.local_id(sid))}",
-                "node": self.name}
+        return self.send(self.describe_call(sid))
 
     def snapshot(self, sid: str, ref: str, push: str | None = None, *,
                  replace: bool = False) -> dict[str, Any]:
-        out = dict(self.call("snapshot", {"id": self.local_id(sid), "ref": ref, "push": push,
-                                             "replace": replace}))
-        out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
-        return out
+        return self.send(self.snapshot_call(sid, ref, push, replace))
 
     def fork(self, sid: str, n: int) -> dict[str, Any]:
-        out = dict(self.call("fork", {"id": self.local_id(sid), "n": n}))
-        out["sandbox"] = f"{self.name}/{out.get('sandbox', self.local_id(sid))}"
-        out["copies"] = [self._rec(d) for d in out.get("copies", [])]
-        return out
+        return self.send(self.fork_call(sid, n))
 
     def grade(self, sid: str, grader: str, *, backend: str = "container",
               timeout: float | None = None) -> Any:
