@@ -12,6 +12,7 @@ import yaml
 
 from ..core.digests import parse_ref
 from ..core.errors import SpecError, UsageError
+from ..core.units import parse_size
 from ..format import canonical
 
 OCI_PREFIX = "oci:"
@@ -335,8 +336,6 @@ def _grade(d: _Doc, node: yaml.Node) -> dict[str, Any]:
     if "pids" in keys:
         out["pids"] = int(_number(d, keys["pids"][1], "grade.pids", 2, 1 << 22))
     if "memory" in keys:
-        from ..core.config import parse_size
-
         text = d.string(keys["memory"][1], "grade.memory")
         try:
             out["memory"] = parse_size(text, "grade.memory")

@@ -3,7 +3,6 @@ DSEC_* environment < command-line flags. Errors name the file and the key."""
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -11,13 +10,12 @@ from typing import Any
 
 from .errors import ConfigError
 from .settings import ENV_SETTINGS, SYSTEM_CONFIG, config_dir, env, user_config_path
-from .validate import MAX_SECONDS
+from .units import parse_duration, parse_size, size_value
 
-__all__ = ["ENV_SETTINGS", "env"]  # declared in settings.py, read through here as ever
+__all__ = ["ENV_SETTINGS", "env",  # declared in settings.py, read through here as ever
+           "parse_duration", "parse_size"]  # and in units.py
 
 SYSTEM_FILE = Path(SYSTEM_CONFIG)
-MAX_SIZE = 1 << 60  # 1 EiB: more than any memory or disk; runtimes take int64 bytes
-MAX_DURATION = MAX_SECONDS  # 100 years, the bound of every duration and wait
 
 
 def data_home() -> Path:
@@ -160,43 +158,6 @@ def save_user_config(updates: dict[str, Any]) -> Path:
     return path
 
 
-def parse_size(text: str, what: str = "size") -> int:
-    """'512M', '2G', '1024' -> bytes."""
-    return int(_size(text, what))
-
-
-def _size(text: str, what: str) -> float:
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
-    try:
-        value = float(num) * units[unit]
-    except ValueError:
-        raise ConfigError(f"invalid {what} {text!r}: expected a number with K, M, G or T") from None
-    if not math.isfinite(value) or value > MAX_SIZE:
-        raise ConfigError(f"invalid {what} {text!r}: must be a finite size of at most 1E")
-    if value < 0:
-        raise ConfigError(f"invalid {what} {text!r}: must not be negative")
-    return value
-
-
-def parse_duration(text: str, what: str = "duration") -> float:
-    """'30s', '15m', '2h', '7d' -> seconds."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    t = str(text).strip().lower()
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "s")
-    try:
-        value = float(num) * units[unit]
-    except ValueError:
-        raise ConfigError(f"invalid {what} {text!r}: expected e.g. 30s, 15m, 2h, 7d") from None
-    if not math.isfinite(value) or value > MAX_DURATION:
-        raise ConfigError(f"invalid {what} {text!r}: must be a finite duration of at most "
-                          "100 years")
-    if value < 0:
-        raise ConfigError(f"invalid {what} {text!r}: must not be negative")
-    return value
-
-
 @dataclass(frozen=True)
 class NetTimeouts:
     """How long one network operation may wait: to connect, and for each answer."""
@@ -281,7 +242,7 @@ def _limit(text: str, what: str, where: str = "") -> int:
     at most 1E. A limit of 0 or a fraction would make every object look broken, so it is
     refused like any malformed value, naming the key or variable and the value."""
     try:
-        value = _size(text, what)
+        value = size_value(text, what)
     except ConfigError as e:
         raise ConfigError(where + e.message) from None
     if value < 1 or not value.is_integer():

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 from . import schemes
 from .errors import UsageError
+from .units import MAX_SECONDS, parse_duration, parse_size
 
 #: longest free-text value (a path, a URL, a command) accepted anywhere
 MAX_TEXT = 4096
@@ -27,8 +28,6 @@ MAX_COUNT = (1 << 31) - 1
 MAX_PIDS = 1 << 22
 #: the largest CPU share: more CPUs than any machine has
 MAX_CPUS = 1 << 16
-#: the longest wait in seconds, as for durations: 100 years
-MAX_SECONDS = 100 * 365 * 86400.0
 
 
 def shown(value: object, limit: int = 60) -> str:
@@ -145,15 +144,11 @@ def endpoint_url(value: str | None, what: str = "--endpoint-url") -> str | None:
 
 def size(value: object, what: str = "size") -> int:
     """``512M``, ``2G``, ``1024`` -> bytes: finite, not negative, at most 1 EiB."""
-    from .config import parse_size
-
     return parse_size(text(value, what, max_len=64), what)
 
 
 def duration(value: object, what: str = "duration") -> float:
     """``30s``, ``15m``, ``2h``, ``7d`` -> seconds: finite, not negative."""
-    from .config import parse_duration
-
     return parse_duration(text(value, what, max_len=64), what)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import NotFoundError
+from ..core.units import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,6 @@ def lazy(store: Any, cache_root: Path, sandbox_dir: Path, image: str) -> Image:
 
 def mount_lazy(sandbox_dir: Path, store_url: str, img: Image, fetch: str,
                cache_root: Path, cache_budget: str, record: float | None) -> None:
-    from ..core.config import parse_size
     from .lazy import mount_layers
 
     mount_layers(sandbox_dir / "lazy", store_url, img.lazy_layers,

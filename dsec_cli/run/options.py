@@ -13,14 +13,15 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from ..backends import _cgroups, _rootfs
+from ..backends import BACKENDS, _cgroups, _rootfs
 from ..core.errors import UsageError
+from ..core.units import MAX_SIZE
 
-BACKEND_CHOICES = ("container", "fncall", "microvm", "vm")
+#: the backends a sandbox may ask for: the registry's (backends.BACKENDS)
+BACKEND_CHOICES = tuple(sorted(BACKENDS))
 CPU_CLASS_CHOICES = tuple(_cgroups.CPU_CLASSES)  # latency | batch | idle (docs/density.md)
 MIN_MEMORY = 8 << 20
 MIN_DISK = _rootfs.MIN_DISK
-MAX_SIZE = 1 << 60
 #: the options that are a sandbox's resource limits (`backends.Limits`, ``spec["limits"]``)
 LIMIT_FIELDS = ("cpus", "memory", "pids", "disk", "cpu_class")
 #: options the SDK's sandbox constructors leave to the node (``dsec run --fetch``, config)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends import _rootfs, backend_class
 from ..core.errors import ConfigError, DsecError, UsageError
+from ..core.units import parse_duration, parse_size
 from . import images as _images
 from .options import CreateOptions
 from .state import SandboxRecord, now
@@ -74,8 +75,6 @@ class PoolSettings:
 
     @classmethod
     def parse(cls, raw: dict[str, Any] | None) -> PoolSettings:
-        from ..core.config import parse_duration, parse_size
-
         out: dict[str, Any] = {}
         for key, value in (raw or {}).items():
             if key == "auto" and isinstance(value, bool):

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..backends import SandboxHandle, _cgroups, _rootfs
-from ..core.config import load_config, parse_duration, parse_size
+from ..core.config import load_config
 from ..core.errors import NotFoundError
 from ..core.files import remove_tree
+from ..core.units import parse_duration, parse_size
 from .density import reclaim_idle, recover_parked
 from .images import unmount_lazy
 from .pins import unpin

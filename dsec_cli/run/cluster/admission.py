@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from ...backends import _rootfs
-from ...core.config import parse_size, read_config_file
+from ...core.config import read_config_file
 from ...core.errors import ConfigError
 from ...core.sqlite import immediate, thread_connection
+from ...core.units import parse_size
 from ..density import resident_total
 from ..node import Node
 from .errors import CapacityError
