@@ -8,7 +8,8 @@ from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..build.builder import BuildReport, Built, build
+from ..build.builder import build
+from ..build.report import BuildReport, Built
 from ..core.errors import DsecError, UsageError
 from ..format.manifest import Manifest, load_manifest
 from ..format.refs import list_refs, resolve

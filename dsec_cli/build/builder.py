@@ -13,10 +13,10 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..core import validate
 from ..core.config import load_config
 from ..core.digests import object_key
 from ..core.errors import NotFoundError, SpecError, UsageError
@@ -27,9 +27,10 @@ from ..format.index import CONTENT_VERSION
 from ..format.manifest import Manifest, load_manifest
 from ..format.refs import commit_ref, get_ref
 from ..push.dedup import KnownChunks
-from ..push.stores import open_store
+from ..push.stores import default_store_url, open_store
 from ..push.stores.base import Store
-from .spec import Spec, find_specs, load_spec
+from .report import BuildReport, Built
+from .spec import OCI_PREFIX, Spec, find_specs, load_spec
 
 # the steps (and the sandbox runner under them), the image writer and the layer writer (with
 # the compiled chunker) are imported only when something is built: a no-op build skips them
@@ -44,32 +45,6 @@ if TYPE_CHECKING:
 #: of the old rules is not taken for a build under the new ones (2: copy and extract get
 #: fixed timestamps)
 BUILD_RULES = 2
-
-
-@dataclass
-class Built:
-    ref: str
-    kind: str
-    manifest: str
-    content_digest: str
-    cached: bool
-    size: int = 0
-    stored_size: int = 0
-    new_bytes: int = 0
-    new_chunks: int = 0
-    reused_chunks: int = 0
-    seconds: float = 0.0
-    spec: str = ""
-    replaced: str = ""  # with --replace: the manifest the ref named before this build
-
-
-@dataclass
-class BuildReport:
-    store: str
-    items: list[Built] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    #: ``oci:`` references of the specs -> the OCI manifest digest they were imported from
-    pinned: dict[str, str] = field(default_factory=dict)
 
 
 def _order(specs: list[Spec], store: Store) -> list[Spec]:
@@ -186,9 +161,7 @@ def build(paths: Sequence[str | Path] | None = None, store: str | Store | None =
     to new layers, for stores shared across trust domains (docs/format.md). With ``as_ref``
     the one path is a Dockerfile (or a folder holding one), built into that image with
     ``build_args``, ``target`` and ``squash`` (docs/dockerfile.md)."""
-    from ..core import validate
     from ..push.lease import WriterLease
-    from ..push.stores import default_store_url
 
     if not isinstance(store, Store):  # the URL checked first, then the specs, then opened
         store = default_store_url() if store is None else validate.store_url(store)
@@ -313,8 +286,6 @@ def _import_oci_deps(specs: list[Spec], st: Store, report: BuildReport) -> None:
     replaced by their refs; the build report pins the manifest digest it resolved to. All
     the images the specs name are imported in one run (`ociimport.import_images`: a layer
     two of them share is read once)."""
-    from .spec import OCI_PREFIX
-
     wanted: dict[str, tuple[Spec, int]] = {}  # ref -> where it is first named
     for s in specs:
         for ref, line in s.deps:

@@ -24,13 +24,15 @@ import os
 import posixpath
 import re
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.config import load_config
 from ..core.digests import parse_ref
-from ..core.errors import BuildError, NotFoundError, SpecError, UsageError
+from ..core.errors import BuildError, ConfigError, NotFoundError, SpecError, UsageError
 from ..core.files import remove_tree
 from ..format import canonical
 from ..format.index import Entry
@@ -39,7 +41,6 @@ from ..format.refs import commit_ref, get_ref
 from ..format.tree import Scanned, scan_dir
 from ..push.dedup import KnownChunks
 from ..push.stores.base import Store
-from .builder import BuildReport, Built
 from .dockerfile import (
     DEFAULT_SHELL,
     Dockerfile,
@@ -47,10 +48,12 @@ from .dockerfile import (
     Stage,
     json_list,
     key_values,
+    load_dockerfile,
     split,
     words,
 )
 from .dockerfile import expand as expand_vars
+from .report import BuildReport, Built
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +95,6 @@ def _h(*parts: Any) -> str:
 class _Builder:
     def __init__(self, d: Dockerfile, st: Store, opts: DockerfileOptions, report: BuildReport,
                  on_log: Callable[[str], None] | None, progress: Any) -> None:
-        from ..core.config import load_config
         from ..push.materialize import LayerCache
 
         self.d, self.st, self.opts, self.report = d, st, opts, report
@@ -339,7 +341,6 @@ class _Builder:
             return
         except NotFoundError:
             pass
-        import time
 
         from .layer import layer_manifest, write_layer
         from .steps import StagedTree, clean_stale_staging, make_staging, source_date_epoch
@@ -574,7 +575,6 @@ def _egress_rules(cfg: Any) -> list[str]:
     """The config's ``build_egress`` (what RUN reaches without --network), each rule checked
     now, so a bad one stops the build before anything is made."""
     from ..backends.egress import parse_rule
-    from ..core.errors import ConfigError
 
     where = cfg.sources.get("build_egress", "the default")
     rules = cfg.build_egress
@@ -688,7 +688,6 @@ def build_dockerfile(path: Path, store: Store, opts: DockerfileOptions, *,
     checked before anything is built; a failing RUN leaves the layers of the instructions
     before it (cached for the next build) and no image ref."""
     from ..oci.manifests import image_settings
-    from .dockerfile import load_dockerfile
     from .image import write_image
 
     name, version = parse_ref(opts.as_ref)
