@@ -7,7 +7,10 @@ from typing import Annotated
 
 import typer
 
+from .. import __version__
+from ..core.errors import UsageError
 from .render import console, human_bytes, print_json, table
+from .text import terminal_safe
 
 StoreOpt = Annotated[str | None, typer.Option("--store", help="store URL (default: embedded)")]  # noqa: UP007
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
@@ -59,7 +62,6 @@ def register(app: typer.Typer) -> None:
         table(None, ["ref", "kind", "digest", "files", "size", "stored"],
               [(i.ref, i.kind, i.digest[:12], i.files, human_bytes(i.size),
                 human_bytes(i.stored_size)) for i in items if not i.error])
-        from . import terminal_safe
 
         for i in items:
             if i.error:  # the error quotes a store object: shown as text
@@ -100,8 +102,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write an image's merged tree (whiteouts applied) to a directory or a tar, or the
         image as a runnable OCI image (--format oci, --to-registry)."""
-        from ..core.errors import UsageError
-
         if format_ not in ("tree", "oci"):
             raise UsageError(f"unknown export format {format_!r}: choose tree or oci")
         if format_ == "oci" or to_registry:
@@ -133,6 +133,4 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def version() -> None:
         """Print the dsec version."""
-        from .. import __version__
-
         typer.echo(__version__)

@@ -7,15 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..core.errors import UsageError
 from .render import err_console, human_bytes, prepare_table, print_json, progress, table
+from .text import terminal_safe
 
 
 def dockerfile_options(specs: list[Path] | None, as_ref: str | None,
                        build_args: list[str] | None, target: str, squash: bool
                        ) -> dict[str, Any]:
     """`images.build`'s options of a Dockerfile build (none for a build of specs)."""
-    from ..core.errors import UsageError
-
     if as_ref is None:
         if any(p.name == "Dockerfile" or p.name.startswith("Dockerfile.")
                or p.name.lower().endswith(".dockerfile") for p in specs or []):
@@ -74,7 +74,6 @@ def build_command(specs: list[Path] | None, store: str | None = None, *, force: 
         err_console().print(f"pinned: {source} at {digest}", highlight=False, markup=False)
     from rich.text import Text
 
-    from . import terminal_safe
 
     for w in report.warnings:  # they name store objects and quote their errors: text only
         err_console().print(Text.assemble(("warning:", "yellow"), " ", terminal_safe(w)),

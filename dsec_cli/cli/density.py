@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .render import human_bytes, print_json
+from .render import console, human_bytes, print_json
 from .sandbox import JsonOpt, NodeOpt, SandboxArg, StateOpt
 
 
@@ -97,7 +97,6 @@ def register(app: typer.Typer) -> None:
 
         from ..api.sandboxes import top as top_sandboxes
         from ..core import validate
-        from .render import console
 
         validate.positive_float(interval, "--interval")
         if json_out or once or not console().is_terminal:

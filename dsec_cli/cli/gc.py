@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 import typer
 
+from ..core.errors import UsageError
 from .render import human_bytes, print_json
 
 
@@ -39,10 +41,6 @@ def register(app: typer.Typer) -> None:
         """Delete what nothing references: store objects no ref or pin reaches (safe while
         others push), and with --node this node's expired sandboxes and least recently used
         layers."""
-        import math
-
-        from ..core.errors import UsageError
-
         if not math.isfinite(repack_threshold):
             raise UsageError(f"invalid --repack-threshold {repack_threshold}: expected a "
                              "number from 0 to 1")

@@ -1,7 +1,7 @@
 """The typer application behind `dsec`, with its commands loaded on first use.
 
 The root group knows each command's name, module and one-line help from the table in
-`dsec_cli.cli.COMMANDS`; a command's module (and through it the SDK modules, boto3, oras,
+`dsec_cli.cli.commands.COMMANDS`; a command's module (and through it the SDK modules, boto3, oras,
 rich...) is imported only when that command runs or shows its own help. `dsec --help` is
 rendered from the table alone.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from . import COMMANDS, root_help
+from .commands import COMMANDS, root_help
 
 SETTINGS: dict[str, Any] = {"add_completion": False, "pretty_exceptions_enable": False}
 

@@ -4,6 +4,7 @@ dsec_cli.api.cluster, render."""
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Any
 
 import typer
@@ -204,8 +205,6 @@ def receive_moved(
 ) -> None:
     """The receiving end of `dsec thaw ID --to NODE`: a parked VM's files, read as a tar
     stream on stdin, written into this node's incoming dir for it (run/migrate.py)."""
-    import sys
-
     from ..api.sandboxes import receive_moved
 
     receive_moved(sandbox_id, sys.stdin.buffer, state_dir)

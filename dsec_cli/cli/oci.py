@@ -6,6 +6,7 @@ from typing import Any
 
 import typer
 
+from ..core.errors import UsageError
 from .render import human_bytes, print_json
 from .store import INSECURE, JSON, STORE, _run
 
@@ -41,7 +42,6 @@ def register(app: typer.Typer) -> None:
         Several sources are read in one run (a layer they share read once); one that fails
         is reported and the others are imported."""
         from ..api import oci
-        from ..core.errors import UsageError
 
         if as_ref is not None and len(sources) > 1:
             raise UsageError("--as names one image: import several sources under the names "
@@ -70,8 +70,8 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"{len(run.reports)} of {len(sources)} images imported, "
                        f"{human_bytes(read)} read in {run.seconds:.1f}s")
         if run.failed:
-            from . import _print_error
+            from .render import print_error
 
             for _, e in run.failed[1:]:
-                _print_error(e)
+                print_error(e)
             raise run.failed[0][1]  # printed last, its exit code the command's

@@ -10,6 +10,9 @@ from contextlib import contextmanager
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from ..core.errors import DsecError
+from .text import terminal_safe
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -67,8 +70,6 @@ def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any
     labels and what nodes said). No cell is ever cut: on a terminal a long cell folds onto
     more lines; piped, the table is plain padded columns, one row a line (`grep ID` finds
     the whole id)."""
-    from . import terminal_safe
-
     cells = [[("" if v is None else terminal_safe(str(v))) for v in r] for r in rows]
     if not _may_be_terminal(sys.stdout, ("TTY_COMPATIBLE", "FORCE_TERMINAL")):
         _plain_table(title, list(columns), cells)
@@ -123,3 +124,23 @@ def progress(enabled: bool = True) -> Iterator[Any]:
     with Progress(TextColumn("{task.description}"), BarColumn(), Amount(), TimeElapsedColumn(),
                   console=err_console(), transient=True) as p:
         yield p
+
+
+#: longest error message printed whole; longer ones quote a huge input and are cut
+MAX_MESSAGE = 2000
+
+
+def print_error(e: DsecError) -> None:
+    """The one printer of errors, for every command: the message and hint shown as text,
+    never parsed as rich markup or emoji codes (``[bold]`` from a node prints as it is) nor
+    passed to the terminal as controls."""
+    from rich.text import Text
+
+    message = str(e.message)
+    if len(message) > MAX_MESSAGE:
+        message = f"{message[:MAX_MESSAGE]}... (message cut at {MAX_MESSAGE} characters)"
+    err_console().print(Text.assemble(("error:", "bold red"), " ", terminal_safe(message)),
+                        highlight=False)
+    if e.hint:
+        hint = terminal_safe(str(e.hint)[:MAX_MESSAGE])
+        err_console().print(Text.assemble(("hint:", "dim"), " ", hint), highlight=False)

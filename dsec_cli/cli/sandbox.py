@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ..core.errors import UsageError
 from .sandbox_io import (
     JSON_OUTPUT_LIMIT,
     exec_command,
@@ -25,7 +26,6 @@ def _run_in_job(job: str, image: str, opts: Any, cmd: list[str] | None,
                 state_dir: str | None) -> None:
     """`dsec run --job`: the sandbox stays with the job; CMD's output is shown after it ran."""
     from ..api.jobs import run_in_job
-    from ..core.errors import UsageError
     from .render import print_json
 
     if node_name not in (None, "local"):

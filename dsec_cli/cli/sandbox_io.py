@@ -9,6 +9,9 @@ import sys
 import time
 from typing import Any
 
+from ..core.errors import UsageError
+from .text import terminal_safe
+
 #: bytes of each of stdout and stderr that `--json` puts in its document; past it the
 #: field holds the first JSON_OUTPUT_LIMIT bytes and `stdout_truncated` / `stderr_truncated`
 #: say so (without --json, output streams through and nothing is kept)
@@ -40,8 +43,6 @@ def stdin_source() -> Any:
 
 
 def parse_env(items: list[str] | None) -> dict[str, str]:
-    from ..core.errors import UsageError
-
     env: dict[str, str] = {}
     for item in items or []:
         k, sep, v = item.partition("=")
@@ -131,7 +132,6 @@ def exec_command(sandbox: str, cmd: list[str], *, env: list[str] | None = None,
     """`dsec exec`: stream the command's output, exit with its code."""
     from ..api.sandboxes import exec_in
     from ..core import validate
-    from ..core.errors import UsageError
 
     validate.positive_float(timeout, "--timeout")
     if cmd and cmd[0] == "--":
@@ -167,7 +167,6 @@ def report_failed_nodes(failed: list[dict[str, Any]]) -> int:
         return 0
     from rich.text import Text
 
-    from . import terminal_safe
     from .render import err_console
 
     for f in failed:  # what a node said, shown as text (as the error printer does)

@@ -19,8 +19,11 @@ and its descriptors are sent only when the process listening runs as the caller'
 from __future__ import annotations
 
 import os
+import stat
 import sys
+import time
 
+from ..core.errors import ConfigError
 from ..core.settings import SYSTEM_CONFIG, user_config_path
 from ..core.settings import env as settings_env
 
@@ -67,8 +70,6 @@ def server_dir() -> str | None:
 def _ancestors_ok(path: str) -> bool:
     """``rundir.check_ancestors``: every directory above ``path`` is root's or ours, and
     sticky where others may write to it."""
-    import stat
-
     uid = os.geteuid()
     d = os.path.dirname(os.path.abspath(path))
     while True:
@@ -157,8 +158,6 @@ def idle_seconds(setting: str | None) -> str | None:
     except ValueError:
         ok = False
     if not ok:
-        from ..core.errors import ConfigError
-
         raise ConfigError(f"$DSEC_CLI_SERVER: {setting!r} must be the seconds a command "
                           "server may stay idle (a number above 0), or 0 / off for none")
     return setting
@@ -236,7 +235,6 @@ def _connect(sock_path: str):  # type: ignore[no-untyped-def]  # an _socket.sock
     """A connection to the server at ``sock_path`` (in a private dir of ours) when this
     user made the socket and the process listening on it runs as this user."""
     import _socket
-    import stat
 
     try:
         st = os.lstat(sock_path)
@@ -263,17 +261,13 @@ def _connect(sock_path: str):  # type: ignore[no-untyped-def]  # an _socket.sock
 def _passed_over(why: str) -> None:
     """A server not used: said at DSEC_LOG=DEBUG (logging is set up only after the server's
     turn, and a served call never imports it)."""
-    from ..core.settings import env
-
-    if (env("DSEC_LOG") or "").upper() == "DEBUG":
+    if (settings_env("DSEC_LOG") or "").upper() == "DEBUG":
         os.write(2, f"DEBUG {__name__}: {why}: running in-process\n".encode(errors="replace"))
 
 
 def _seen_recently(d: str, key: str, idle: float) -> bool:
     """Whether a call of this environment ran in-process less than ``idle`` seconds ago;
     notes this call."""
-    import time
-
     try:
         seen = os.path.join(d, f"{key}.seen")
         try:
@@ -290,8 +284,6 @@ def _seen_recently(d: str, key: str, idle: float) -> bool:
 def _private(d: str) -> bool:
     """``d`` is a real directory that only this user can write to (and so holds only
     sockets this user made)."""
-    import stat
-
     try:
         st = os.lstat(d)
     except OSError:
@@ -303,7 +295,6 @@ def _spawn(d: str, key: str, idle: str) -> bool:
     """Start a server for this environment in the background; whether one is starting (by
     this call, or by another less than `SPAWN_WAIT` ago)."""
     import subprocess
-    import time
 
     try:
         # many clients finding no server at once start one, not one each (the others would

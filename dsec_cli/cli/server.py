@@ -30,12 +30,15 @@ does (served.py): another local user never gets a call's stdio nor answers in it
 
 from __future__ import annotations
 
+import array
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from ..core.errors import DsecError
 from ..core.rundir import UnsafePathError, check_ancestors, check_private, open_own, peer_uid
 from .served import decode_request
 
@@ -64,7 +67,6 @@ def serve(sock_path: str, idle: float) -> None:
     import fcntl
     import logging
     import threading
-    import time
 
     from . import fast
     from .render import err_console
@@ -162,10 +164,6 @@ def _reap() -> None:
 
 def _handle(conn: socket.socket, streams: dict[str, _ThreadStream], fast: Any,
             err_console: Any) -> None:
-    import array
-
-    from ..core.errors import DsecError
-
     with conn:
         fds: list[int] = []
         try:
@@ -189,9 +187,9 @@ def _handle(conn: socket.socket, streams: dict[str, _ThreadStream], fast: Any,
                 try:
                     code = fast.run(argv)
                 except DsecError as e:
-                    from . import _print_error
+                    from .render import print_error
 
-                    _print_error(e)
+                    print_error(e)
                     code = e.exit_code
                 for f in files[1:]:
                     f.flush()

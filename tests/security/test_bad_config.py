@@ -331,10 +331,10 @@ def test_node_error_of_the_wrong_shape(world: World, one_node: SshCluster, error
 ])
 def test_error_printer_shows_text_as_text(text: str, shown: str,
                                           capfd: pytest.CaptureFixture[str]) -> None:
-    from dsec_cli.cli import _print_error
+    from dsec_cli.cli.render import print_error
     from dsec_cli.core.errors import DsecError
 
-    _print_error(DsecError(text, hint=text))
+    print_error(DsecError(text, hint=text))
     err = capfd.readouterr().err
     assert "\x1b" not in err and "\x07" not in err and "\x9b" not in err, repr(err)
     assert err.count(shown) == 2, repr(err)
