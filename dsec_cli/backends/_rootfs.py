@@ -10,9 +10,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import os
 import select
 import shutil
+import struct
 import subprocess
 import threading
 from collections.abc import Sequence
@@ -216,9 +218,6 @@ def make_disk(image: Path, mount_point: Path, size: int, templates: Path | None 
 
     The loop device is set up with autoclear, so the kernel frees it when the filesystem is
     unmounted (by destroy, or by reconcile's remove_tree after a crash): nothing to track."""
-    import fcntl
-    import struct
-
     if templates is not None:
         _copy_sparse(_disk_template(templates, size), image)
     else:
@@ -313,9 +312,7 @@ def wait_ready(read_fd: int, timeout: float, what: str) -> None:
 def loopback_up(pid: int) -> None:
     """Bring `lo` up in the network namespace of pid, from a throwaway thread (setns is
     per thread), so a network-less sandbox still has a working 127.0.0.1."""
-    import fcntl
     import socket
-    import struct
 
     err: list[BaseException] = []
 

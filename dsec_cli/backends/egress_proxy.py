@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..core.errors import BackendError
+
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
 CONNECT_TIMEOUT = 30.0
 #: connections relayed at once per sandbox; more are closed at once (a thread each, on the host)
@@ -39,8 +41,6 @@ def start(host_if: str, gateway: str) -> tuple[int, int]:
     r = subprocess.run([sys.executable, "-m", MODULE, host_if, gateway], capture_output=True,
                        text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
-        from ..core.errors import BackendError
-
         raise BackendError(f"the egress relay of {host_if} did not start: {r.stderr.strip()}")
     port, pid = r.stdout.split()
     return int(port), int(pid)

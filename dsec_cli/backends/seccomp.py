@@ -22,6 +22,7 @@ container escapes have historically come through; an RL action has no need for t
 from __future__ import annotations
 
 import errno
+import os
 import struct
 from typing import Any
 
@@ -151,8 +152,6 @@ def bpf_program() -> bytes:
 
 def bpf_fd() -> int:
     """A readable fd holding the BPF program, for `bwrap --seccomp FD` (caller closes it)."""
-    import os
-
     fd = os.memfd_create("dsec-seccomp", os.MFD_CLOEXEC)
     os.write(fd, _PROGRAM)
     os.lseek(fd, 0, os.SEEK_SET)

@@ -10,6 +10,7 @@ part.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from dataclasses import dataclass, field
@@ -99,7 +100,6 @@ def load_dockerfile(path: Path) -> Dockerfile:
         raise SpecError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if "\0" in text:
         raise SpecError(f"{path}: holds a NUL byte")
-    import io
 
     parser = DockerfileParser(fileobj=io.BytesIO(text.encode()))
     d = Dockerfile(path=path, global_args=[], stages=[])

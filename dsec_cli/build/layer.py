@@ -27,6 +27,7 @@ from typing import Any
 
 import xxhash
 
+from ..core.config import load_config
 from ..core.digests import chunk_id, object_key
 from ..core.errors import BuildError
 from ..core.files import fsync_path, remove_tree
@@ -35,7 +36,8 @@ from ..format.codec import GROUP_BYTES, GROUP_CHUNKS, Piece, encode_parts
 from ..format.index import ChunkLoc, ChunkParams, Entry, EntryJson, LayerIndex, put_index
 from ..format.manifest import Manifest, put_manifest
 from ..format.pack import FinishedPack, PackWriter
-from ..format.tree import Scanned, ScanReport, parent_of, read_many
+from ..format.refs import commit_ref
+from ..format.tree import Scanned, ScanReport, parent_of, read_many, scan_dir
 from ..format.validate import layer_xattrs
 from ..push.dedup import KnownChunk, KnownChunks
 from ..push.stores.base import Store
@@ -688,10 +690,6 @@ def build_layer_from_dir(store: Store, upper_dir: Path, name: str, version: str,
     With ``snapshot`` the directory is a sandbox's writable diff, written by whatever ran in
     the sandbox: `SNAPSHOT_POLICY` applies, and what it dropped or changed is logged and
     recorded in the report."""
-    from ..core.config import load_config
-    from ..format.refs import commit_ref
-    from ..format.tree import scan_dir
-
     if known is None:
         known = KnownChunks.load(store, Path(load_config().data_dir) / "chunk-tables")
     scanned = scan_dir(upper_dir, overlay_upper=True, snapshot=snapshot)

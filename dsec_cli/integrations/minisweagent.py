@@ -22,6 +22,7 @@ import threading
 import weakref
 from typing import Any
 
+from minisweagent import environments
 from minisweagent.exceptions import Submitted
 from minisweagent.utils.serialize import recursive_merge
 from pydantic import BaseModel
@@ -158,8 +159,6 @@ def _cleanup_all() -> None:
 
 def _register() -> None:
     """``environment_class: dsec`` in mini-swe-agent's configs."""
-    from minisweagent import environments
-
     environments._ENVIRONMENT_MAPPING.setdefault(
         "dsec", f"{__name__}.{DsecEnvironment.__name__}")
 

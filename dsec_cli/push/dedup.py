@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..core.digests import check_digest, object_key
+from ..core.digests import check_digest, object_key, verify_sha256
 from ..core.errors import DsecError
 from ..core.reads import read_all
 from ..format.index import LayerIndex
@@ -42,8 +42,6 @@ def load_index(store: Store, digest: str, json_ratio: int | None = None) -> Laye
     """A layer index, checked against its digest and validated field by field; with
     ``json_ratio``, refused once its JSON passes that many times its stored bytes (and
     `INDEX_JSON_FLOOR`), before it is decoded past that."""
-    from ..core.digests import verify_sha256
-
     what = f"index {check_digest(digest)[:12]}"
     data = store.get(object_key("indexes", digest))
     bound = None if json_ratio is None else max(INDEX_JSON_FLOOR, len(data) * json_ratio)

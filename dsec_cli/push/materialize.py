@@ -19,9 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.config import load_config
 from ..core.digests import check_digest, object_key
 from ..core.errors import CorruptObjectError, DsecError, FormatError, NotFoundError, UsageError
 from ..core.files import remove_tree, tree_size
+from ..core.units import parse_size
 from ..format.index import Entry, LayerIndex
 from ..format.manifest import Manifest, load_manifest
 from ..format.merge import merge
@@ -433,8 +435,6 @@ class LayerCache:
     def _charge(self, index: LayerIndex, m: Manifest, digest: str) -> None:
         """Before anything is written: the layer's files must fit the node's cache budget
         (``cache_budget``) on their own, whatever its index claims is shared."""
-        from ..core.config import load_config, parse_size
-
         size = sum(e.size for e in index.entries if e.type == "reg")
         budget = parse_size(load_config().cache_budget, "cache budget")
         if size > budget:

@@ -15,6 +15,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,8 +97,6 @@ http:
 
 
 def _bcrypt(password: str) -> str:
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         import crypt  # glibc's bcrypt, what distribution's htpasswd files hold

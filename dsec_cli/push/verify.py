@@ -26,7 +26,9 @@ from ..format.pack import read_toc
 from ..format.refs import get_ref
 from ..format.validate import check_layer, is_digest
 from .dedup import load_index
+from .stores import check_exists
 from .stores.base import Store
+from .stores.retrying import open_retrying
 
 log = logging.getLogger(__name__)
 
@@ -248,8 +250,6 @@ def verify_store(refs: Sequence[str] = (), *, store: str | None = None, deep: bo
                  endpoint_url: str | None = None, insecure: bool = False) -> VerifyReport:
     """Check a store by URL (default: the configured one); what `dsec verify` calls."""
     from .api import store_options
-    from .stores import check_exists
-    from .stores.retrying import open_retrying
 
     with open_retrying(store, **store_options(endpoint_url, insecure)) as s:
         check_exists(s)

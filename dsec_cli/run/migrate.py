@@ -48,6 +48,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ..backends import SandboxHandle, _rootfs, backend_class
 from ..backends.base import Limits
+from ..backends.vm import vmpark
+from ..backends.vm.vmimage import DEFAULT_DISK_SIZE
 from ..backends.vm.vmpark import check_moved_env
 from ..core import validate
 from ..core.digests import check_digest
@@ -92,8 +94,6 @@ def _job_of(node: Node, sid: str) -> str | None:
 
 def export_parked(node: Node, sid: str) -> dict[str, Any]:
     """Where a parked VM's files are, and what its row holds (step 1)."""
-    from ..backends.vm import vmpark
-
     rec = node.lookup(sid)
     if backend_class(rec.backend).park_mechanism != "state-file":
         raise UsageError(f"{rec.backend} sandbox {rec.id} cannot move to another node: only "
@@ -256,7 +256,6 @@ def import_parked(node: Node, doc: dict[str, Any]) -> SandboxRecord:
     for f in (*FILES, ROOT_COPY):
         _check_received(inc, f)
     disk_size = os.lstat(inc / DISK).st_size
-    from ..backends.vm.vmimage import DEFAULT_DISK_SIZE
 
     if disk_size != (opts.disk or DEFAULT_DISK_SIZE):
         raise UsageError(f"the moved disk is {disk_size} bytes, not the "

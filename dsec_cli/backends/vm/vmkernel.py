@@ -17,6 +17,7 @@ import re
 import stat
 import struct
 import tempfile
+import zlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -98,7 +99,6 @@ def _decompress(data: bytes, kind: str) -> bytes:
         import zstandard
 
         return zstandard.ZstdDecompressor().decompressobj().decompress(data)
-    import zlib
 
     return zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(data)
 

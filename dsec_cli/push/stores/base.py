@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from ...core.config import load_config
 from ...core.digests import validate_key
 
 
@@ -103,8 +104,6 @@ class Store(abc.ABC):
     def staging_dir(self) -> Path:
         """Where writers stage local files (packs) before `put_file`; a store on a local
         filesystem returns a directory on that filesystem, so uploads are renames."""
-        from ...core.config import load_config
-
         path = Path(load_config().data_dir) / "tmp"
         path.mkdir(parents=True, exist_ok=True)
         return path

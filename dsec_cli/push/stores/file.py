@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import ClassVar
 from urllib.parse import unquote, urlparse
 
+from ...core.digests import validate_key
 from ...core.errors import NotFoundError, StoreError, UsageError
 from ...core.files import fsync_path
 from .base import ObjectInfo, Store
@@ -164,8 +165,6 @@ class FileStore(Store):
 
     def put_file(self, key: str, path: Path) -> None:
         """A hard link when the file is on the store's filesystem, a copy otherwise."""
-        from ...core.digests import validate_key
-
         validate_key(key)
         tmp = self._tmp_name()
         try:

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import subprocess
+import sys
 import tarfile
 from dataclasses import replace
 from importlib import metadata
@@ -91,7 +92,6 @@ def _ssh(entry: NodeEntry, script: str, data: bytes | None = None) -> str:
 def bootstrap(entry: NodeEntry, install_dir: str = DEFAULT_DIR) -> NodeEntry:
     """Install dsec on the node; returns the entry with ``dsec`` pointing at it."""
     import platform
-    import sys
 
     if "'" in install_dir or "\n" in install_dir:
         raise UsageError(f"invalid install dir {install_dir!r}")

@@ -161,8 +161,6 @@ def _start(sock: Path, pidfile: Path, logfile: Path, state_dir: str | None) -> d
 
 def serve(args: list[str]) -> None:
     """The resident service's own process: ``SOCKET PIDFILE STATE_DIR``."""
-    import logging
-
     from .node_service import serve_unix
 
     sock, pidfile, state_dir = args

@@ -9,14 +9,18 @@ and access profile beside its config while it runs and when it exits (on unmount
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from ...core.errors import CorruptObjectError
 
 log = logging.getLogger("dsec_cli.run.lazy.mountd")
 
@@ -47,7 +51,6 @@ def main(config_path: str) -> int:
     state = Path(config_path).parent
     logging.basicConfig(filename=str(state / "mountd.log"), level=cfg.get("log", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ...core.errors import CorruptObjectError
     from ...push.dedup import load_index
     from ...push.materialize import store_fetch
     from ...push.stores import open_store
@@ -152,9 +155,6 @@ def _serve_kernel(fs: Any, cfg: dict[str, Any], state: Path, xattrs: bool, on_in
                   stop: threading.Event, flush: Any, cache: Any, extras: dict[str, Any]) -> int:
     """Serve the mount with FUSE passthrough (kernelfs.py): opened files are read by the
     kernel from backing files in the node's file cache, beside its chunk cache."""
-    import ctypes
-    import signal
-
     from .kernelfs import PassthroughServer
 
     def on_term(signum: int, frame: Any) -> None:
