@@ -13,13 +13,13 @@ import abc
 import contextlib
 import dataclasses
 import fcntl
-import os
 import socket
 import threading
 import time
 from pathlib import Path
 from typing import BinaryIO
 
+from ..core.files import unix_address
 from . import _cgroups, _rootfs
 from .base import (
     Backend,
@@ -49,12 +49,12 @@ class AgentBackend(Backend):
     def client(self, handle: SandboxHandle) -> AgentClient:
         with self._lock:
             c = self._clients.get(handle.sandbox_id)
-            if c is not None and c._closed is None:
+            if c is not None and c.closed is None:
                 return c
         c = self._connect(handle)
         with self._lock:
             old = self._clients.get(handle.sandbox_id)
-            if old is not None and old._closed is None:  # another thread connected first
+            if old is not None and old.closed is None:  # another thread connected first
                 c.close()
                 return old
             self._clients[handle.sandbox_id] = c
@@ -114,15 +114,12 @@ def bind_agent_socket(path: Path) -> socket.socket:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    dir_fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
     try:
-        # sun_path holds 108 bytes: bind long paths through an O_PATH fd of the dir
-        sock.bind(f"/proc/self/fd/{dir_fd}/{path.name}")
+        with unix_address(path) as address:
+            sock.bind(address)
     except OSError:
         sock.close()
         raise
-    finally:
-        os.close(dir_fd)
     # above the fds a spawn places (0-4), so no placement overwrites it before its own
     high = fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD_CLOEXEC, 10)
     sock.close()

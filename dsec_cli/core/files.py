@@ -6,6 +6,7 @@ import errno
 import os
 import stat
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -167,3 +168,19 @@ def tree_size(path: Path | str) -> int:
         if stat.S_ISREG(st.st_mode):
             total += st.st_size
     return total
+
+
+@contextmanager
+def unix_address(path: str | Path) -> Iterator[str]:
+    """An address to bind or connect a unix socket at ``path``, whatever its length:
+    sun_path holds 108 bytes, so a longer path is reached through an O_PATH descriptor of
+    its directory, open while the block runs."""
+    path = str(path)
+    if len(path.encode()) <= 100:
+        yield path
+        return
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}"
+    finally:
+        os.close(dir_fd)

@@ -21,7 +21,8 @@ import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from pathlib import Path
 
-from ...core.errors import UsageError
+from ...core.files import unix_address
+from ...core.mux import InFlight
 from ..base import ExecResult, UserIds
 from .client import (
     CHUNK,
@@ -47,7 +48,7 @@ from .client import (
     put_requests,
 )
 from .frames import HEADER as _HDR
-from .frames import MAX_FRAME, FrameReader
+from .frames import FrameReader, frame
 
 #: called with ("stdout" | "stderr", bytes) as output arrives; may be a coroutine function
 AsyncOutputCallback = Callable[[str, bytes], Awaitable[None] | None]
@@ -64,8 +65,7 @@ class AsyncAgentClient:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  what: str = "the sandbox", agent: int = -1) -> None:
         self._reader, self._writer, self.what, self._agent = reader, writer, what, agent
-        self._pending: dict[int, asyncio.Queue[tuple[int, bytes]]] = {}
-        self._next = 1
+        self._pending: InFlight[asyncio.Queue[tuple[int, bytes]]] = InFlight()
         self.closed: str | None = None
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
@@ -75,24 +75,16 @@ class AsyncAgentClient:
                            ) -> AsyncAgentClient:
         """Connect to an agent's unix socket (any path length) and refuse it unless
         `peer(pid)` accepts the listening process, as `AgentClient.connect_unix` does."""
-        path = str(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
-        dir_fd = -1
         try:
-            target = path
-            if len(path.encode()) > 100:  # sun_path holds 108 bytes
-                dir_fd = os.open(os.path.dirname(path), os.O_PATH)
-                target = f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}"
-            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, target),
-                                   timeout)
+            with unix_address(path) as target:
+                await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, target),
+                                       timeout)
         except (TimeoutError, OSError) as e:
             sock.close()
             reason = getattr(e, "strerror", None) or str(e) or "timed out"
             raise AgentError(f"cannot connect to the sandbox agent at {path}: {reason}") from e
-        finally:
-            if dir_fd >= 0:
-                os.close(dir_fd)
         agent = check_peer(sock, peer, what, path)
         reader, writer = await asyncio.open_unix_connection(sock=sock, limit=CHUNK)
         return cls(reader, writer, what, agent)
@@ -141,27 +133,24 @@ class AsyncAgentClient:
             reason = "closed"
         self.closed = reason
         self._writer.close()
-        for q in self._pending.values():
+        for q in self._pending.close(reason):
             q.put_nowait((_LOST, reason.encode()))
 
     def _open(self) -> tuple[int, asyncio.Queue[tuple[int, bytes]]]:
-        if self.closed is not None:
-            raise AgentError(f"the sandbox agent connection is closed: {self.closed}")
-        rid = self._next
-        self._next = (self._next + 1) & 0x7FFFFFFF or 1
         q: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
-        self._pending[rid] = q
+        rid = None if self.closed is not None else self._pending.add(q)
+        if rid is None:
+            raise AgentError(f"the sandbox agent connection is closed: {self.closed}")
         return rid, q
 
     async def _send(self, kind: int, rid: int, payload: bytes) -> None:
-        if len(payload) + 5 > MAX_FRAME:
-            raise UsageError("request too large for one agent frame")
+        data = frame(kind, rid, payload)
         if self.closed is not None:
             raise AgentError(f"lost the connection to the sandbox agent: {self.closed}")
         try:
             # write() appends whole frames to the transport's buffer: frames of concurrent
             # requests never interleave; drain() waits while the agent reads slowly
-            self._writer.write(_HDR.pack(len(payload) + 5, kind, rid) + payload)
+            self._writer.write(data)
             await self._writer.drain()
         except OSError as e:
             raise AgentError(f"lost the connection to the sandbox agent: {e}") from e
@@ -179,7 +168,7 @@ class AsyncAgentClient:
                     raise AgentError("lost the connection to the sandbox agent: "
                                      f"{payload.decode()}")
         finally:
-            self._pending.pop(rid, None)
+            self._pending.done(rid)
 
     # -- requests ------------------------------------------------------------------------------
     async def ping(self) -> str:
@@ -219,7 +208,7 @@ class AsyncAgentClient:
                 feeder.cancel()
             if not finished:  # abandoned (cancelled, or a callback raised): nothing may run on
                 self._kill_nowait(rid)
-            self._pending.pop(rid, None)
+            self._pending.done(rid)
 
     def _kill_nowait(self, rid: int) -> None:
         """SIGKILL an exec through the agent: queued on the transport, never awaited, so an

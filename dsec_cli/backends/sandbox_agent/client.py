@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ...core.errors import NotFoundError, SandboxError, UsageError
+from ...core.files import unix_address
+from ...core.mux import InFlight
 from ..base import ExecResult, OutputCallback, TreeSink, UserIds
 from .frames import HEADER as _HDR
-from .frames import MAX_FRAME, AgentError, FrameReader
+from .frames import AgentError, FrameReader, frame
 
 log = logging.getLogger(__name__)
 
@@ -325,9 +327,7 @@ class AgentClient:
         self._sock, self.what, self._agent = sock, what, agent
         self._wlock = threading.Lock()
         self._lock = threading.Lock()
-        self._pending: dict[int, _Request] = {}
-        self._next = 1
-        self._closed: str | None = None
+        self._pending: InFlight[_Request] = InFlight()
         self._reader = threading.Thread(target=self._read_loop, name="dsec-agent-reader",
                                         daemon=True)
         self._reader.start()
@@ -339,25 +339,16 @@ class AgentClient:
         """Connect to an agent listening on a unix socket (any path length), and refuse the
         connection unless `peer(pid)` accepts the listening process (SO_PEERCRED: the pid
         of the process that called listen(), in this process's pid namespace)."""
-        path = str(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        dir_fd = -1
         try:
-            target = path
-            if len(path.encode()) > 100:
-                # sun_path holds 108 bytes: reach long paths through an O_PATH fd of the dir
-                dir_fd = os.open(os.path.dirname(path), os.O_PATH)
-                target = f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}"
-            sock.settimeout(timeout)
-            sock.connect(target)
+            with unix_address(path) as target:
+                sock.settimeout(timeout)
+                sock.connect(target)
             sock.settimeout(None)
         except OSError as e:
             sock.close()
             raise AgentError(f"cannot connect to the sandbox agent at {path}: {e.strerror or e}") \
                 from e
-        finally:
-            if dir_fd >= 0:
-                os.close(dir_fd)
         return cls(sock, what, check_peer(sock, peer, what, path))
 
     def close(self) -> None:
@@ -385,25 +376,29 @@ class AgentClient:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    @property
+    def closed(self) -> str | None:
+        """Why the connection ended; None while it is open."""
+        return self._pending.closed
+
+    def ids_from(self, rid: int) -> None:
+        """Number this connection's next requests from ``rid`` on."""
+        self._pending.start_at(rid)
+
     # -- plumbing ------------------------------------------------------------------------------
     def _open(self, bounded: bool = False) -> tuple[int, _Request]:
-        with self._lock:
-            if self._closed is not None:
-                raise AgentError(f"the sandbox agent connection is closed: {self._closed}")
-            rid = self._next
-            self._next = (self._next + 1) & 0x7FFFFFFF or 1
-            req = _Request(bounded)
-            self._pending[rid] = req
-            return rid, req
+        req = _Request(bounded)
+        rid = self._pending.add(req)
+        if rid is None:
+            raise AgentError("the sandbox agent connection is closed: "
+                             f"{self._pending.closed}")
+        return rid, req
 
     def _done(self, rid: int) -> None:
-        with self._lock:
-            self._pending.pop(rid, None)
+        self._pending.done(rid)
 
     def _send(self, kind: int, rid: int, payload: bytes) -> None:
-        if len(payload) + 5 > MAX_FRAME:
-            raise UsageError("request too large for one agent frame")
-        data = _HDR.pack(len(payload) + 5, kind, rid) + payload
+        data = frame(kind, rid, payload)
         try:
             with self._wlock:
                 self._sock.sendall(data)
@@ -436,8 +431,7 @@ class AgentClient:
                 if not n:
                     raise EOFError("the agent closed the connection")
                 for kind, rid, payload in frames.feed(buf[:n]):
-                    with self._lock:
-                        req = self._pending.get(rid)
+                    req = self._pending.get(rid)
                     if req is not None:
                         self._deliver(rid, req, (kind, payload))
         except AgentError as e:  # a frame past the bound: nothing more is read from it
@@ -446,10 +440,7 @@ class AgentClient:
                 self._sock.shutdown(socket.SHUT_RDWR)
         except (OSError, EOFError) as e:
             reason = str(e) or type(e).__name__
-        with self._lock:
-            self._closed = reason
-            pending = list(self._pending.values())
-        for req in pending:
+        for req in self._pending.close(reason):
             req.frames.put((-1, reason.encode()))
 
     def _deliver(self, rid: int, req: _Request, frame: tuple[int, bytes]) -> None:
@@ -461,9 +452,8 @@ class AgentClient:
                 req.frames.put(frame, timeout=0.5)
                 return
             except queue.Full:
-                with self._lock:
-                    if self._pending.get(rid) is not req:
-                        return
+                if self._pending.get(rid) is not req:
+                    return
 
     def _wait_result(self, rid: int, req: _Request,
                      sink: list[bytes] | None = None) -> tuple[int, str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 
-from ...core.errors import SandboxError
+from ...core.errors import SandboxError, UsageError
 
 HEADER = struct.Struct(">IBI")
 #: the most a frame may hold, header included, in either direction (the agent's bound too)
@@ -20,6 +20,13 @@ MAX_FRAME = 16 << 20
 
 class AgentError(SandboxError):
     """The agent could not be reached or broke the protocol (not a failing command)."""
+
+
+def frame(kind: int, rid: int, payload: bytes) -> bytes:
+    """One frame to send, refused (UsageError) when it would pass MAX_FRAME."""
+    if len(payload) + 5 > MAX_FRAME:
+        raise UsageError("request too large for one agent frame")
+    return HEADER.pack(len(payload) + 5, kind, rid) + payload
 
 
 class FrameReader:

@@ -115,7 +115,7 @@ def identity_request(handle: SandboxHandle, hostname: str) -> First:
         # the guest's agent reads one stream across host connections: what an earlier
         # connection sent may still be answered, so this one's request ids must not be
         # the ones it used
-        client._next = attempts << 20
+        client.ids_from(attempts << 20)
         try:
             client.identity(safe_hostname(hostname), os.urandom(16).hex(),
                             os.urandom(256))

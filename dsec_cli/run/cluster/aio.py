@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import logging
 import weakref
 from typing import Any
@@ -22,6 +21,7 @@ from ...backends.base import ExecResult
 from ...backends.sandbox_agent.aio import AsyncOutputCallback, AsyncStdin
 from ...core.config import net_timeouts
 from ...core.errors import DsecError, NodeUnreachableError
+from ...core.mux import InFlight
 from ..aio import _whole, blocking
 from ..lifecycle import check_exec
 from ..options import CreateOptions
@@ -29,7 +29,6 @@ from .errors import NodeCommandError
 from .protocol import (
     PROTOCOL_VERSION,
     Lines,
-    decode,
     encode,
 )
 from .remote import (
@@ -45,6 +44,7 @@ from .remote import (
     no_answer,
     refuse_user,
     result_of,
+    route,
     session_failure,
 )
 
@@ -58,8 +58,7 @@ class AsyncChannel:
 
     def __init__(self, entry: NodeEntry, proc: asyncio.subprocess.Process) -> None:
         self.name, self.proc = entry.name, proc
-        self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Queue[dict[str, Any]]] = {}
+        self._pending: InFlight[asyncio.Queue[dict[str, Any]]] = InFlight()
         self._stderr: list[bytes] = []
         self._broken: DsecError | None = None  # the node broke the protocol (not retried)
         self.closed = False
@@ -94,7 +93,7 @@ class AsyncChannel:
         try:
             while chunk := await self.proc.stdout.read(READ_CHUNK):
                 for line in lines.feed(chunk):
-                    self._dispatch(line)
+                    route(self._pending, line, self.name)
         except NodeCommandError as e:  # a line past the bound: nothing more is read
             self._broken = e
             if self.proc.returncode is None:
@@ -102,18 +101,8 @@ class AsyncChannel:
         except OSError as e:  # the pipe broke
             log.warning("%s: node service stream failed: %s", self.name, e)
         self.closed = True
-        for q in self._pending.values():
+        for q in self._pending.waiting():
             q.put_nowait(_EOF)
-
-    def _dispatch(self, line: bytes) -> None:
-        try:
-            msg = decode(line)
-        except ValueError:
-            log.warning("%s: not a node service message: %r", self.name, line[:200])
-            return
-        q = self._pending.get(msg.get("id"))  # type: ignore[arg-type]
-        if q is not None:
-            q.put_nowait(msg)
 
     async def failure(self) -> DsecError:
         if self._broken is not None:
@@ -130,9 +119,9 @@ class AsyncChannel:
                    on_event: AsyncOutputCallback | None = None) -> Any:
         if self.closed:
             raise await self.failure()
-        rid = next(self._ids)
         q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._pending[rid] = q
+        rid = self._pending.add(q)
+        assert rid is not None  # never closed: the channel's own flag says so
         try:
             try:
                 assert self.proc.stdin is not None
@@ -159,7 +148,7 @@ class AsyncChannel:
                     if inspect.isawaitable(r):
                         await r
         finally:
-            self._pending.pop(rid, None)
+            self._pending.done(rid)
 
     async def close(self) -> None:
         self.closed = True

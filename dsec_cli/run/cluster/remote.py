@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import itertools
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from typing import IO, Any, Generic, TypeVar
 from ...backends.base import ExecResult, OutputCallback
 from ...core.config import env, net_timeouts
 from ...core.errors import ConfigError, DsecError, NodeUnreachableError, UsageError
+from ...core.mux import InFlight
 from ..options import CreateOptions
 from ..state import SandboxRecord
 from .errors import NodeCommandError
@@ -148,6 +148,21 @@ def result_of(msg: dict[str, Any], name: str) -> Any:
     raise error_from_wire(msg.get("error") or {}, name)
 
 
+def route(requests: InFlight[Any], line: bytes, name: str) -> None:
+    """Hand one line of a node to the caller waiting for its request id (a `queue.Queue`
+    or an `asyncio.Queue`: the thread and the asyncio channel alike); a line that is no
+    message, or answers no waiting request, is dropped."""
+    try:
+        msg = decode(line)
+    except ValueError:
+        log.warning("%s: not a node service message: %r", name, line[:200])
+        return
+    rid = msg.get("id")
+    q = requests.get(rid) if isinstance(rid, int) else None
+    if q is not None:
+        q.put_nowait(msg)
+
+
 def no_answer(name: str, op: str, timeout: float | None) -> NodeUnreachableError:
     return NodeUnreachableError(f"{name}: no answer to {op} within {timeout:g}s")
 
@@ -259,9 +274,7 @@ class Channel:
         self.sock: socket.socket | None = None
         self._rfile: IO[bytes] | None = None
         self._wfile: IO[bytes] | None = None
-        self._ids = itertools.count(1)
-        self._pending: dict[int, queue.Queue[Any]] = {}
-        self._plock = threading.Lock()
+        self._pending: InFlight[queue.Queue[Any]] = InFlight()
         self._wlock = threading.Lock()
         self._stderr: list[bytes] = []
         self._broken: DsecError | None = None  # the node broke the protocol (not retried)
@@ -371,7 +384,7 @@ class Channel:
         try:
             while chunk := rfile.read1(READ_CHUNK):  # type: ignore[attr-defined]
                 for line in lines.feed(chunk):
-                    self._dispatch(line)
+                    route(self._pending, line, self.name)
         except NodeCommandError as e:  # a line past the bound: nothing more is read
             self._broken = e
             self._drop()
@@ -380,21 +393,8 @@ class Channel:
         if self._rfile is not rfile:
             return  # a connection given up while opening; the channel uses another now
         self.closed = True
-        with self._plock:
-            waiting = list(self._pending.values())
-        for q in waiting:
+        for q in self._pending.waiting():
             q.put(_EOF)
-
-    def _dispatch(self, line: bytes) -> None:
-        try:
-            msg = decode(line)
-        except ValueError:
-            log.warning("%s: not a node service message: %r", self.name, line[:200])
-            return
-        with self._plock:
-            q = self._pending.get(msg.get("id"))  # type: ignore[arg-type]
-        if q is not None:
-            q.put(msg)
 
     def _drop(self) -> None:
         """Cut the connection at once: a node that broke the protocol is not waited for."""
@@ -421,10 +421,9 @@ class Channel:
              timeout: float | None = None, on_event: OutputCallback | None = None) -> Any:
         if self.closed:
             raise self.failure()
-        rid = next(self._ids)
         q: queue.Queue[Any] = queue.Queue()
-        with self._plock:
-            self._pending[rid] = q
+        rid = self._pending.add(q)
+        assert rid is not None  # never closed: a channel reopens in place
         try:
             data = encode({"id": rid, "op": op, "args": args or {}})
             try:
@@ -450,8 +449,7 @@ class Channel:
                 if on_event is not None:
                     on_event(*event)
         finally:
-            with self._plock:
-                self._pending.pop(rid, None)
+            self._pending.done(rid)
 
     def close(self) -> None:
         self.closed = True
