@@ -16,7 +16,7 @@ demo: setup
 AS_ROOT := $(if $(filter 0,$(shell id -u)),,sudo --preserve-env=PYTEST_ARGS)
 
 test: setup-dev
-	$(AS_ROOT) .venv/bin/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(AS_ROOT) .venv/bin/python -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
 
 lint: setup-dev
 	.venv/bin/ruff check dsec_cli tests benchmarks
