@@ -32,6 +32,7 @@ from ..run.jobs import NodeJobs, Step, StepRunning, check_name, node_jobs
 from ..run.node import Node
 from ..run.options import CreateOptions
 from .jobs import (
+    _admit,
     _beat_every,
     _beat_failed,
     _check_written,
@@ -470,9 +471,7 @@ class AsyncJob:
         (placed over the cluster) or a cluster node's name."""
         where, opts, name = _group_plan(n, backend, node, nodes, options)
         members = [AsyncMember(i, "queued") for i in range(n)]
-        for m in members:
-            m.ticket = await self._jobs.acquire(self.name)
-        admitted = [m for m in members if await self._jobs.admit(m.ticket)]
+        admitted = await blocking(_admit, self._jobs.jobs, self.name, members)
         loop = asyncio.get_running_loop()
         for m in members:
             if m not in admitted:

@@ -291,6 +291,14 @@ class _MemberState:
 _M = TypeVar("_M", bound=_MemberState)
 
 
+def _admit(jobs: NodeJobs, job: str, members: list[_M]) -> list[_M]:
+    """A new group's members each take a ticket of the job's queue, in index order; those
+    the concurrency cap admits now (the rest wait for a slot), for `Job` and `AsyncJob`."""
+    for m in members:
+        m.ticket = jobs.acquire(job)
+    return [m for m in members if jobs.admit(m.ticket or "")]
+
+
 class _GroupMembers(Generic[_M]):
     """The member lists of `Group` and `AsyncGroup`."""
 
@@ -513,9 +521,7 @@ class Job:
         node's name puts them all there. Each member is journaled on its node."""
         where, opts, name = _group_plan(n, backend, node, nodes, options)
         members = [Member(i, "queued") for i in range(n)]
-        for m in members:
-            m.ticket = self._jobs.acquire(self.name)
-        admitted = [m for m in members if self._jobs.admit(m.ticket or "")]
+        admitted = _admit(self._jobs, self.name, members)
         for m in members:
             if m not in admitted:
                 self._pool.submit(self._when_admitted, m, str(image), opts, name, where)
