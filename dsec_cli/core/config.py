@@ -10,10 +10,9 @@ from typing import Any
 
 from .errors import ConfigError
 from .settings import ENV_SETTINGS, SYSTEM_CONFIG, config_dir, env, user_config_path
-from .units import parse_duration, parse_size, size_value
+from .units import parse_duration, size_value
 
-__all__ = ["ENV_SETTINGS", "env",  # declared in settings.py, read through here as ever
-           "parse_duration", "parse_size"]  # and in units.py
+__all__ = ["ENV_SETTINGS", "env"]  # declared in settings.py, read through here as ever
 
 SYSTEM_FILE = Path(SYSTEM_CONFIG)
 

@@ -73,7 +73,7 @@ class NodeCore:
     """One node's sandboxes, made and worked in. Thread-safe."""
 
     def __init__(self, state_dir: str | Path | None = None, store: str | None = None) -> None:
-        cfg = load_config()
+        self.config = cfg = load_config()  # read once per node: what composes it reads it here
         self.root = Path(state_dir or cfg.state_dir).absolute()
         self.store_url = store or cfg.store
         self.cache_budget = cfg.cache_budget

@@ -28,7 +28,7 @@ class Node(NodeCore):
 
     def __init__(self, state_dir: str | Path | None = None, store: str | None = None) -> None:
         super().__init__(state_dir, store)
-        cfg = load_config()
+        cfg = self.config
         try:
             self.pools = Pools(self, cfg.pool)
         except ConfigError as e:
