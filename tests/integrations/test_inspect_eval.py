@@ -54,6 +54,18 @@ def test_eval_with_dsec_sandbox(tmp_path: Path) -> None:
     assert dsec_cli.list_sandboxes() == []
 
 
+def _ended_early(p: object, logs: Path) -> str:
+    """Why an eval ended before its sample hung: its stderr and the errors its log holds."""
+    from inspect_ai.log import read_eval_log
+
+    err = p.stderr.read().decode(errors="replace") if p.stderr else ""  # type: ignore[attr-defined]
+    for f in sorted(logs.glob("*.eval")):
+        log = read_eval_log(str(f))
+        err += f"\n{f.name}: {log.status} {log.error}"
+        err += "".join(f"\n  sample: {s.error}" for s in log.samples or [] if s.error)
+    return err
+
+
 def test_killed_eval_leaves_nothing(tmp_path: Path, node_env: dict[str, str]) -> None:
     """An eval killed mid-sample (no cleanup runs) leaves its sandbox on the task's job,
     whose lease lapses: the node removes the sandbox by itself, no `dsec gc` run."""
@@ -67,7 +79,9 @@ def test_killed_eval_leaves_nothing(tmp_path: Path, node_env: dict[str, str]) ->
     from dsec_cli.api.jobs import list_jobs
 
     config = tmp_path / "dsec.yaml"
-    config.write_text(f"image: {IMAGE}\nlease: 2s\nreclaim_grace: 1s\n")
+    # the lease outlasts a stall of the eval's loop (its heartbeat is a task of that loop,
+    # and a loaded machine can hold inspect's start-up for seconds)
+    config.write_text(f"image: {IMAGE}\nlease: 8s\nreclaim_grace: 2s\n")
     (tmp_path / "task.py").write_text(textwrap.dedent(f"""
         from inspect_ai import Task, eval
         from inspect_ai.dataset import Sample
@@ -90,7 +104,7 @@ def test_killed_eval_leaves_nothing(tmp_path: Path, node_env: dict[str, str]) ->
     try:
         deadline = time.monotonic() + 120
         while not dsec_cli.list_sandboxes():
-            assert p.poll() is None, p.stderr.read() if p.stderr else ""
+            assert p.poll() is None, _ended_early(p, tmp_path / "logs")
             assert time.monotonic() < deadline, "the eval made no sandbox"
             time.sleep(0.2)
         [job] = [j for j in list_jobs() if j["name"].startswith("inspect-")]
