@@ -5,6 +5,7 @@ has lapsed."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -54,11 +55,11 @@ def test_eval_with_dsec_sandbox(tmp_path: Path) -> None:
     assert dsec_cli.list_sandboxes() == []
 
 
-def _ended_early(p: object, logs: Path) -> str:
+def _ended_early(p: subprocess.Popen[bytes], logs: Path) -> str:
     """Why an eval ended before its sample hung: its stderr and the errors its log holds."""
     from inspect_ai.log import read_eval_log
 
-    err = p.stderr.read().decode(errors="replace") if p.stderr else ""  # type: ignore[attr-defined]
+    err = p.stderr.read().decode(errors="replace") if p.stderr else ""
     for f in sorted(logs.glob("*.eval")):
         log = read_eval_log(str(f))
         err += f"\n{f.name}: {log.status} {log.error}"
@@ -71,7 +72,6 @@ def test_killed_eval_leaves_nothing(tmp_path: Path, node_env: dict[str, str]) ->
     whose lease lapses: the node removes the sandbox by itself, no `dsec gc` run."""
     import os
     import signal
-    import subprocess
     import sys
     import textwrap
     import time
